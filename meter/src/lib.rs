@@ -1,0 +1,41 @@
+//! # meter — Tollgate's rules, with no I/O
+//!
+//! Quotas and their validity rules, window arithmetic in time zones, the
+//! fold of usage facts into counters, and the admission verdict. Everything
+//! here is a function of its inputs and an explicit `at`; the adapters in
+//! `store` implement the [`ports`] declared here.
+//!
+//! ## Accuracy
+//!
+//! - **`requests` and `calls` are exact** within a window at any
+//!   concurrency and across any number of gateways: the view counts the
+//!   request (or reserves the call) and compares in one atomic step, and a
+//!   refused check reserves nothing. Admitted ≤ limit, with zero overshoot.
+//! - **`rows` can overshoot**, because a call's rows are known only after
+//!   it ran: a call is admitted while the window's rows are below the limit,
+//!   so the window can end over it by at most the rows of the calls in flight
+//!   at that moment, each bounded by the key's `max_rows`.
+//! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
+//!   at 12:00:59 and 60 more at 12:01:00.
+//! - **Freshness**: a settled call is in the view before its event is
+//!   acknowledged; the durable total follows when the projector folds it.
+//!   If the view is lost (Redis flushed), it is re-seeded from the durable
+//!   totals, which lag the log by the events not yet folded.
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod admission;
+pub mod fold;
+pub mod ids;
+pub mod ports;
+pub mod quota;
+pub mod usage;
+pub mod window;
+
+pub use admission::{Breach, CheckOutcome, CheckPlan, PlannedLimit, Verdict, decide, plan_check};
+pub use fold::Fold;
+pub use ids::{ApiKeyId, EventId, IdError, ProjectId, QuotaId, ReservationId};
+pub use ports::*;
+pub use quota::{FieldError, Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
+pub use usage::{Counter, CounterKey, Dimension, EventKind, Outcome, Totals, UsageFact};
+pub use window::{Window, WindowKind, window_at};

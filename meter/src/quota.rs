@@ -1,0 +1,406 @@
+//! The quota model and its validity rules.
+//!
+//! A quota is accepted only where it can actually be counted: a cap that
+//! cannot be aggregated would look healthy through the API while protecting
+//! nothing, so every other combination is refused with the offending field
+//! named. The same function serves the REST route and any declarative path.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{ProjectId, QuotaId, check_id};
+use crate::window::WindowKind;
+
+/// What a quota counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    Requests,
+    Calls,
+    Rows,
+    Tokens,
+    CostUsd,
+    StorageBytes,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 6] = [
+        Metric::Requests,
+        Metric::Calls,
+        Metric::Rows,
+        Metric::Tokens,
+        Metric::CostUsd,
+        Metric::StorageBytes,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Metric::Requests => "requests",
+            Metric::Calls => "calls",
+            Metric::Rows => "rows",
+            Metric::Tokens => "tokens",
+            Metric::CostUsd => "cost_usd",
+            Metric::StorageBytes => "storage_bytes",
+        }
+    }
+
+    /// The scopes this metric can be aggregated by (DESIGN §3).
+    pub fn valid_scopes(self) -> &'static [Scope] {
+        match self {
+            Metric::Requests => &[Scope::Project, Scope::ApiKey],
+            Metric::Calls | Metric::Rows => &[Scope::Project, Scope::ApiKey, Scope::Actor],
+            Metric::Tokens | Metric::CostUsd => &[Scope::Project, Scope::Agent, Scope::Actor],
+            Metric::StorageBytes => &[Scope::Project],
+        }
+    }
+
+    /// Whether this metric is a stock (`current` window) rather than a flow.
+    pub fn is_stock(self) -> bool {
+        self == Metric::StorageBytes
+    }
+
+    /// Whether this release meters it. Tokens, cost and storage are part of
+    /// the model but not yet folded; a quota on them would enforce nothing,
+    /// so it is refused rather than stored.
+    pub fn is_metered(self) -> bool {
+        matches!(self, Metric::Requests | Metric::Calls | Metric::Rows)
+    }
+}
+
+impl fmt::Display for Metric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Metric {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        Metric::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
+    }
+}
+
+/// Who a quota applies to. Declared from broadest to narrowest, so `Ord`
+/// is the precedence used when reporting a breach (actor is most specific).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    Project,
+    ApiKey,
+    Agent,
+    Actor,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 4] = [Scope::Project, Scope::ApiKey, Scope::Agent, Scope::Actor];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Project => "project",
+            Scope::ApiKey => "api_key",
+            Scope::Agent => "agent",
+            Scope::Actor => "actor",
+        }
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Scope {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        Scope::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
+    }
+}
+
+/// `enforce` refuses on a breach; `monitor` only observes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    Monitor,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Monitor => "monitor",
+        }
+    }
+}
+
+impl FromStr for Mode {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "enforce" => Ok(Mode::Enforce),
+            "monitor" => Ok(Mode::Monitor),
+            _ => Err(()),
+        }
+    }
+}
+
+/// What an enforce `cost_usd` quota does over a pricing blackout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnpriced {
+    Block,
+    Allow,
+}
+
+/// The meters a `cost_usd` quota can name.
+pub const METER_TYPES: [&str; 4] = ["llm_tokens", "compute_execution", "api_request", "storage"];
+
+/// A quota as a caller asked for it: every field still a string, as it came.
+#[derive(Debug, Clone, Default)]
+pub struct QuotaDraft {
+    pub project_id: Option<String>,
+    pub scope: Option<String>,
+    pub scope_ref: Option<String>,
+    pub metric: Option<String>,
+    pub window: Option<String>,
+    pub limit: Option<i64>,
+    pub mode: Option<String>,
+    pub meter_type: Option<String>,
+    pub on_unpriced: Option<String>,
+}
+
+/// A validated quota definition (everything but its id and timestamps).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaSpec {
+    pub project_id: ProjectId,
+    pub scope: Scope,
+    pub scope_ref: Option<String>,
+    pub metric: Metric,
+    pub window: WindowKind,
+    pub limit: u64,
+    pub mode: Mode,
+    pub meter_type: Option<String>,
+    pub on_unpriced: Option<OnUnpriced>,
+}
+
+/// A stored quota.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quota {
+    pub id: QuotaId,
+    #[serde(flatten)]
+    pub spec: QuotaSpec,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A refusal of a caller's input, naming the field it is about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        FieldError { field: field.into(), message: message.into() }
+    }
+}
+
+fn required<'a>(v: &'a Option<String>, field: &str) -> Result<&'a str, FieldError> {
+    v.as_deref().ok_or_else(|| FieldError::new(field, "is required"))
+}
+
+fn one_of<T: FromStr>(raw: &str, field: &str, allowed: &[&str]) -> Result<T, FieldError> {
+    raw.parse().map_err(|_| {
+        FieldError::new(field, format!("must be one of {}; got {raw:?}", allowed.join(", ")))
+    })
+}
+
+/// The largest limit a counter can hold (PostgreSQL `bigint`).
+pub const MAX_LIMIT: i64 = i64::MAX;
+
+/// Validates a draft against the scope × metric × window rules.
+pub fn validate(draft: &QuotaDraft) -> Result<QuotaSpec, FieldError> {
+    let project_id = ProjectId::parse(required(&draft.project_id, "project_id")?)
+        .map_err(|e| FieldError::new("project_id", e.to_string()))?;
+    let metric: Metric = one_of(
+        required(&draft.metric, "metric")?,
+        "metric",
+        &Metric::ALL.map(Metric::as_str),
+    )?;
+    let scope: Scope = one_of(
+        required(&draft.scope, "scope")?,
+        "scope",
+        &Scope::ALL.map(Scope::as_str),
+    )?;
+    let window: WindowKind = one_of(
+        required(&draft.window, "window")?,
+        "window",
+        &WindowKind::ALL.map(WindowKind::as_str),
+    )?;
+    check_combination(metric, scope, window)?;
+    if let Some(r) = &draft.scope_ref {
+        if scope == Scope::Project {
+            return Err(FieldError::new("scope_ref", "must be null for scope project"));
+        }
+        check_id(r).map_err(|e| FieldError::new("scope_ref", e.to_string()))?;
+    }
+    let limit = draft.limit.ok_or_else(|| FieldError::new("limit", "is required"))?;
+    if limit <= 0 {
+        return Err(FieldError::new("limit", "must be a whole number greater than 0"));
+    }
+    let mode = match &draft.mode {
+        None => Mode::Enforce,
+        Some(m) => one_of(m, "mode", &["enforce", "monitor"])?,
+    };
+    if draft.meter_type.is_some() && metric != Metric::CostUsd {
+        return Err(FieldError::new("meter_type", "is only allowed on cost_usd quotas"));
+    }
+    if draft.on_unpriced.is_some() && metric != Metric::CostUsd {
+        return Err(FieldError::new("on_unpriced", "is only allowed on cost_usd quotas"));
+    }
+    Ok(QuotaSpec {
+        project_id,
+        scope,
+        scope_ref: draft.scope_ref.clone(),
+        metric,
+        window,
+        limit: limit as u64,
+        mode,
+        meter_type: None,
+        on_unpriced: None,
+    })
+}
+
+/// The scope × metric and window rules, in both directions.
+pub fn check_combination(metric: Metric, scope: Scope, window: WindowKind) -> Result<(), FieldError> {
+    if !metric.is_metered() {
+        return Err(FieldError::new(
+            "metric",
+            format!("{metric} is not metered by this release; use requests, calls or rows"),
+        ));
+    }
+    if !metric.valid_scopes().contains(&scope) {
+        let valid: Vec<&str> = metric.valid_scopes().iter().map(|s| s.as_str()).collect();
+        return Err(FieldError::new(
+            "scope",
+            format!("{metric} can only be scoped to {}", valid.join(", ")),
+        ));
+    }
+    match (metric.is_stock(), window == WindowKind::Current) {
+        (true, false) => Err(FieldError::new("window", format!("{metric} only accepts current"))),
+        (false, true) => Err(FieldError::new(
+            "window",
+            format!("current is only valid for storage_bytes; {metric} needs a window"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A change to a quota: only `limit` and `mode` may change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuotaPatch {
+    pub limit: Option<u64>,
+    pub mode: Option<Mode>,
+}
+
+impl QuotaPatch {
+    /// Applies the patch to a spec.
+    pub fn apply(&self, spec: &mut QuotaSpec) {
+        if let Some(l) = self.limit {
+            spec.limit = l;
+        }
+        if let Some(m) = self.mode {
+            spec.mode = m;
+        }
+    }
+}
+
+/// The fields that make up a quota's identity and can never change.
+pub const IMMUTABLE_FIELDS: [&str; 7] =
+    ["project_id", "scope", "scope_ref", "metric", "window", "meter_type", "on_unpriced"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draft(metric: &str, scope: &str, window: &str) -> QuotaDraft {
+        QuotaDraft {
+            project_id: Some("proj_1".into()),
+            scope: Some(scope.into()),
+            metric: Some(metric.into()),
+            window: Some(window.into()),
+            limit: Some(10),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn validity_table_for_metered_metrics() {
+        // (metric, scope, window) → Ok or the field refused.
+        let cases: &[(&str, &str, &str, Option<&str>)] = &[
+            ("requests", "project", "rolling_1m", None),
+            ("requests", "api_key", "calendar_month", None),
+            ("requests", "actor", "day", Some("scope")),
+            ("requests", "agent", "day", Some("scope")),
+            ("requests", "project", "current", Some("window")),
+            ("calls", "project", "day", None),
+            ("calls", "api_key", "rolling_24h", None),
+            ("calls", "actor", "rolling_1h", None),
+            ("calls", "agent", "rolling_1h", Some("scope")),
+            ("rows", "actor", "calendar_month", None),
+            ("rows", "project", "current", Some("window")),
+            ("tokens", "project", "day", Some("metric")),
+            ("storage_bytes", "project", "current", Some("metric")),
+            ("bogus", "project", "day", Some("metric")),
+            ("calls", "bogus", "day", Some("scope")),
+            ("calls", "project", "week", Some("window")),
+        ];
+        for (m, s, w, want) in cases {
+            let got = validate(&draft(m, s, w));
+            match want {
+                None => assert!(got.is_ok(), "{m}/{s}/{w}: {got:?}"),
+                Some(field) => {
+                    assert_eq!(got.expect_err("refused").field, *field, "{m}/{s}/{w}")
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn limit_mode_and_cost_only_fields_are_checked() {
+        let mut d = draft("calls", "project", "day");
+        d.limit = Some(0);
+        assert_eq!(validate(&d).expect_err("zero").field, "limit");
+        d.limit = None;
+        assert_eq!(validate(&d).expect_err("missing").field, "limit");
+        let mut d = draft("calls", "project", "day");
+        d.mode = Some("audit".into());
+        assert_eq!(validate(&d).expect_err("mode").field, "mode");
+        let mut d = draft("calls", "project", "day");
+        d.meter_type = Some("llm_tokens".into());
+        assert_eq!(validate(&d).expect_err("meter_type").field, "meter_type");
+        let mut d = draft("calls", "project", "day");
+        d.on_unpriced = Some("allow".into());
+        assert_eq!(validate(&d).expect_err("on_unpriced").field, "on_unpriced");
+        let mut d = draft("calls", "project", "day");
+        d.scope_ref = Some("key_1".into());
+        assert_eq!(validate(&d).expect_err("ref on project").field, "scope_ref");
+        let mut d = draft("calls", "api_key", "day");
+        d.scope_ref = Some("key 1".into());
+        assert_eq!(validate(&d).expect_err("bad ref").field, "scope_ref");
+    }
+
+    #[test]
+    fn precedence_orders_scopes_broad_to_narrow() {
+        assert!(Scope::Actor > Scope::Agent);
+        assert!(Scope::Agent > Scope::ApiKey);
+        assert!(Scope::ApiKey > Scope::Project);
+    }
+}
