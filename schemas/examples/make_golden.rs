@@ -1,0 +1,104 @@
+//! Writes the golden vectors of the current usage schema version:
+//! `golden/usage_event.v<N>.<name>.bin` and their expected decoded facts in
+//! `golden/usage_event.v<N>.json`.
+//!
+//! Golden vectors are written once per schema version and then never
+//! changed: they are what old writers put on the log, and
+//! `tests/golden.rs` checks that the current code still decodes them. So
+//! this refuses to overwrite anything; run it after adding a new version:
+//!
+//! ```text
+//! cargo run -p schemas --example make_golden
+//! ```
+
+use std::error::Error;
+use std::fs;
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+use meter::{ApiKeyId, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use schemas::{encode_usage, usage_schema_version};
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let version = usage_schema_version().version;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden");
+    fs::create_dir_all(&dir)?;
+    let json_path = dir.join(format!("usage_event.v{version}.json"));
+    if json_path.exists() {
+        println!("{} exists; golden vectors are never rewritten", json_path.display());
+        return Ok(());
+    }
+    let mut expected = Vec::new();
+    for (name, fact) in facts()? {
+        let file = format!("usage_event.v{version}.{name}.bin");
+        let path = dir.join(&file);
+        if path.exists() {
+            return Err(format!("{} exists without {}", path.display(), json_path.display()).into());
+        }
+        fs::write(&path, encode_usage(&fact)?)?;
+        println!("wrote {}", path.display());
+        expected.push(serde_json::json!({ "file": file, "fact": fact }));
+    }
+    fs::write(&json_path, serde_json::to_string_pretty(&expected)? + "\n")?;
+    println!("wrote {}", json_path.display());
+    Ok(())
+}
+
+fn at(s: &str) -> Result<DateTime<Utc>, Box<dyn Error>> {
+    Ok(DateTime::parse_from_rfc3339(s)?.with_timezone(&Utc))
+}
+
+fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
+    let base = UsageFact {
+        id: EventId::parse("evt_01J9Z3Q8R2")?,
+        project_id: ProjectId::parse("proj_acme")?,
+        api_key_id: Some(ApiKeyId::parse("key_live_7f3a")?),
+        agent_id: None,
+        actor_id: None,
+        occurred_at: at("2026-03-01T09:15:30.123456Z")?,
+        kind: EventKind::Request,
+        outcome: Outcome::Success,
+        rows: 0,
+        reservation_id: None,
+        gateway: "gw-eu-1".into(),
+    };
+    Ok(vec![
+        ("request", base.clone()),
+        (
+            "call_success",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R3")?,
+                occurred_at: at("2026-03-01T09:15:30.481002Z")?,
+                kind: EventKind::Call,
+                rows: 42,
+                reservation_id: Some(ReservationId::parse("rsv:proj_acme:0001")?),
+                ..base.clone()
+            },
+        ),
+        (
+            "call_failure",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R4")?,
+                occurred_at: at("2026-03-01T23:59:59.999999Z")?,
+                kind: EventKind::Call,
+                outcome: Outcome::Failure,
+                reservation_id: Some(ReservationId::parse("rsv:proj_acme:0002")?),
+                ..base.clone()
+            },
+        ),
+        (
+            "actor_agent",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R5")?,
+                api_key_id: None,
+                agent_id: Some("support-bot/2.1".into()),
+                actor_id: Some("user:8812 (Zoë)".into()),
+                occurred_at: at("2025-12-31T23:00:00Z")?,
+                kind: EventKind::Call,
+                rows: 3,
+                gateway: "gw-us-2".into(),
+                ..base
+            },
+        ),
+    ])
+}

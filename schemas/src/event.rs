@@ -1,0 +1,226 @@
+//! The typed form of `tollgate.UsageEvent`, and its conversions to and from
+//! the domain's [`UsageFact`].
+//!
+//! Why it exists: the schema carries more than this release meters (token
+//! components, storage bytes, meter types), and its field types are Avro's
+//! (`long`, strings) rather than the domain's (`u64`, parsed ids). This
+//! struct is the schema, field for field; the conversions are the one place
+//! where wire values are checked into domain values ("parse, don't
+//! validate").
+//!
+//! What it guarantees:
+//!
+//! - `UsageFact::try_from(UsageEvent::from(&fact)) == Ok(fact)` for every fact
+//!   whose rows fit in an Avro `long` and whose time is whole microseconds.
+//! - A conversion error names the schema field at fault.
+//! - `calls` is derived from the fact (1 for a successful call, else 0, the
+//!   rule of [`meter::usage::delta_of`]); on decode, a request or call event
+//!   whose `calls` disagrees is refused rather than counted either way.
+//! - Quantities a [`UsageFact`] cannot hold (`tokens`, `storage_bytes`,
+//!   `meter_type`, and `calls` of kinds this release does not fold) are
+//!   dropped by the conversion; the projector refuses those kinds anyway
+//!   ([`meter::usage::check_fact`]) with a clearer reason.
+
+use chrono::{DateTime, Utc};
+use meter::usage::delta_of;
+use meter::{ApiKeyId, EventId, EventKind, IdError, Outcome, ProjectId, ReservationId, UsageFact};
+use serde::{Deserialize, Serialize};
+
+use crate::SchemaError;
+
+/// One `tollgate.UsageEvent` record, as the schema spells it.
+///
+/// Serde maps it to and from Avro values (`apache_avro::to_value` /
+/// `from_value`): field names and enum symbols are the schema's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageEvent {
+    pub id: String,
+    pub project_id: String,
+    pub api_key_id: Option<String>,
+    pub agent_id: Option<String>,
+    pub actor_id: Option<String>,
+    /// Event time in microseconds since the Unix epoch (`timestamp-micros`).
+    pub occurred_at: i64,
+    pub kind: EventKind,
+    pub outcome: Outcome,
+    /// 1 for a successful call event, 0 otherwise.
+    pub calls: i64,
+    pub rows: i64,
+    pub tokens: Option<Vec<TokenUsage>>,
+    pub storage_bytes: Option<i64>,
+    pub meter_type: Option<String>,
+    pub reservation_id: Option<String>,
+    pub gateway: String,
+}
+
+/// Tokens consumed from one model of one provider (`tollgate.TokenUsage`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenUsage {
+    pub provider: String,
+    pub model: String,
+    pub input: i64,
+    pub output: i64,
+    pub cached: i64,
+    pub reasoning: i64,
+    pub embedding: bool,
+}
+
+impl From<&UsageFact> for UsageEvent {
+    /// The wire form of a fact. Sub-microsecond precision is truncated, and
+    /// rows above `i64::MAX` saturate; [`crate::encode_usage`] refuses such
+    /// rows instead of writing a wrong count.
+    fn from(fact: &UsageFact) -> Self {
+        UsageEvent {
+            id: fact.id.to_string(),
+            project_id: fact.project_id.to_string(),
+            api_key_id: fact.api_key_id.as_ref().map(ToString::to_string),
+            agent_id: fact.agent_id.clone(),
+            actor_id: fact.actor_id.clone(),
+            occurred_at: fact.occurred_at.timestamp_micros(),
+            kind: fact.kind,
+            outcome: fact.outcome,
+            calls: i64::try_from(delta_of(fact).calls).unwrap_or(i64::MAX),
+            rows: i64::try_from(fact.rows).unwrap_or(i64::MAX),
+            tokens: None,
+            storage_bytes: None,
+            meter_type: None,
+            reservation_id: fact.reservation_id.as_ref().map(ToString::to_string),
+            gateway: fact.gateway.clone(),
+        }
+    }
+}
+
+impl TryFrom<UsageEvent> for UsageFact {
+    type Error = SchemaError;
+
+    fn try_from(event: UsageEvent) -> Result<Self, SchemaError> {
+        let rows = u64::try_from(event.rows)
+            .map_err(|_| SchemaError::invalid("rows", format!("must not be negative, got {}", event.rows)))?;
+        let occurred_at = DateTime::<Utc>::from_timestamp_micros(event.occurred_at).ok_or_else(|| {
+            SchemaError::invalid(
+                "occurred_at",
+                format!("{} microseconds is outside the representable time range", event.occurred_at),
+            )
+        })?;
+        let fact = UsageFact {
+            id: parse_id("id", event.id, EventId::parse)?,
+            project_id: parse_id("project_id", event.project_id, ProjectId::parse)?,
+            api_key_id: event.api_key_id.map(|s| parse_id("api_key_id", s, ApiKeyId::parse)).transpose()?,
+            agent_id: event.agent_id,
+            actor_id: event.actor_id,
+            occurred_at,
+            kind: event.kind,
+            outcome: event.outcome,
+            rows,
+            reservation_id: event
+                .reservation_id
+                .map(|s| parse_id("reservation_id", s, ReservationId::parse))
+                .transpose()?,
+            gateway: event.gateway,
+        };
+        if fact.kind.is_folded() {
+            let expected = delta_of(&fact).calls;
+            if u64::try_from(event.calls).ok() != Some(expected) {
+                return Err(SchemaError::invalid(
+                    "calls",
+                    format!(
+                        "is {} but a {} event with outcome {} counts {expected}",
+                        event.calls,
+                        fact.kind,
+                        fact.outcome.as_str()
+                    ),
+                ));
+            }
+        }
+        Ok(fact)
+    }
+}
+
+fn parse_id<T>(field: &str, s: String, parse: fn(String) -> Result<T, IdError>) -> Result<T, SchemaError> {
+    parse(s).map_err(|e| SchemaError::invalid(field, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> UsageEvent {
+        UsageEvent {
+            id: "e1".into(),
+            project_id: "p1".into(),
+            api_key_id: Some("k1".into()),
+            agent_id: None,
+            actor_id: Some("u1".into()),
+            occurred_at: 1_780_000_000_123_456,
+            kind: EventKind::Call,
+            outcome: Outcome::Success,
+            calls: 1,
+            rows: 7,
+            tokens: None,
+            storage_bytes: None,
+            meter_type: None,
+            reservation_id: Some("r1".into()),
+            gateway: "gw".into(),
+        }
+    }
+
+    #[test]
+    fn a_valid_event_converts_and_back() {
+        let fact = UsageFact::try_from(event()).expect("valid");
+        assert_eq!(fact.rows, 7);
+        assert_eq!(fact.occurred_at.timestamp_micros(), 1_780_000_000_123_456);
+        assert_eq!(UsageEvent::from(&fact), event());
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        type Break = fn(&mut UsageEvent);
+        let cases: [(&str, Break); 9] = [
+            ("id", |e| e.id = String::new()),
+            ("project_id", |e| e.project_id = "a b".into()),
+            ("api_key_id", |e| e.api_key_id = Some("{k}".into())),
+            ("reservation_id", |e| e.reservation_id = Some("x".repeat(129))),
+            ("rows", |e| e.rows = -1),
+            ("occurred_at", |e| e.occurred_at = i64::MAX),
+            ("calls", |e| e.calls = 0),
+            ("calls", |e| e.outcome = Outcome::Failure),
+            ("calls", |e| e.kind = EventKind::Request),
+        ];
+        for (field, break_it) in cases {
+            let mut e = event();
+            break_it(&mut e);
+            match UsageFact::try_from(e) {
+                Err(SchemaError::Invalid { field: f, message }) => {
+                    assert_eq!(f, field, "{message}");
+                    assert!(!message.is_empty());
+                }
+                other => panic!("{field}: expected Invalid, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn quantities_of_unfolded_kinds_are_not_checked_here() {
+        let mut e = event();
+        e.kind = EventKind::Tokens;
+        e.calls = 0;
+        e.tokens = Some(vec![TokenUsage {
+            provider: "openai".into(),
+            model: "gpt".into(),
+            input: 10,
+            output: 5,
+            cached: 0,
+            reasoning: 0,
+            embedding: false,
+        }]);
+        assert_eq!(UsageFact::try_from(e).expect("valid").kind, EventKind::Tokens);
+    }
+
+    #[test]
+    fn the_error_reads_as_a_dlq_reason() {
+        let mut e = event();
+        e.rows = -3;
+        let err = UsageFact::try_from(e).expect_err("negative rows");
+        assert_eq!(err.to_string(), "invalid rows: must not be negative, got -3");
+    }
+}

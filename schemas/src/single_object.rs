@@ -1,0 +1,232 @@
+//! Avro single-object encoding of usage events.
+//!
+//! Why it exists: a Kafka message carries no schema, so each event names its
+//! writer schema in a 10-byte header — `0xC3 0x01` then the schema's 8-byte
+//! little-endian fingerprint — followed by the Avro binary datum. This is the
+//! framing of the [Avro specification], readable by any Avro library.
+//!
+//! What it guarantees:
+//!
+//! - [`encode_usage`] writes with the current schema; [`decode_usage`] reads
+//!   any known version (looked up by fingerprint) and resolves it to the
+//!   current schema with Avro's schema resolution, so fields added since get
+//!   their defaults and fields removed since are skipped.
+//! - The whole message must be one datum: trailing bytes are an error, not
+//!   ignored, so two frames glued together are never half-read.
+//! - Decoding never panics on bad bytes; it returns a [`SchemaError`] whose
+//!   `Display` is the DLQ reason.
+//!
+//! [Avro specification]: https://avro.apache.org/docs/current/specification/#single-object-encoding
+
+use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value};
+use meter::UsageFact;
+
+use crate::registry::{find_usage_schema, usage_schema_version};
+use crate::{SchemaError, UsageEvent};
+
+/// The two bytes every single-object message starts with.
+pub const MARKER: [u8; 2] = [0xC3, 0x01];
+/// Marker plus fingerprint.
+pub const HEADER_LEN: usize = 10;
+
+/// Encodes a usage fact with the current schema, framed as a single object.
+///
+/// Refuses rows that do not fit in an Avro `long` rather than writing a
+/// saturated count. Times are written to the microsecond (truncated).
+///
+/// # Errors
+///
+/// [`SchemaError::Invalid`] for rows above `i64::MAX`; [`SchemaError::Encode`]
+/// if the value does not fit the schema (a bug, not a property of the fact).
+pub fn encode_usage(fact: &UsageFact) -> Result<Vec<u8>, SchemaError> {
+    if i64::try_from(fact.rows).is_err() {
+        return Err(SchemaError::invalid("rows", format!("{} does not fit in an avro long", fact.rows)));
+    }
+    encode_event(&UsageEvent::from(fact))
+}
+
+/// Decodes a single-object usage event of any known schema version into a
+/// usage fact.
+///
+/// # Errors
+///
+/// [`SchemaError::BadMarker`] and [`SchemaError::Malformed`] for bytes that
+/// are not a single-object datum, [`SchemaError::UnknownFingerprint`] for a
+/// writer schema this release does not know, [`SchemaError::Invalid`] (with
+/// the field) for a datum that is not a valid usage fact. All permanent.
+pub fn decode_usage(bytes: &[u8]) -> Result<UsageFact, SchemaError> {
+    UsageFact::try_from(decode_event(bytes)?)
+}
+
+/// Encodes a typed event with the current schema, framed as a single object.
+/// Unlike [`encode_usage`], it does not check the event against the domain.
+///
+/// # Errors
+///
+/// [`SchemaError::Encode`] if the event does not fit the current schema.
+pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
+    let current = usage_schema_version();
+    let value = to_value(event)
+        .and_then(|v| v.resolve(&current.schema))
+        .map_err(|e| SchemaError::Encode(e.to_string()))?;
+    let datum = to_avro_datum(&current.schema, value).map_err(|e| SchemaError::Encode(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + datum.len());
+    out.extend_from_slice(&MARKER);
+    out.extend_from_slice(&current.fingerprint.to_le_bytes());
+    out.extend_from_slice(&datum);
+    Ok(out)
+}
+
+/// Decodes a single-object usage event of any known schema version, resolved
+/// to the current schema, without the domain's checks.
+///
+/// # Errors
+///
+/// As [`decode_usage`], except [`SchemaError::Invalid`].
+pub fn decode_event(bytes: &[u8]) -> Result<UsageEvent, SchemaError> {
+    let (fingerprint, mut body) = split_header(bytes)?;
+    let writer = find_usage_schema(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
+    let current = usage_schema_version();
+    // Resolution is only needed when the writer used another version.
+    let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
+    let value = from_avro_datum(&writer.schema, &mut body, reader)
+        .map_err(|e| SchemaError::Malformed(format!("as usage schema v{}: {e}", writer.version)))?;
+    if !body.is_empty() {
+        return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", body.len())));
+    }
+    from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the usage event: {e}")))
+}
+
+/// Splits a single-object message into its writer fingerprint and datum.
+pub fn split_header(bytes: &[u8]) -> Result<(u64, &[u8]), SchemaError> {
+    if bytes.len() < MARKER.len() || bytes[..2] != MARKER {
+        return Err(SchemaError::BadMarker);
+    }
+    let Some((fingerprint, body)) = bytes[2..].split_first_chunk::<8>() else {
+        return Err(SchemaError::Malformed(format!(
+            "{} bytes is shorter than the {HEADER_LEN}-byte single-object header",
+            bytes.len()
+        )));
+    };
+    Ok((u64::from_le_bytes(*fingerprint), body))
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{DateTime, Utc};
+    use meter::{ApiKeyId, EventId, EventKind, Outcome, ProjectId, ReservationId};
+
+    use super::*;
+    use crate::TokenUsage;
+
+    fn fact() -> UsageFact {
+        UsageFact {
+            id: EventId::parse("e1").expect("id"),
+            project_id: ProjectId::parse("p1").expect("id"),
+            api_key_id: Some(ApiKeyId::parse("k1").expect("id")),
+            agent_id: Some("agent-7".into()),
+            actor_id: None,
+            occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00.123456Z")
+                .expect("ts")
+                .with_timezone(&Utc),
+            kind: EventKind::Call,
+            outcome: Outcome::Success,
+            rows: 12,
+            reservation_id: Some(ReservationId::parse("r1").expect("id")),
+            gateway: "gw-1".into(),
+        }
+    }
+
+    #[test]
+    fn the_header_is_the_marker_then_the_current_fingerprint() {
+        let bytes = encode_usage(&fact()).expect("encodes");
+        assert_eq!(bytes[..2], MARKER);
+        assert_eq!(bytes[2..10], usage_schema_version().fingerprint.to_le_bytes());
+        assert_eq!(decode_usage(&bytes).expect("decodes"), fact());
+    }
+
+    #[test]
+    fn every_kind_and_outcome_round_trips() {
+        for kind in EventKind::ALL {
+            for outcome in [Outcome::Success, Outcome::Failure] {
+                let f = UsageFact { kind, outcome, ..fact() };
+                assert_eq!(decode_usage(&encode_usage(&f).expect("encodes")).expect("decodes"), f);
+            }
+        }
+    }
+
+    #[test]
+    fn sub_microseconds_are_truncated() {
+        let mut f = fact();
+        f.occurred_at += chrono::Duration::nanoseconds(999);
+        assert_eq!(decode_usage(&encode_usage(&f).expect("encodes")).expect("decodes"), fact());
+    }
+
+    #[test]
+    fn rows_beyond_an_avro_long_are_refused() {
+        let f = UsageFact { rows: u64::MAX, ..fact() };
+        assert!(matches!(encode_usage(&f), Err(SchemaError::Invalid { field, .. }) if field == "rows"));
+    }
+
+    #[test]
+    fn a_full_event_round_trips() {
+        let mut e = UsageEvent::from(&fact());
+        e.kind = EventKind::Tokens;
+        e.calls = 0;
+        e.meter_type = Some("llm".into());
+        e.storage_bytes = Some(-4096);
+        e.tokens = Some(vec![
+            TokenUsage {
+                provider: "openai".into(),
+                model: "gpt-5".into(),
+                input: 1200,
+                output: 300,
+                cached: 1000,
+                reasoning: 120,
+                embedding: false,
+            },
+            TokenUsage {
+                provider: "voyage".into(),
+                model: "voyage-3".into(),
+                input: 80,
+                output: 0,
+                cached: 0,
+                reasoning: 0,
+                embedding: true,
+            },
+        ]);
+        assert_eq!(decode_event(&encode_event(&e).expect("encodes")).expect("decodes"), e);
+    }
+
+    #[test]
+    fn bad_bytes_name_what_is_wrong() {
+        let good = encode_usage(&fact()).expect("encodes");
+        assert_eq!(decode_usage(&[]), Err(SchemaError::BadMarker));
+        assert_eq!(decode_usage(&[0xC3]), Err(SchemaError::BadMarker));
+        assert_eq!(decode_usage(b"{\"id\":\"e1\"}"), Err(SchemaError::BadMarker));
+        assert!(matches!(decode_usage(&good[..6]), Err(SchemaError::Malformed(_))));
+
+        let mut unknown = good.clone();
+        unknown[2..10].copy_from_slice(&0x0123_4567_89ab_cdef_u64.to_le_bytes());
+        let err = decode_usage(&unknown).expect_err("unknown schema");
+        assert_eq!(err, SchemaError::UnknownFingerprint(0x0123_4567_89ab_cdef));
+        assert_eq!(err.to_string(), "unknown writer schema fingerprint 0x0123456789abcdef");
+
+        assert!(matches!(decode_usage(&good[..good.len() - 1]), Err(SchemaError::Malformed(_))));
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert_eq!(
+            decode_usage(&trailing),
+            Err(SchemaError::Malformed("1 trailing bytes after the datum".into()))
+        );
+    }
+
+    #[test]
+    fn a_well_formed_datum_with_a_bad_value_is_invalid_not_malformed() {
+        let mut e = UsageEvent::from(&fact());
+        e.project_id = "has space".into();
+        let err = decode_usage(&encode_event(&e).expect("encodes")).expect_err("bad id");
+        assert_eq!(err.to_string(), "invalid project_id: may only contain letters, digits, '_', '-', '.' and ':'");
+        assert_eq!(err.kind(), "invalid");
+    }
+}

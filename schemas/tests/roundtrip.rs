@@ -1,0 +1,61 @@
+//! Encoding then decoding any valid fact gives the fact back.
+
+use chrono::{DateTime, Utc};
+use meter::{ApiKeyId, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use proptest::prelude::*;
+use schemas::{decode_usage, encode_usage};
+
+const ID: &str = "[A-Za-z0-9_.:-]{1,128}";
+
+fn occurred_at() -> impl Strategy<Value = DateTime<Utc>> {
+    prop_oneof![
+        // Around now, where real events are.
+        (1_700_000_000_000_000_i64..1_900_000_000_000_000),
+        // Anywhere chrono can represent, to the microsecond.
+        any::<i64>(),
+    ]
+    .prop_filter_map("representable", DateTime::from_timestamp_micros)
+}
+
+fn fact() -> impl Strategy<Value = UsageFact> {
+    (
+        (ID, ID, proptest::option::of(ID), proptest::option::of(ID)),
+        (proptest::option::of(".*"), proptest::option::of(".*"), ".*"),
+        occurred_at(),
+        proptest::sample::select(EventKind::ALL.to_vec()),
+        prop_oneof![Just(Outcome::Success), Just(Outcome::Failure)],
+        prop_oneof![Just(0_u64), 0..1_000_u64, 0..=i64::MAX as u64],
+    )
+        .prop_map(|((id, project, key, reservation), (agent, actor, gateway), occurred_at, kind, outcome, rows)| {
+            UsageFact {
+                id: EventId::parse(id).expect("id alphabet"),
+                project_id: ProjectId::parse(project).expect("id alphabet"),
+                api_key_id: key.map(|k| ApiKeyId::parse(k).expect("id alphabet")),
+                agent_id: agent,
+                actor_id: actor,
+                occurred_at,
+                kind,
+                outcome,
+                rows,
+                reservation_id: reservation.map(|r| ReservationId::parse(r).expect("id alphabet")),
+                gateway,
+            }
+        })
+}
+
+proptest! {
+    #[test]
+    fn encode_then_decode_is_identity(fact in fact()) {
+        let bytes = encode_usage(&fact).expect("a valid fact encodes");
+        prop_assert_eq!(decode_usage(&bytes).expect("its bytes decode"), fact);
+    }
+
+    #[test]
+    fn any_bytes_give_a_result_not_a_panic(tail in proptest::collection::vec(any::<u8>(), 0..64)) {
+        // A known header followed by garbage exercises the datum decoder.
+        let mut bytes = vec![0xC3, 0x01];
+        bytes.extend(schemas::usage_schema_version().fingerprint.to_le_bytes());
+        bytes.extend(tail);
+        let _ = decode_usage(&bytes);
+    }
+}

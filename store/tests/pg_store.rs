@@ -1,0 +1,1175 @@
+//! PgStore against a real PostgreSQL. Each test gets a database of its own
+//! (`tg_<uuid>`), so the tests run in parallel; it is dropped when the test
+//! ends, even if it panics.
+//!
+//! `TOLLGATE_TEST_DATABASE_URL` names the server (default
+//! `postgres://postgres@127.0.0.1:5432/test`).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration, Utc};
+use chrono_tz::Tz;
+use meter::{
+    ApiKey, ApiKeyId, CounterKey, Dimension, EventId, EventKind, FoldBatch, Grants, Metric, Mode,
+    OffsetMove, OnUnpriced, Outcome, PortError, Project, ProjectId, Quota, QuotaId, QuotaPatch,
+    QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+};
+use sqlx::{Connection, PgConnection};
+use store::PgStore;
+
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+fn server_url() -> String {
+    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// `url` with its database replaced by `db`.
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(i) => &base[..scheme_end + i],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{host_part}/{db}?{q}"),
+        None => format!("{host_part}/{db}"),
+    }
+}
+
+/// A fresh, migrated database, dropped on drop.
+struct TestDb {
+    name: String,
+    store: PgStore,
+}
+
+impl TestDb {
+    async fn new() -> TestDb {
+        let server = server_url();
+        let name = format!("tg_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(&server)
+            .await
+            .expect("connect to the test server");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .expect("create the test database");
+        admin.close().await.expect("close the admin connection");
+        let store = PgStore::connect(&with_database(&server, &name))
+            .await
+            .expect("connect to the test database");
+        store.migrate().await.expect("migrate");
+        TestDb { name, store }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Best effort, on a thread of its own so it also runs while a test
+        // panics inside the runtime.
+        let name = self.name.clone();
+        let server = server_url();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(mut admin) = PgConnection::connect(&server).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut admin)
+                    .await;
+                    let _ = admin.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn utc(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s)
+        .expect("test timestamp")
+        .with_timezone(&Utc)
+}
+
+fn pid(s: &str) -> ProjectId {
+    ProjectId::parse(s).expect("project id")
+}
+
+fn project(id: &str, tz: Tz) -> Project {
+    Project {
+        id: pid(id),
+        name: format!("project {id}"),
+        timezone: tz,
+        created_at: utc("2026-01-01T00:00:00Z"),
+    }
+}
+
+fn call(project: &str, id: &str, at: &str, rows: u64) -> UsageFact {
+    UsageFact {
+        id: EventId::parse(id).expect("event id"),
+        project_id: pid(project),
+        api_key_id: Some(ApiKeyId::parse("key_1").expect("key id")),
+        agent_id: None,
+        actor_id: Some("user_1".into()),
+        occurred_at: utc(at),
+        kind: EventKind::Call,
+        outcome: Outcome::Success,
+        rows,
+        reservation_id: None,
+        gateway: "gw-test".into(),
+    }
+}
+
+fn request(project: &str, id: &str, at: &str) -> UsageFact {
+    UsageFact {
+        kind: EventKind::Request,
+        rows: 0,
+        api_key_id: None,
+        ..call(project, id, at, 0)
+    }
+}
+
+fn batch(from: i64, to: i64, facts: Vec<UsageFact>) -> FoldBatch {
+    FoldBatch {
+        consumer: "projector".into(),
+        topic: "tollgate.usage".into(),
+        offsets: vec![OffsetMove {
+            partition: 0,
+            from,
+            to,
+        }],
+        facts,
+    }
+}
+
+fn key(dimension: Dimension, window: WindowKind, window_key: &str) -> CounterKey {
+    CounterKey {
+        dimension,
+        window,
+        window_key: window_key.into(),
+    }
+}
+
+async fn total(store: &PgStore, project: &str, k: CounterKey) -> Totals {
+    let got = store
+        .totals(&pid(project), std::slice::from_ref(&k))
+        .await
+        .expect("totals");
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, k);
+    got[0].1
+}
+
+fn quota(
+    id: &str,
+    project: &str,
+    scope: Scope,
+    scope_ref: Option<&str>,
+    window: WindowKind,
+) -> Quota {
+    Quota {
+        id: QuotaId::parse(id).expect("quota id"),
+        spec: QuotaSpec {
+            project_id: pid(project),
+            scope,
+            scope_ref: scope_ref.map(str::to_owned),
+            metric: Metric::Calls,
+            window,
+            limit: 100,
+            mode: Mode::Enforce,
+            meter_type: None,
+            on_unpriced: None,
+        },
+        created_at: utc("2026-02-01T10:00:00Z"),
+        updated_at: utc("2026-02-01T10:00:00Z"),
+    }
+}
+
+#[tokio::test]
+async fn projects_and_api_keys_round_trip() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    let p = project("proj_1", chrono_tz::Asia::Kathmandu);
+    s.create_project(&p).await.expect("create project");
+    assert_eq!(
+        s.project(&p.id).await.expect("read project"),
+        Some(p.clone())
+    );
+    assert_eq!(
+        s.project(&pid("nope")).await.expect("read missing project"),
+        None
+    );
+    assert!(
+        matches!(s.create_project(&p).await, Err(PortError::Conflict(_))),
+        "duplicate project id"
+    );
+
+    let k = ApiKey {
+        id: ApiKeyId::parse("key_1").expect("key id"),
+        project_id: p.id.clone(),
+        name: "ci".into(),
+        prefix: "tg_abc".into(),
+        grants: Grants {
+            max_concurrent: Some(5),
+            query_timeout: None,
+            max_rows: Some(1000),
+        },
+        created_at: utc("2026-01-02T03:04:05.123456Z"),
+    };
+    s.create_api_key(&k, "hash-1").await.expect("create key");
+    assert_eq!(s.api_key(&k.id).await.expect("read key"), Some(k.clone()));
+    assert_eq!(
+        s.api_key_by_secret_hash("hash-1").await.expect("by hash"),
+        Some(k.clone())
+    );
+    assert_eq!(
+        s.api_key_by_secret_hash("hash-2")
+            .await
+            .expect("by unknown hash"),
+        None
+    );
+    assert_eq!(
+        s.api_key(&ApiKeyId::parse("key_2").expect("id"))
+            .await
+            .expect("missing key"),
+        None
+    );
+
+    let other = ApiKey {
+        id: ApiKeyId::parse("key_2").expect("id"),
+        ..k.clone()
+    };
+    assert!(
+        matches!(
+            s.create_api_key(&other, "hash-1").await,
+            Err(PortError::Conflict(_))
+        ),
+        "a secret hash is unique"
+    );
+    let orphan = ApiKey {
+        id: ApiKeyId::parse("key_3").expect("id"),
+        project_id: pid("nope"),
+        ..k
+    };
+    assert!(
+        matches!(
+            s.create_api_key(&orphan, "hash-3").await,
+            Err(PortError::Permanent(_))
+        ),
+        "a key needs its project"
+    );
+}
+
+#[tokio::test]
+async fn quotas_crud() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let a = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
+    let mut b = quota(
+        "q_b",
+        "proj_1",
+        Scope::ApiKey,
+        Some("key_1"),
+        WindowKind::CalendarMonth,
+    );
+    b.created_at = utc("2026-02-01T11:00:00Z");
+    b.spec.metric = Metric::Rows;
+    b.spec.mode = Mode::Monitor;
+    s.create_quota(&a).await.expect("create a");
+    s.create_quota(&b).await.expect("create b");
+    // The enums the validator refuses today still round-trip through storage.
+    let mut c = quota("q_c", "proj_1", Scope::Agent, None, WindowKind::Rolling1h);
+    c.created_at = utc("2026-02-01T12:00:00Z");
+    c.spec.metric = Metric::CostUsd;
+    c.spec.meter_type = Some("llm_tokens".into());
+    c.spec.on_unpriced = Some(OnUnpriced::Allow);
+    s.create_quota(&c).await.expect("create c");
+
+    assert_eq!(s.quota(&a.id).await.expect("read a"), Some(a.clone()));
+    assert_eq!(s.quota(&c.id).await.expect("read c"), Some(c.clone()));
+    assert_eq!(
+        s.quotas(&pid("proj_1")).await.expect("list"),
+        vec![a.clone(), b.clone(), c.clone()]
+    );
+    assert!(
+        s.quotas(&pid("proj_2"))
+            .await
+            .expect("list other")
+            .is_empty()
+    );
+
+    let at = utc("2026-03-01T00:00:00Z");
+    let patched = s
+        .update_quota(
+            &a.id,
+            &QuotaPatch {
+                limit: Some(7),
+                mode: Some(Mode::Monitor),
+            },
+            at,
+        )
+        .await
+        .expect("patch")
+        .expect("a exists");
+    assert_eq!(patched.spec.limit, 7);
+    assert_eq!(patched.spec.mode, Mode::Monitor);
+    assert_eq!(patched.updated_at, at);
+    assert_eq!(patched.created_at, a.created_at);
+    let only_limit = s
+        .update_quota(
+            &a.id,
+            &QuotaPatch {
+                limit: Some(9),
+                mode: None,
+            },
+            at,
+        )
+        .await
+        .expect("patch limit")
+        .expect("a exists");
+    assert_eq!(
+        (only_limit.spec.limit, only_limit.spec.mode),
+        (9, Mode::Monitor)
+    );
+    assert_eq!(s.quota(&a.id).await.expect("reread"), Some(only_limit));
+    assert_eq!(
+        s.update_quota(
+            &QuotaId::parse("q_none").expect("id"),
+            &QuotaPatch::default(),
+            at
+        )
+        .await
+        .expect("patch none"),
+        None
+    );
+
+    assert!(s.delete_quota(&b.id).await.expect("delete b"));
+    assert!(!s.delete_quota(&b.id).await.expect("delete b again"));
+    assert_eq!(s.quota(&b.id).await.expect("read deleted"), None);
+}
+
+#[tokio::test]
+async fn a_duplicate_quota_identity_is_a_conflict() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+
+    // scope_ref NULL on both: still the same identity.
+    s.create_quota(&quota(
+        "q_1",
+        "proj_1",
+        Scope::Project,
+        None,
+        WindowKind::Day,
+    ))
+    .await
+    .expect("first");
+    let e = s
+        .create_quota(&quota(
+            "q_2",
+            "proj_1",
+            Scope::Project,
+            None,
+            WindowKind::Day,
+        ))
+        .await;
+    assert!(
+        matches!(e, Err(PortError::Conflict(_))),
+        "null scope_ref collides: {e:?}"
+    );
+    let e = s
+        .create_quota(&quota(
+            "q_3",
+            "proj_1",
+            Scope::ApiKey,
+            None,
+            WindowKind::Day,
+        ))
+        .await;
+    assert!(e.is_ok(), "another scope is another identity: {e:?}");
+    let e = s
+        .create_quota(&quota(
+            "q_4",
+            "proj_1",
+            Scope::ApiKey,
+            None,
+            WindowKind::Day,
+        ))
+        .await;
+    assert!(
+        matches!(e, Err(PortError::Conflict(_))),
+        "all-keys quota twice: {e:?}"
+    );
+
+    s.create_quota(&quota(
+        "q_5",
+        "proj_1",
+        Scope::ApiKey,
+        Some("key_1"),
+        WindowKind::Day,
+    ))
+    .await
+    .expect("one key");
+    let e = s
+        .create_quota(&quota(
+            "q_6",
+            "proj_1",
+            Scope::ApiKey,
+            Some("key_1"),
+            WindowKind::Day,
+        ))
+        .await;
+    assert!(
+        matches!(e, Err(PortError::Conflict(_))),
+        "same key twice: {e:?}"
+    );
+    s.create_quota(&quota(
+        "q_7",
+        "proj_1",
+        Scope::ApiKey,
+        Some("key_2"),
+        WindowKind::Day,
+    ))
+    .await
+    .expect("other key");
+    s.create_quota(&quota(
+        "q_8",
+        "proj_1",
+        Scope::Project,
+        None,
+        WindowKind::Rolling1m,
+    ))
+    .await
+    .expect("other window");
+
+    // Only identity matters: a different limit or mode still collides.
+    let mut q = quota("q_9", "proj_1", Scope::Project, None, WindowKind::Day);
+    q.spec.limit = 5;
+    q.spec.mode = Mode::Monitor;
+    assert!(matches!(
+        s.create_quota(&q).await,
+        Err(PortError::Conflict(_))
+    ));
+    // The same id twice is a conflict too.
+    let e = s
+        .create_quota(&quota(
+            "q_1",
+            "proj_1",
+            Scope::Project,
+            None,
+            WindowKind::Rolling1h,
+        ))
+        .await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "same id: {e:?}");
+
+    assert_eq!(s.quotas(&pid("proj_1")).await.expect("list").len(), 5);
+}
+
+#[tokio::test]
+async fn fold_batch_folds_and_returns_the_new_totals() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC))
+        .await
+        .expect("create project");
+
+    let facts = vec![
+        call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
+        call("proj_1", "e2", "2026-07-07T12:31:50Z", 7),
+        request("proj_1", "e3", "2026-07-07T12:31:55Z"),
+        UsageFact {
+            outcome: Outcome::Failure,
+            ..call("proj_1", "e4", "2026-07-07T12:32:00Z", 3)
+        },
+        call("proj_2", "e1", "2026-07-07T12:31:10Z", 1),
+    ];
+    let report = s
+        .fold_batch(&batch(0, 5, facts.clone()))
+        .await
+        .expect("fold");
+    let ids: Vec<(ProjectId, EventId)> = facts
+        .iter()
+        .map(|f| (f.project_id.clone(), f.id.clone()))
+        .collect();
+    assert_eq!(
+        report.folded, ids,
+        "every id is new, the failed call included"
+    );
+    assert!(report.duplicates.is_empty());
+
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+    let by_counter: BTreeMap<(ProjectId, CounterKey), Totals> = report
+        .totals
+        .iter()
+        .map(|(p, c, t)| ((p.clone(), c.key.clone()), *t))
+        .collect();
+    assert_eq!(by_counter.len(), report.totals.len(), "each counter once");
+    assert_eq!(
+        by_counter[&(pid("proj_1"), minute.clone())],
+        Totals {
+            requests: 1,
+            calls: 2,
+            rows: 12
+        }
+    );
+    assert_eq!(
+        by_counter[&(pid("proj_2"), minute.clone())],
+        Totals {
+            requests: 0,
+            calls: 1,
+            rows: 1
+        }
+    );
+    let (_, c, _) = report
+        .totals
+        .iter()
+        .find(|(p, c, _)| p == &pid("proj_1") && c.key == minute)
+        .expect("minute counter reported");
+    assert_eq!(c.resets_at, Some(utc("2026-07-07T12:32:00Z")));
+    assert!(
+        !by_counter.contains_key(&(
+            pid("proj_1"),
+            key(
+                Dimension::Project,
+                WindowKind::Rolling1m,
+                "2026-07-07T12:32Z"
+            )
+        )),
+        "a failed call touches no counter"
+    );
+    // The actor counts calls but not requests.
+    assert_eq!(
+        by_counter[&(
+            pid("proj_1"),
+            key(
+                Dimension::Actor("user_1".into()),
+                WindowKind::Day,
+                "2026-07-07"
+            )
+        )],
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 12
+        }
+    );
+
+    // A second batch reports the new absolute totals.
+    let report = s
+        .fold_batch(&batch(
+            5,
+            6,
+            vec![call("proj_1", "e5", "2026-07-07T12:31:59Z", 100)],
+        ))
+        .await
+        .expect("fold again");
+    let t = report
+        .totals
+        .iter()
+        .find(|(p, c, _)| p == &pid("proj_1") && c.key == minute)
+        .map(|(_, _, t)| *t)
+        .expect("minute counter reported");
+    assert_eq!(
+        t,
+        Totals {
+            requests: 1,
+            calls: 3,
+            rows: 112
+        }
+    );
+    assert_eq!(total(s, "proj_1", minute.clone()).await, t);
+    assert_eq!(
+        total(
+            s,
+            "proj_1",
+            key(
+                Dimension::ApiKey(ApiKeyId::parse("key_1").expect("id")),
+                WindowKind::Rolling1h,
+                "2026-07-07T12:00Z"
+            )
+        )
+        .await,
+        Totals {
+            requests: 0,
+            calls: 3,
+            rows: 112
+        }
+    );
+    assert_eq!(
+        total(
+            s,
+            "proj_1",
+            key(Dimension::Project, WindowKind::Day, "2026-07-08")
+        )
+        .await,
+        Totals::default(),
+        "a counter never written is zero"
+    );
+
+    // open_totals: at 12:31:30 every window is open; at 12:32 the minute closed.
+    let open = s
+        .open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
+        .await
+        .expect("open totals");
+    assert!(open.iter().any(|(c, _)| c.key == minute));
+    let open = s
+        .open_totals(&pid("proj_1"), utc("2026-07-07T12:32:00Z"))
+        .await
+        .expect("open totals");
+    assert!(!open.iter().any(|(c, _)| c.key == minute));
+    let (_, day) = open
+        .iter()
+        .find(|(c, _)| c.key == key(Dimension::Project, WindowKind::Day, "2026-07-07"))
+        .expect("day still open");
+    assert_eq!(
+        *day,
+        Totals {
+            requests: 1,
+            calls: 3,
+            rows: 112
+        }
+    );
+    assert!(
+        s.open_totals(&pid("proj_1"), utc("2026-09-01T00:00:00Z"))
+            .await
+            .expect("later")
+            .is_empty()
+    );
+
+    assert_eq!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets"),
+        BTreeMap::from([(0, 6)])
+    );
+}
+
+#[tokio::test]
+async fn the_same_event_in_two_batches_counts_once() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+
+    s.fold_batch(&batch(
+        0,
+        1,
+        vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)],
+    ))
+    .await
+    .expect("first");
+    // A client resent e1 (a new offset); e2 is new.
+    let report = s
+        .fold_batch(&batch(
+            1,
+            3,
+            vec![
+                call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
+                call("proj_1", "e2", "2026-07-07T12:31:20Z", 1),
+            ],
+        ))
+        .await
+        .expect("second");
+    assert_eq!(
+        report.folded,
+        vec![(pid("proj_1"), EventId::parse("e2").expect("id"))]
+    );
+    assert_eq!(
+        report.duplicates,
+        vec![(pid("proj_1"), EventId::parse("e1").expect("id"))]
+    );
+    assert_eq!(
+        total(s, "proj_1", minute.clone()).await,
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 6
+        }
+    );
+
+    // A batch of nothing but duplicates still moves the offsets and touches no counter.
+    let report = s
+        .fold_batch(&batch(
+            3,
+            4,
+            vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 1)],
+        ))
+        .await
+        .expect("third");
+    assert!(report.folded.is_empty());
+    assert_eq!(report.duplicates.len(), 1);
+    assert!(report.totals.is_empty());
+    assert_eq!(
+        total(s, "proj_1", minute).await,
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 6
+        }
+    );
+    assert_eq!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets"),
+        BTreeMap::from([(0, 4)])
+    );
+
+    // The same id in another project is another event.
+    s.create_project(&project("proj_2", Tz::UTC))
+        .await
+        .expect("create project");
+    let report = s
+        .fold_batch(&batch(
+            4,
+            5,
+            vec![call("proj_2", "e1", "2026-07-07T12:31:10Z", 5)],
+        ))
+        .await
+        .expect("other project");
+    assert_eq!(report.folded.len(), 1);
+}
+
+#[tokio::test]
+async fn the_same_event_twice_in_one_batch_counts_once() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let first = call("proj_1", "e1", "2026-07-07T12:31:10Z", 5);
+    // The second copy differs; the first one wins.
+    let second = call("proj_1", "e1", "2026-07-07T12:31:10Z", 50);
+    let report = s
+        .fold_batch(&batch(
+            0,
+            3,
+            vec![
+                first,
+                call("proj_1", "e2", "2026-07-07T12:31:11Z", 1),
+                second,
+            ],
+        ))
+        .await
+        .expect("fold");
+    let e = |id: &str| (pid("proj_1"), EventId::parse(id).expect("id"));
+    assert_eq!(report.folded, vec![e("e1"), e("e2")]);
+    assert_eq!(report.duplicates, vec![e("e1")]);
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+    assert_eq!(
+        total(s, "proj_1", minute).await,
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 6
+        }
+    );
+}
+
+#[tokio::test]
+async fn a_fenced_batch_changes_nothing() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+    s.fold_batch(&batch(
+        0,
+        2,
+        vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)],
+    ))
+    .await
+    .expect("first");
+    let before_offsets = s
+        .offsets("projector", "tollgate.usage")
+        .await
+        .expect("offsets");
+    let before_totals = s
+        .open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
+        .await
+        .expect("totals");
+
+    // A stale projector replays from 0; another starts from a wrong offset.
+    for from in [0, 1, 3] {
+        let e = s
+            .fold_batch(&batch(
+                from,
+                4,
+                vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)],
+            ))
+            .await
+            .expect_err("fenced");
+        assert!(matches!(e, PortError::Fenced(_)), "from {from}: {e:?}");
+    }
+    // A two-partition batch whose second partition is stale changes the first one neither.
+    let mut two = batch(2, 3, vec![call("proj_1", "e3", "2026-07-07T12:31:30Z", 1)]);
+    two.offsets.push(OffsetMove {
+        partition: 1,
+        from: 5,
+        to: 6,
+    });
+    assert!(matches!(
+        s.fold_batch(&two).await,
+        Err(PortError::Fenced(_))
+    ));
+
+    assert_eq!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets"),
+        before_offsets
+    );
+    assert_eq!(
+        s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
+            .await
+            .expect("totals"),
+        before_totals
+    );
+    assert_eq!(
+        total(s, "proj_1", minute.clone()).await,
+        Totals {
+            requests: 0,
+            calls: 1,
+            rows: 5
+        }
+    );
+
+    // The fenced events were not marked as seen: the right batch folds them.
+    let report = s
+        .fold_batch(&batch(
+            2,
+            4,
+            vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)],
+        ))
+        .await
+        .expect("in order");
+    assert_eq!(report.folded.len(), 1);
+    assert_eq!(
+        total(s, "proj_1", minute).await,
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 14
+        }
+    );
+}
+
+#[tokio::test]
+async fn two_projectors_racing_from_the_same_offset_fold_once() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    for (from, to) in [(0, 1), (1, 2)] {
+        let b = batch(
+            from,
+            to,
+            vec![call(
+                "proj_1",
+                &format!("e{from}"),
+                "2026-07-07T12:31:10Z",
+                1,
+            )],
+        );
+        let (a, b2) = tokio::join!(s.fold_batch(&b), s.fold_batch(&b));
+        let results = [a, b2];
+        assert_eq!(
+            results.iter().filter(|r| r.is_ok()).count(),
+            1,
+            "from {from}: {results:?}"
+        );
+        assert!(
+            results
+                .iter()
+                .any(|r| matches!(r, Err(PortError::Fenced(_)))),
+            "from {from}: {results:?}"
+        );
+    }
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+    assert_eq!(
+        total(s, "proj_1", minute).await,
+        Totals {
+            requests: 0,
+            calls: 2,
+            rows: 2
+        }
+    );
+}
+
+#[tokio::test]
+async fn offsets_round_trip_per_consumer_and_topic() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    assert!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("none yet")
+            .is_empty()
+    );
+    let mut b = batch(0, 10, Vec::new());
+    b.offsets.push(OffsetMove {
+        partition: 2,
+        from: 0,
+        to: 3,
+    });
+    s.fold_batch(&b)
+        .await
+        .expect("move two partitions without facts");
+    let mut b = batch(10, 12, Vec::new());
+    b.offsets.push(OffsetMove {
+        partition: 1,
+        from: 0,
+        to: 1,
+    });
+    s.fold_batch(&b).await.expect("a new partition joins");
+    assert_eq!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets"),
+        BTreeMap::from([(0, 12), (1, 1), (2, 3)])
+    );
+    // Another consumer, or another topic, has offsets of its own.
+    assert!(
+        s.offsets("replay", "tollgate.usage")
+            .await
+            .expect("other consumer")
+            .is_empty()
+    );
+    assert!(
+        s.offsets("projector", "other.usage")
+            .await
+            .expect("other topic")
+            .is_empty()
+    );
+    let mut other = batch(0, 4, Vec::new());
+    other.consumer = "replay".into();
+    s.fold_batch(&other)
+        .await
+        .expect("other consumer starts fresh");
+    assert_eq!(
+        s.offsets("replay", "tollgate.usage").await.expect("replay"),
+        BTreeMap::from([(0, 4)])
+    );
+    assert_eq!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets")
+            .get(&0),
+        Some(&12)
+    );
+
+    // A fresh partition must start at 0.
+    let mut late = batch(0, 1, Vec::new());
+    late.offsets = vec![OffsetMove {
+        partition: 7,
+        from: 5,
+        to: 6,
+    }];
+    let e = s.fold_batch(&late).await;
+    assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
+    assert!(
+        !s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets")
+            .contains_key(&7)
+    );
+}
+
+#[tokio::test]
+async fn a_calendar_month_in_kathmandu_lands_in_the_local_month() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_ktm", chrono_tz::Asia::Kathmandu))
+        .await
+        .expect("create project");
+    s.create_project(&project("proj_utc", Tz::UTC))
+        .await
+        .expect("create project");
+    // 18:20 UTC on 31 July is 00:05 on 1 August in Kathmandu (+05:45).
+    let at = "2026-07-31T18:20:00Z";
+    let report = s
+        .fold_batch(&batch(
+            0,
+            2,
+            vec![call("proj_ktm", "e1", at, 3), call("proj_utc", "e1", at, 3)],
+        ))
+        .await
+        .expect("fold");
+
+    let august = key(Dimension::Project, WindowKind::CalendarMonth, "2026-08");
+    let july = key(Dimension::Project, WindowKind::CalendarMonth, "2026-07");
+    assert_eq!(
+        total(s, "proj_ktm", august.clone()).await,
+        Totals {
+            requests: 0,
+            calls: 1,
+            rows: 3
+        }
+    );
+    assert_eq!(total(s, "proj_ktm", july.clone()).await, Totals::default());
+    assert_eq!(
+        total(s, "proj_utc", july.clone()).await,
+        Totals {
+            requests: 0,
+            calls: 1,
+            rows: 3
+        }
+    );
+    assert_eq!(
+        total(s, "proj_utc", august.clone()).await,
+        Totals::default()
+    );
+
+    let (_, month, _) = report
+        .totals
+        .iter()
+        .find(|(p, c, _)| p == &pid("proj_ktm") && c.key == august)
+        .expect("august reported");
+    assert_eq!(month.resets_at, Some(utc("2026-08-31T18:15:00Z")));
+    let day = key(Dimension::Project, WindowKind::Day, "2026-08-01");
+    assert_eq!(total(s, "proj_ktm", day).await.calls, 1);
+    // Rolling windows stay in UTC.
+    let hour = key(
+        Dimension::Project,
+        WindowKind::Rolling1h,
+        "2026-07-31T18:00Z",
+    );
+    assert_eq!(total(s, "proj_ktm", hour).await.calls, 1);
+
+    // The month's row is open until its local end.
+    let open = s
+        .open_totals(&pid("proj_ktm"), utc("2026-08-31T18:14:59Z"))
+        .await
+        .expect("open");
+    assert!(open.iter().any(|(c, _)| c.key == august));
+    let open = s
+        .open_totals(&pid("proj_ktm"), utc("2026-08-31T18:15:00Z"))
+        .await
+        .expect("open");
+    assert!(!open.iter().any(|(c, _)| c.key == august));
+}
+
+#[tokio::test]
+async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let e = s
+        .fold_batch(&batch(
+            0,
+            2,
+            vec![
+                call("proj_1", "e1", "2026-07-07T12:31:10Z", 1),
+                call("ghost", "e2", "2026-07-07T12:31:10Z", 1),
+            ],
+        ))
+        .await
+        .expect_err("unknown project");
+    match e {
+        PortError::Permanent(m) => assert!(m.contains("ghost"), "names the project: {m}"),
+        other => panic!("expected permanent, got {other:?}"),
+    }
+    assert!(
+        s.offsets("projector", "tollgate.usage")
+            .await
+            .expect("offsets")
+            .is_empty()
+    );
+    assert!(
+        s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
+            .await
+            .expect("totals")
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn purging_the_dedup_set_forgets_old_ids_only() {
+    let db = TestDb::new().await;
+    let s = &db.store;
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    s.fold_batch(&batch(
+        0,
+        2,
+        vec![
+            call("proj_1", "old", "2026-05-01T00:00:00Z", 1),
+            call("proj_1", "new", "2026-07-01T00:00:00Z", 1),
+        ],
+    ))
+    .await
+    .expect("fold");
+    let purged = s
+        .purge_processed_before(utc("2026-07-01T00:00:00Z") - Duration::days(35))
+        .await
+        .expect("purge");
+    assert_eq!(purged, 1);
+    let report = s
+        .fold_batch(&batch(
+            2,
+            4,
+            vec![
+                call("proj_1", "old", "2026-05-01T00:00:00Z", 1),
+                call("proj_1", "new", "2026-07-01T00:00:00Z", 1),
+            ],
+        ))
+        .await
+        .expect("fold again");
+    assert_eq!(
+        report.folded,
+        vec![(pid("proj_1"), EventId::parse("old").expect("id"))]
+    );
+    assert_eq!(
+        report.duplicates,
+        vec![(pid("proj_1"), EventId::parse("new").expect("id"))]
+    );
+}
+
+#[tokio::test]
+async fn migrating_twice_is_harmless() {
+    let db = TestDb::new().await;
+    db.store.migrate().await.expect("second migrate");
+}
