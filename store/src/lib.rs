@@ -1,1 +1,14 @@
+//! # store — the adapters
+//!
+//! Each port `meter` declares has its implementations here, named by
+//! technology and role: [`KafkaLog`] and [`KafkaReader`] for the log,
+//! [`RedisView`] for the view, [`PgStore`] for the store. Transient versus
+//! permanent is decided once, where a driver error is converted.
 
+pub mod kafka;
+pub mod pg;
+pub mod redis_view;
+
+pub use kafka::{KafkaConfig, KafkaLog, KafkaReader};
+pub use pg::PgStore;
+pub use redis_view::RedisView;

@@ -1,0 +1,23 @@
+-- usage.lua: one counter's state (View::usage).
+--
+-- Why a script: the loaded marker, the totals and the live reservations are
+-- read at one instant, in one round trip. It writes nothing (expired leases
+-- are not counted, but are purged only by a check).
+--
+-- KEYS[1]   P{p}:loaded
+-- KEYS[2]   P{p}:c:<name>
+-- KEYS[3]   P{p}:r:<name>
+-- ARGV[1]   now (ms)
+-- Returns nil when the project is not seeded, else the decimal strings
+-- { t_req, t_calls, t_rows, p_req, p_calls, p_rows, live reservations }.
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return false
+end
+local h = redis.call('HMGET', KEYS[2], 't_req', 't_calls', 't_rows', 'p_req', 'p_calls', 'p_rows')
+local out = {}
+for i = 1, 6 do
+  out[i] = h[i] or '0'
+end
+out[7] = tostring(redis.call('ZCOUNT', KEYS[3], '(' .. ARGV[1], '+inf'))
+return out

@@ -1,0 +1,419 @@
+//! The view's conformance suite, run against Redis.
+//!
+//! Every behaviour is a generic body (`suite_*`) taking a `&dyn View` (or an
+//! `Arc<dyn View>` when it spawns tasks), so the same bodies can run against
+//! the in-memory view. Each Redis test gets its own key prefix (and each body
+//! its own project id), so the tests run in parallel against one Redis; the
+//! keys are removed afterwards.
+//!
+//! Needs Redis at `TOLLGATE_REDIS_URL` (default `redis://127.0.0.1:6379`).
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Duration, Utc};
+use chrono_tz::Tz;
+use meter::{
+    CheckOutcome, CheckPlan, Counter, CounterKey, Dimension, EventId, Hold, Metric, PlannedLimit, ProjectId,
+    ReservationId, Settlement, Totals, View, WindowKind, window_at,
+};
+use store::RedisView;
+use uuid::Uuid;
+
+// ---------------------------------------------------------------- helpers
+
+fn uid() -> String {
+    Uuid::new_v4().simple().to_string()
+}
+
+fn project() -> ProjectId {
+    ProjectId::parse(format!("p-{}", uid())).expect("project id")
+}
+
+fn event() -> EventId {
+    EventId::parse(format!("e-{}", uid())).expect("event id")
+}
+
+/// Today's `day` counter of a dimension (the time is real: the Redis view
+/// expires counters relative to the wall clock).
+fn counter(dimension: Dimension, at: DateTime<Utc>) -> Counter {
+    let w = window_at(WindowKind::Day, Tz::UTC, at);
+    Counter { key: CounterKey { dimension, window: w.kind, window_key: w.key }, resets_at: w.resets_at }
+}
+
+fn project_counter(at: DateTime<Utc>) -> Counter {
+    counter(Dimension::Project, at)
+}
+
+fn actor_counter(at: DateTime<Utc>) -> Counter {
+    counter(Dimension::Actor("u1".into()), at)
+}
+
+/// A plan over `counters` with `(counter, metric, limit)` enforce limits,
+/// needs and reservations as `plan_check` makes them.
+fn plan(counters: &[Counter], limits: &[(usize, Metric, u64)], at: DateTime<Utc>) -> CheckPlan {
+    let mut p = CheckPlan { counters: counters.to_vec(), ..CheckPlan::default() };
+    for (qi, &(counter, metric, limit)) in limits.iter().enumerate() {
+        let (need, reserve) = match metric {
+            Metric::Requests => (0, false),
+            Metric::Calls => (1, true),
+            _ => (1, false),
+        };
+        if metric == Metric::Requests && !p.count_request.contains(&counter) {
+            p.count_request.push(counter);
+        }
+        p.limits.push(PlannedLimit { quota: qi, counter, metric, limit, need, enforce: true, reserve });
+        p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
+    }
+    p
+}
+
+fn hold(lease_until: DateTime<Utc>) -> Hold {
+    Hold {
+        reservation: ReservationId::parse(format!("r-{}", uid())).expect("reservation id"),
+        request_event: event(),
+        lease_until,
+    }
+}
+
+async fn check(view: &dyn View, p: &ProjectId, plan: &CheckPlan, h: &Hold, at: DateTime<Utc>) -> CheckOutcome {
+    view.check(p, plan, h, at).await.expect("check").expect("project is seeded")
+}
+
+async fn seeded(view: &dyn View, totals: &[(Counter, Totals)]) -> ProjectId {
+    let p = project();
+    view.seed(&p, totals).await.expect("seed");
+    p
+}
+
+async fn usage(view: &dyn View, p: &ProjectId, c: &Counter, at: DateTime<Utc>) -> meter::CounterUsage {
+    view.usage(p, &c.key, at).await.expect("usage").expect("project is seeded")
+}
+
+/// What a monitor-only check sees of calls and rows (it counts no request
+/// and reserves nothing).
+async fn probe(view: &dyn View, p: &ProjectId, c: &Counter, at: DateTime<Utc>) -> Vec<u64> {
+    let mut pl = plan(std::slice::from_ref(c), &[(0, Metric::Calls, 1000), (0, Metric::Rows, 1000)], at);
+    for l in &mut pl.limits {
+        l.enforce = false;
+        l.reserve = false;
+    }
+    check(view, p, &pl, &hold(at + Duration::seconds(30)), at).await.used
+}
+
+fn calls(n: u64, rows: u64) -> Totals {
+    Totals { requests: 0, calls: n, rows }
+}
+
+// ---------------------------------------------------------------- suites
+
+async fn suite_unseeded_project_answers_none_and_changes_nothing(view: &dyn View) {
+    let at = Utc::now();
+    let p = project();
+    let c = project_counter(at);
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 10), (0, Metric::Calls, 10)], at);
+    let h = hold(at + Duration::seconds(30));
+    assert_eq!(view.check(&p, &pl, &h, at).await.expect("check"), None);
+    assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None);
+    view.seed(&p, &[]).await.expect("seed");
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!(u, meter::CounterUsage::default(), "the unseeded check counted or reserved something");
+}
+
+async fn suite_admits_up_to_the_limit_then_refuses_reserving_nothing(view: &dyn View) {
+    let at = Utc::now();
+    let (wide, tight) = (project_counter(at), actor_counter(at));
+    let p = seeded(view, &[]).await;
+    // The project allows 10 calls, the actor 3: the actor's limit refuses.
+    let pl = plan(&[wide.clone(), tight.clone()], &[(0, Metric::Calls, 10), (1, Metric::Calls, 3)], at);
+    for i in 0..3u64 {
+        let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+        assert!(o.admitted, "check {i} refused");
+        assert_eq!(o.used, vec![i, i]);
+    }
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert!(!o.admitted, "the 4th call was admitted");
+    assert_eq!(o.used, vec![3, 3]);
+    assert_eq!(usage(view, &p, &tight, at).await.reserved_calls, 3);
+    assert_eq!(usage(view, &p, &wide, at).await.reserved_calls, 3, "a refused check reserved on another counter");
+}
+
+async fn suite_concurrent_checks_admit_exactly_the_limit(view: Arc<dyn View>) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(&*view, &[]).await;
+    let pl = Arc::new(plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 50)], at));
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (view, p, pl) = (view.clone(), p.clone(), pl.clone());
+            tokio::spawn(async move { check(&*view, &p, &pl, &hold(at + Duration::seconds(60)), at).await.admitted })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        if t.await.expect("task") {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 50);
+    assert_eq!(usage(&*view, &p, &c, at).await.reserved_calls, 50);
+}
+
+async fn suite_settle_releases_the_reservation_and_adds_pending(view: &dyn View) {
+    let at = Utc::now();
+    let (wide, tight) = (project_counter(at), actor_counter(at));
+    let p = seeded(view, &[]).await;
+    let pl = plan(&[wide.clone(), tight.clone()], &[(0, Metric::Calls, 5), (1, Metric::Calls, 5)], at);
+    let h = hold(at + Duration::seconds(30));
+    assert!(check(view, &p, &pl, &h, at).await.admitted);
+    assert_eq!(usage(view, &p, &wide, at).await.reserved_calls, 1);
+    let s = Settlement {
+        event: event(),
+        reservation: Some(h.reservation.clone()),
+        deltas: vec![(wide.clone(), calls(1, 7)), (tight.clone(), calls(1, 7))],
+    };
+    view.settle(&p, &[s], at).await.expect("settle");
+    for c in [&wide, &tight] {
+        let u = usage(view, &p, c, at).await;
+        assert_eq!(u.reserved_calls, 0, "the reservation is still held");
+        assert_eq!(u.pending, calls(1, 7));
+    }
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!(o.used, vec![1, 1], "the settled call counts once (pending, not reserved)");
+    // A failed call settles with no deltas: it only frees its slot.
+    let h2 = hold(at + Duration::seconds(30));
+    assert!(check(view, &p, &pl, &h2, at).await.admitted);
+    let failed = Settlement { event: event(), reservation: Some(h2.reservation.clone()), deltas: vec![] };
+    view.settle(&p, &[failed], at).await.expect("settle");
+    let u = usage(view, &p, &wide, at).await;
+    assert_eq!((u.pending, u.reserved_calls), (calls(1, 7), 1), "only the other check's slot is held");
+}
+
+async fn suite_the_same_event_settled_twice_counts_once(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[]).await;
+    let s = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 4))] };
+    view.settle(&p, &[s.clone(), s.clone()], at).await.expect("settle");
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle again");
+    assert_eq!(usage(view, &p, &c, at).await.pending, calls(1, 4));
+    // A counter named twice in one settlement is summed, and taken back whole.
+    let twice = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 1)), (c.clone(), calls(1, 2))] };
+    view.settle(&p, std::slice::from_ref(&twice), at).await.expect("settle");
+    assert_eq!(usage(view, &p, &c, at).await.pending, calls(3, 7));
+    view.unsettle(&p, std::slice::from_ref(&twice.event)).await.expect("unsettle");
+    assert_eq!(usage(view, &p, &c, at).await.pending, calls(1, 4));
+}
+
+async fn suite_unsettle_takes_back_pending(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[]).await;
+    let s = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 9))] };
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
+    view.unsettle(&p, std::slice::from_ref(&s.event)).await.expect("unsettle");
+    view.unsettle(&p, std::slice::from_ref(&s.event)).await.expect("unsettle again");
+    assert_eq!(usage(view, &p, &c, at).await.pending, Totals::default());
+    // A request event that never reached the log is taken back too.
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 10)], at);
+    let h = hold(at + Duration::seconds(30));
+    check(view, &p, &pl, &h, at).await;
+    assert_eq!(usage(view, &p, &c, at).await.pending.requests, 1);
+    view.unsettle(&p, std::slice::from_ref(&h.request_event)).await.expect("unsettle");
+    assert_eq!(usage(view, &p, &c, at).await.pending.requests, 0);
+}
+
+async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[(c.clone(), Totals { requests: 4, calls: 10, rows: 100 })]).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 1000), (0, Metric::Calls, 1000), (0, Metric::Rows, 1000)], at);
+    let h = hold(at + Duration::seconds(30));
+    let first = check(view, &p, &pl, &h, at).await;
+    assert_eq!(first.used, vec![5, 10, 100]);
+    let s = Settlement { event: event(), reservation: Some(h.reservation.clone()), deltas: vec![(c.clone(), calls(1, 5))] };
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
+    let before = probe(view, &p, &c, at).await;
+    assert_eq!(before, vec![11, 105]);
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.durable, u.pending), (Totals { requests: 4, calls: 10, rows: 100 }, Totals { requests: 1, calls: 1, rows: 5 }));
+    // The projector folded the request event and the call event.
+    let folded = Totals { requests: 5, calls: 11, rows: 105 };
+    let events = [h.request_event.clone(), s.event.clone()];
+    view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold");
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.durable, u.pending), (folded, Totals::default()));
+    assert_eq!(probe(view, &p, &c, at).await, before, "usage changed across the fold");
+    // The same fold delivered again changes nothing; an older total never lowers.
+    view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold again");
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1 })], &[]).await.expect("stale fold");
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.durable, u.pending), (folded, Totals::default()));
+    // A fold of an event the view never saw only raises totals.
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106 })], &[event()]).await.expect("fold");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 12, rows: 106 });
+}
+
+async fn suite_expired_leases_free_the_slot(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[]).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 1)], at);
+    // A lease already over when taken holds nothing for the next check.
+    assert!(check(view, &p, &pl, &hold(at - Duration::milliseconds(1)), at).await.admitted);
+    assert_eq!(usage(view, &p, &c, at).await.reserved_calls, 0);
+    // A live lease holds the slot until it ends.
+    assert!(check(view, &p, &pl, &hold(at + Duration::seconds(10)), at).await.admitted);
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(20)), at + Duration::seconds(5)).await;
+    assert_eq!((o.admitted, o.used), (false, vec![1]));
+    let later = at + Duration::seconds(11);
+    assert_eq!(usage(view, &p, &c, later).await.reserved_calls, 0);
+    assert!(check(view, &p, &pl, &hold(later + Duration::seconds(10)), later).await.admitted);
+}
+
+async fn suite_requests_limit_counts_refused_requests(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[]).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 2)], at);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+        seen.push((o.admitted, o.used[0]));
+    }
+    assert_eq!(seen, vec![(true, 1), (true, 2), (false, 3), (false, 4)]);
+    assert_eq!(usage(view, &p, &c, at).await.pending.requests, 4);
+    // A check refused by its calls limit still counts its request.
+    let both = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 100), (0, Metric::Calls, 1)], at);
+    assert!(check(view, &p, &both, &hold(at + Duration::seconds(30)), at).await.admitted);
+    let o = check(view, &p, &both, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used.clone()), (false, vec![6, 1]));
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.pending.requests, u.reserved_calls), (6, 1));
+}
+
+async fn suite_release_frees_a_slot(view: &dyn View) {
+    let at = Utc::now();
+    let (wide, tight) = (project_counter(at), actor_counter(at));
+    let p = seeded(view, &[]).await;
+    let pl = plan(&[wide.clone(), tight.clone()], &[(0, Metric::Calls, 1), (1, Metric::Calls, 1)], at);
+    let first = hold(at + Duration::seconds(30));
+    assert!(check(view, &p, &pl, &first, at).await.admitted);
+    assert!(!check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
+    view.release(&p, &first.reservation).await.expect("release");
+    view.release(&p, &first.reservation).await.expect("release again");
+    for c in [&wide, &tight] {
+        assert_eq!(usage(view, &p, c, at).await.reserved_calls, 0);
+    }
+    assert!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
+}
+
+async fn suite_seed_never_lowers_a_total(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = project();
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5 })], &[]).await.expect("fold");
+    assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None, "a fold does not mark the project seeded");
+    view.seed(&p, &[(c.clone(), Totals { requests: 3, calls: 3, rows: 3 })]).await.expect("seed");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5 });
+    view.seed(&p, &[(c.clone(), Totals { requests: 7, calls: 2, rows: 9 })]).await.expect("seed");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 7, calls: 5, rows: 9 });
+    // Exact beyond 2^53: totals are compared as decimal strings.
+    let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10 };
+    view.seed(&p, &[(c.clone(), big)]).await.expect("seed");
+    view.seed(&p, &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9 })]).await.expect("seed");
+    assert_eq!(usage(view, &p, &c, at).await.durable, big);
+}
+
+async fn suite_a_retried_check_counts_once(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[]).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 10), (0, Metric::Calls, 1)], at);
+    let h = hold(at + Duration::seconds(30));
+    let first = check(view, &p, &pl, &h, at).await;
+    let again = check(view, &p, &pl, &h, at).await;
+    assert_eq!(first, CheckOutcome { admitted: true, used: vec![1, 0] });
+    assert_eq!(again, first, "a retried check counted itself");
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.pending.requests, u.reserved_calls), (1, 1));
+}
+
+// ---------------------------------------------------------------- Redis
+
+const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
+fn url() -> String {
+    std::env::var("TOLLGATE_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// A view with a prefix of its own; the keys go when the guard is dropped.
+struct Fresh {
+    view: RedisView,
+    prefix: String,
+}
+
+impl Fresh {
+    async fn new() -> Fresh {
+        let prefix = format!("tgtest:{}:", uid());
+        let view = RedisView::connect(&url(), &prefix).await.expect("redis is up (TOLLGATE_REDIS_URL)");
+        Fresh { view, prefix }
+    }
+
+    async fn cleanup(self) {
+        let client = redis::Client::open(url()).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
+        if !keys.is_empty() {
+            let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
+        }
+    }
+}
+
+macro_rules! redis_suite {
+    ($($name:ident),* $(,)?) => {$(
+        #[tokio::test]
+        async fn $name() {
+            let fresh = Fresh::new().await;
+            super::$name(&fresh.view).await;
+            fresh.cleanup().await;
+        }
+    )*};
+}
+
+mod redis_view {
+    use super::*;
+
+    redis_suite!(
+        suite_unseeded_project_answers_none_and_changes_nothing,
+        suite_admits_up_to_the_limit_then_refuses_reserving_nothing,
+        suite_settle_releases_the_reservation_and_adds_pending,
+        suite_the_same_event_settled_twice_counts_once,
+        suite_unsettle_takes_back_pending,
+        suite_fold_moves_pending_into_durable_without_double_counting,
+        suite_expired_leases_free_the_slot,
+        suite_requests_limit_counts_refused_requests,
+        suite_release_frees_a_slot,
+        suite_seed_never_lowers_a_total,
+        suite_a_retried_check_counts_once,
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn suite_concurrent_checks_admit_exactly_the_limit() {
+        let fresh = Fresh::new().await;
+        let view: Arc<dyn View> = Arc::new(fresh.view.clone());
+        super::suite_concurrent_checks_admit_exactly_the_limit(view).await;
+        fresh.cleanup().await;
+    }
+
+    #[tokio::test]
+    async fn a_prefix_with_a_hash_tag_is_refused() {
+        let err = RedisView::connect(&url(), "tg:{x}:").await.expect_err("prefix with braces");
+        assert!(!err.is_transient());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_redis_is_transient() {
+        let err = RedisView::connect("redis://127.0.0.1:1", "tg:").await.expect_err("nothing listens on port 1");
+        assert!(err.is_transient(), "{err}");
+    }
+}
