@@ -230,3 +230,217 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
         monitor_breaches,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::ProjectId;
+    use crate::quota::QuotaSpec;
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
+    }
+
+    fn key(s: &str) -> ApiKeyId {
+        ApiKeyId::parse(s).expect("key id")
+    }
+
+    fn quota(id: &str, scope: Scope, scope_ref: Option<&str>, metric: Metric, window: WindowKind, limit: u64) -> Quota {
+        let t0 = utc("2026-01-01T00:00:00Z");
+        Quota {
+            id: QuotaId::parse(id).expect("quota id"),
+            spec: QuotaSpec {
+                project_id: ProjectId::parse("p1").expect("project id"),
+                scope,
+                scope_ref: scope_ref.map(str::to_owned),
+                metric,
+                window,
+                limit,
+                mode: Mode::Enforce,
+                meter_type: None,
+                on_unpriced: None,
+            },
+            created_at: t0,
+            updated_at: t0,
+        }
+    }
+
+    fn monitor(mut q: Quota) -> Quota {
+        q.spec.mode = Mode::Monitor;
+        q
+    }
+
+    /// Plans for key `k1` and actor `u1` at `at`, and decides with `used`.
+    fn check(quotas: &[Quota], used: &[u64], at: DateTime<Utc>) -> (CheckPlan, Verdict) {
+        let plan = plan_check(quotas, Tz::UTC, &key("k1"), Some("u1"), at);
+        assert_eq!(plan.limits.len(), used.len(), "one usage per planned limit");
+        let admitted = plan.limits.iter().zip(used).all(|(l, u)| !l.enforce || u + l.need <= l.limit);
+        let verdict = decide(quotas, &plan, &CheckOutcome { admitted, used: used.to_vec() }, at);
+        assert_eq!(verdict.admitted(), admitted, "decide agrees with the view");
+        (plan, verdict)
+    }
+
+    const AT: &str = "2026-07-07T12:31:45.500Z";
+
+    #[test]
+    fn api_key_beats_project_and_actor_beats_both() {
+        let project = quota("q_project", Scope::Project, None, Metric::Calls, WindowKind::Day, 5);
+        let api_key = quota("q_key", Scope::ApiKey, Some("k1"), Metric::Calls, WindowKind::Day, 5);
+        let actor = quota("q_actor", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
+
+        // The order of the quotas does not matter.
+        for quotas in [vec![project.clone(), api_key.clone()], vec![api_key.clone(), project.clone()]] {
+            let (_, v) = check(&quotas, &[5, 5], utc(AT));
+            let b = v.breach.expect("refused");
+            assert_eq!((b.scope, b.scope_ref.as_deref()), (Scope::ApiKey, Some("k1")));
+            assert_eq!(b.quota_id.as_str(), "q_key");
+        }
+        let (_, v) = check(&[project.clone(), actor.clone(), api_key.clone()], &[5, 5, 5], utc(AT));
+        let b = v.breach.expect("refused");
+        assert_eq!((b.scope, b.quota_id.as_str()), (Scope::Actor, "q_actor"));
+
+        // Only the broad quota breached: it is the one reported.
+        let (_, v) = check(&[project, actor, api_key], &[5, 0, 4], utc(AT));
+        let b = v.breach.expect("refused");
+        assert_eq!((b.scope, b.quota_id.as_str(), b.used, b.limit), (Scope::Project, "q_project", 5, 5));
+    }
+
+    #[test]
+    fn among_equal_scopes_the_window_that_resets_last_is_reported() {
+        let minute = quota("q_min", Scope::Project, None, Metric::Calls, WindowKind::Rolling1m, 1);
+        let month = quota("q_month", Scope::Project, None, Metric::Calls, WindowKind::CalendarMonth, 1);
+        let (_, v) = check(&[minute, month], &[1, 1], utc(AT));
+        let b = v.breach.expect("refused");
+        assert_eq!(b.quota_id.as_str(), "q_month");
+        assert_eq!(b.resets_at, Some(utc("2026-08-01T00:00:00Z")));
+    }
+
+    #[test]
+    fn monitor_quotas_report_but_never_refuse() {
+        let q = monitor(quota("q_watch", Scope::Actor, None, Metric::Calls, WindowKind::Day, 2));
+        let (plan, v) = check(std::slice::from_ref(&q), &[9], utc(AT));
+        assert!(v.admitted());
+        assert_eq!(v.monitor_breaches, vec![q.id.clone()]);
+        assert!(plan.reserved_counters().is_empty(), "monitor quotas hold nothing");
+        assert_eq!(v.remaining_calls, None, "headers report enforce quotas only");
+    }
+
+    #[test]
+    fn remaining_headers_count_this_calls_reservation_only_when_admitted() {
+        let calls = quota("q_calls", Scope::ApiKey, Some("k1"), Metric::Calls, WindowKind::Rolling1h, 10);
+        let rows = quota("q_rows", Scope::Project, None, Metric::Rows, WindowKind::Day, 100);
+        let wide = quota("q_calls_month", Scope::Project, None, Metric::Calls, WindowKind::CalendarMonth, 1000);
+        let quotas = [calls.clone(), rows.clone(), wide];
+
+        // Admitted: 3 used + this call's slot leaves 6; rows are not reserved.
+        let (_, v) = check(&quotas, &[3, 40, 500], utc(AT));
+        assert!(v.admitted());
+        assert_eq!(v.remaining_calls, Some(6));
+        assert_eq!(v.remaining_rows, Some(60));
+        // The tighter of the two is calls, in the hourly window.
+        assert_eq!(v.reset, Some(utc("2026-07-07T13:00:00Z")));
+
+        // Rows the tighter: the reset is the rows window's.
+        let (_, v) = check(&quotas, &[0, 99, 500], utc(AT));
+        assert_eq!((v.remaining_calls, v.remaining_rows), (Some(9), Some(1)));
+        assert_eq!(v.reset, Some(utc("2026-07-08T00:00:00Z")));
+
+        // Refused (rows exhausted): nothing reserved, so the calls left are 10 − 3.
+        let (_, v) = check(&quotas, &[3, 100, 500], utc(AT));
+        assert!(!v.admitted());
+        assert_eq!((v.remaining_calls, v.remaining_rows), (Some(7), Some(0)));
+
+        // Over the limit (rows overshoot): remaining is 0, not an underflow.
+        let (_, v) = check(&quotas, &[3, 130, 500], utc(AT));
+        assert_eq!(v.remaining_rows, Some(0));
+        assert_eq!(v.breach.expect("refused").used, 130);
+
+        // Only one metric quota'd: the other header is absent.
+        let (_, v) = check(std::slice::from_ref(&rows), &[0], utc(AT));
+        assert_eq!((v.remaining_calls, v.remaining_rows), (None, Some(100)));
+        let (_, v) = check(&[], &[], utc(AT));
+        assert_eq!((v.remaining_calls, v.remaining_rows, v.reset), (None, None, None));
+    }
+
+    #[test]
+    fn retry_after_comes_from_the_reported_window() {
+        let minute = quota("q_min", Scope::Project, None, Metric::Calls, WindowKind::Rolling1m, 1);
+        let (_, v) = check(std::slice::from_ref(&minute), &[1], utc(AT));
+        let b = v.breach.expect("refused");
+        assert_eq!(b.window, WindowKind::Rolling1m);
+        assert_eq!(b.resets_at, Some(utc("2026-07-07T12:32:00Z")));
+        assert_eq!(b.retry_after_secs, Some(15), "14.5 s rounds up");
+
+        // A day in the project's zone: Kathmandu's day ends at 18:15 UTC.
+        let day = quota("q_day", Scope::Project, None, Metric::Requests, WindowKind::Day, 3);
+        let at = utc("2026-07-07T18:00:00Z");
+        let plan = plan_check(std::slice::from_ref(&day), chrono_tz::Asia::Kathmandu, &key("k1"), None, at);
+        let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome { admitted: false, used: vec![4] }, at);
+        let b = v.breach.expect("refused");
+        assert_eq!(b.resets_at, Some(utc("2026-07-07T18:15:00Z")));
+        assert_eq!(b.retry_after_secs, Some(900));
+    }
+
+    #[test]
+    fn requests_are_counted_before_comparing_and_calls_and_rows_need_one() {
+        let requests = quota("q_req", Scope::Project, None, Metric::Requests, WindowKind::Day, 3);
+        let calls = quota("q_calls", Scope::Project, None, Metric::Calls, WindowKind::Day, 3);
+        let rows = quota("q_rows", Scope::Project, None, Metric::Rows, WindowKind::Day, 3);
+        let quotas = [requests, calls, rows];
+        let plan = plan_check(&quotas, Tz::UTC, &key("k1"), None, utc(AT));
+        // One counter (project, day) carries all three limits.
+        assert_eq!(plan.counters.len(), 1);
+        assert_eq!(plan.count_request, vec![0]);
+        assert_eq!(plan.reserved_counters(), vec![0]);
+        let needs: Vec<_> = plan.limits.iter().map(|l| (l.metric, l.need, l.reserve)).collect();
+        assert_eq!(needs, [(Metric::Requests, 0, false), (Metric::Calls, 1, true), (Metric::Rows, 1, false)]);
+        // The third request (counted: used 3) passes; the fourth does not.
+        assert!(check(&quotas, &[3, 2, 2], utc(AT)).1.admitted());
+        assert!(!check(&quotas, &[4, 2, 2], utc(AT)).1.admitted());
+        // The third call takes the last slot; rows pass while below the limit.
+        assert!(!check(&quotas, &[1, 3, 2], utc(AT)).1.admitted());
+        assert!(!check(&quotas, &[1, 2, 3], utc(AT)).1.admitted());
+    }
+
+    #[test]
+    fn a_null_actor_ref_gives_each_actor_a_budget() {
+        let q = quota("q_actor", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
+        let plan = plan_check(std::slice::from_ref(&q), Tz::UTC, &key("k1"), Some("u7"), utc(AT));
+        assert_eq!(plan.counters.len(), 1);
+        assert_eq!(plan.counters[0].key.dimension, Dimension::Actor("u7".into()));
+        assert_eq!(plan.counters[0].key.window_key, "2026-07-07");
+        assert_eq!(dimension_for(&q, &key("k1"), Some("u8")), Some(Dimension::Actor("u8".into())));
+        // No actor named: an actor quota does not apply at all.
+        assert!(plan_check(std::slice::from_ref(&q), Tz::UTC, &key("k1"), None, utc(AT)).limits.is_empty());
+
+        // A named actor matches only itself.
+        let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 5);
+        assert_eq!(dimension_for(&one, &key("k1"), Some("u1")), Some(Dimension::Actor("u1".into())));
+        assert_eq!(dimension_for(&one, &key("k1"), Some("u2")), None);
+        assert_eq!(dimension_for(&one, &key("k1"), None), None);
+    }
+
+    #[test]
+    fn an_api_key_quota_matches_only_its_key() {
+        let other = quota("q_k2", Scope::ApiKey, Some("k2"), Metric::Calls, WindowKind::Day, 1);
+        assert_eq!(dimension_for(&other, &key("k1"), None), None);
+        let (plan, v) = check(std::slice::from_ref(&other), &[], utc(AT));
+        assert!(plan.limits.is_empty() && v.admitted());
+
+        let mine = quota("q_k1", Scope::ApiKey, Some("k1"), Metric::Calls, WindowKind::Day, 1);
+        assert_eq!(dimension_for(&mine, &key("k1"), None), Some(Dimension::ApiKey(key("k1"))));
+        let every = quota("q_keys", Scope::ApiKey, None, Metric::Calls, WindowKind::Day, 1);
+        assert_eq!(dimension_for(&every, &key("k1"), None), Some(Dimension::AllApiKeys));
+        assert_eq!(dimension_for(&every, &key("k2"), None), Some(Dimension::AllApiKeys));
+    }
+
+    #[test]
+    fn quotas_that_share_a_counter_reserve_once() {
+        let every = quota("q_actors", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
+        let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 2);
+        let plan = plan_check(&[every, one], Tz::UTC, &key("k1"), Some("u1"), utc(AT));
+        assert_eq!(plan.counters.len(), 1);
+        assert_eq!(plan.limits.len(), 2);
+        assert_eq!(plan.reserved_counters(), vec![0]);
+    }
+}
