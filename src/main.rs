@@ -1,1 +1,228 @@
-fn main() {}
+//! `tollgate`: the one binary. `serve` runs the HTTP gateway, `project` the
+//! projector, `migrate` the PostgreSQL migrations.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gateway::state::SystemClock;
+use gateway::{AppState, Settings, ViewDownPolicy};
+use meter::Clock;
+use projector::{Projector, ProjectorConfig};
+use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, RedisView};
+use tracing::info;
+
+#[derive(Parser)]
+#[command(name = "tollgate", version, about = "Usage metering and exact quota enforcement on an event log")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP gateway (hot path and admin API).
+    Serve(ServeArgs),
+    /// Run the projector: fold the usage log into PostgreSQL and Redis.
+    Project(ProjectArgs),
+    /// Apply the PostgreSQL migrations and exit.
+    Migrate(DbArgs),
+}
+
+#[derive(Args, Clone)]
+struct DbArgs {
+    /// PostgreSQL URL.
+    #[arg(long, env = "TOLLGATE_DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/tollgate")]
+    database_url: String,
+}
+
+#[derive(Args, Clone)]
+struct Backends {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Kafka bootstrap brokers, `host:port[,…]`.
+    #[arg(long, env = "TOLLGATE_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    kafka_brokers: String,
+    /// Redis URL of the view.
+    #[arg(long, env = "TOLLGATE_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Prefix of every topic name (`<prefix>usage`, `<prefix>audit`, `<prefix>dlq`).
+    #[arg(long, env = "TOLLGATE_TOPIC_PREFIX", default_value = "tollgate.")]
+    topic_prefix: String,
+    /// Prefix of every Redis key.
+    #[arg(long, env = "TOLLGATE_REDIS_PREFIX", default_value = "tg:")]
+    redis_prefix: String,
+    /// Partitions of each topic Tollgate creates.
+    #[arg(long, env = "TOLLGATE_TOPIC_PARTITIONS", default_value_t = 3)]
+    topic_partitions: i32,
+    /// Replication factor of each topic Tollgate creates.
+    #[arg(long, env = "TOLLGATE_TOPIC_REPLICATION", default_value_t = 1)]
+    topic_replication: i32,
+}
+
+impl Backends {
+    fn kafka(&self) -> KafkaConfig {
+        let mut k = KafkaConfig::new(&self.kafka_brokers, &self.topic_prefix);
+        k.partitions = self.topic_partitions;
+        k.replication = self.topic_replication;
+        k
+    }
+
+    async fn store(&self) -> anyhow::Result<PgStore> {
+        let store = PgStore::connect(&self.db.database_url).await.context("connecting to PostgreSQL")?;
+        store.migrate().await.context("migrating PostgreSQL")?;
+        Ok(store)
+    }
+
+    async fn topics(&self) -> anyhow::Result<()> {
+        let kafka = self.kafka();
+        let mut delay = Duration::from_millis(200);
+        for attempt in 0.. {
+            match kafka.ensure_topics().await {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < 10 => {
+                    tracing::warn!(error = %e, "topics not ready; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(3));
+                }
+                Err(e) => return Err(e).context("creating topics"),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ViewDown {
+    Allow,
+    Deny,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    backends: Backends,
+    /// Address to listen on.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Bearer token of the admin API.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: String,
+    /// Bearer token of the hot path (check, events).
+    #[arg(long, env = "TOLLGATE_GATEWAY_TOKEN", hide_env_values = true)]
+    gateway_token: String,
+    /// How long an admitted call holds its reservation if never settled.
+    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    lease: Duration,
+    /// How long quota and key configuration is cached per instance.
+    #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
+    config_ttl: Duration,
+    /// What a check does when Redis cannot be reached.
+    #[arg(long, env = "TOLLGATE_VIEW_DOWN", value_enum, default_value = "deny")]
+    view_down: ViewDown,
+    /// This instance's name on the events it emits.
+    #[arg(long, env = "TOLLGATE_INSTANCE")]
+    instance: Option<String>,
+}
+
+#[derive(Args)]
+struct ProjectArgs {
+    #[command(flatten)]
+    backends: Backends,
+    /// The name the projector's offsets are stored under.
+    #[arg(long, env = "TOLLGATE_CONSUMER", default_value = "tollgate-projector")]
+    consumer: String,
+    /// Most records folded in one transaction.
+    #[arg(long, env = "TOLLGATE_MAX_BATCH", default_value_t = 5000)]
+    max_batch: usize,
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if args.admin_token.len() < 8 || args.gateway_token.len() < 8 {
+        bail!("TOLLGATE_ADMIN_TOKEN and TOLLGATE_GATEWAY_TOKEN must be at least 8 characters");
+    }
+    if args.admin_token == args.gateway_token {
+        bail!("TOLLGATE_ADMIN_TOKEN and TOLLGATE_GATEWAY_TOKEN must differ");
+    }
+    let b = &args.backends;
+    let store = b.store().await?;
+    b.topics().await?;
+    let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
+    let log = KafkaLog::new(&b.kafka()).context("creating the Kafka producer")?;
+    let mut settings = Settings::new(args.admin_token, args.gateway_token);
+    settings.lease = args.lease;
+    settings.config_ttl = args.config_ttl;
+    settings.view_down = match args.view_down {
+        ViewDown::Allow => ViewDownPolicy::Allow,
+        ViewDown::Deny => ViewDownPolicy::Deny,
+    };
+    if let Some(i) = args.instance {
+        settings.instance = i;
+    }
+    let state = AppState::new(Arc::new(store), Arc::new(view), Arc::new(log), Arc::new(SystemClock), settings);
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    info!(addr = %listener.local_addr()?, "tollgate gateway listening");
+    axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn project(args: ProjectArgs) -> anyhow::Result<()> {
+    let b = &args.backends;
+    let store = b.store().await?;
+    b.topics().await?;
+    let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
+    let kafka = b.kafka();
+    let reader = KafkaReader::new(&kafka, &args.consumer).context("creating the Kafka consumer")?;
+    let mut config = ProjectorConfig::new(kafka.usage_topic());
+    config.consumer = args.consumer;
+    config.max_batch = args.max_batch;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
+    info!("tollgate projector running");
+    projector.run(shutdown_signal()).await.context("projector stopped")?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Serve(a) => serve(a).await,
+        Command::Project(a) => project(a).await,
+        Command::Migrate(a) => {
+            let store = PgStore::connect(&a.database_url).await.context("connecting to PostgreSQL")?;
+            store.migrate().await.context("migrating")?;
+            info!("migrations applied");
+            Ok(())
+        }
+    }
+}

@@ -1,1 +1,55 @@
+//! # gateway — Tollgate's HTTP service
+//!
+//! The hot path (`/v1/check`, `/v1/events`), the admin API (projects, API
+//! keys, quotas), `/healthz` and `/openapi.json`. Handlers parse the body
+//! field by field (a wrong field is a 400 naming it), call the rules in
+//! `meter` and the ports in [`AppState`], and map the result.
 
+pub mod admin;
+pub mod auth;
+pub mod error;
+pub mod fields;
+pub mod hot;
+pub mod state;
+
+use axum::Router;
+use axum::routing::{get, post};
+use utoipa::OpenApi;
+
+pub use error::{ApiError, ApiResult};
+pub use state::{AppState, Settings, ViewDownPolicy};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Tollgate", description = "Usage metering and exact quota enforcement on an event log"),
+    paths(
+        hot::check, hot::events,
+        admin::create_project, admin::get_project, admin::create_api_key, admin::get_api_key,
+        admin::create_quota, admin::list_quotas, admin::get_quota, admin::patch_quota, admin::delete_quota,
+    )
+)]
+pub struct ApiDoc;
+
+async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json(ApiDoc::openapi())
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+/// The whole HTTP API over the given state.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/openapi.json", get(openapi))
+        .route("/v1/check", post(hot::check))
+        .route("/v1/events", post(hot::events))
+        .route("/v1/projects", post(admin::create_project))
+        .route("/v1/projects/{id}", get(admin::get_project))
+        .route("/v1/projects/{id}/api-keys", post(admin::create_api_key))
+        .route("/v1/api-keys/{id}", get(admin::get_api_key))
+        .route("/v1/quotas", post(admin::create_quota).get(admin::list_quotas))
+        .route("/v1/quotas/{id}", get(admin::get_quota).patch(admin::patch_quota).delete(admin::delete_quota))
+        .with_state(state)
+}

@@ -1,0 +1,193 @@
+//! Shared state: the ports, the clock, settings, and a short-lived cache of
+//! configuration (projects, quotas, keys) so the hot path does not read
+//! PostgreSQL on every check.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use meter::{ApiKey, ApiKeyId, Clock, Log, PortResult, Project, ProjectId, Quota, Store, View};
+use rand::Rng;
+use rand::distr::Alphanumeric;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+/// What a check does when the view cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViewDownPolicy {
+    /// Admit the call uncounted by the view (it is still metered on the log).
+    Allow,
+    /// Refuse with 503.
+    Deny,
+}
+
+/// Settings of the HTTP service.
+#[derive(Clone)]
+pub struct Settings {
+    pub admin_token: String,
+    pub gateway_token: String,
+    /// How long an admitted call's reservation lives if never settled.
+    pub lease: Duration,
+    /// How long configuration is cached (a quota change reaches other
+    /// gateway instances within this).
+    pub config_ttl: Duration,
+    pub horizon: chrono::Duration,
+    pub view_down: ViewDownPolicy,
+    /// This instance's name, written on every event it emits.
+    pub instance: String,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("admin_token", &"<redacted>")
+            .field("gateway_token", &"<redacted>")
+            .field("lease", &self.lease)
+            .field("config_ttl", &self.config_ttl)
+            .field("view_down", &self.view_down)
+            .field("instance", &self.instance)
+            .finish()
+    }
+}
+
+impl Settings {
+    pub fn new(admin_token: impl Into<String>, gateway_token: impl Into<String>) -> Self {
+        Settings {
+            admin_token: admin_token.into(),
+            gateway_token: gateway_token.into(),
+            lease: Duration::from_secs(60),
+            config_ttl: Duration::from_secs(1),
+            horizon: meter::usage::DEFAULT_DEDUP_HORIZON,
+            view_down: ViewDownPolicy::Deny,
+            instance: format!("gw-{}", random_token(6)),
+        }
+    }
+}
+
+/// A project with its quotas, as the hot path needs them.
+#[derive(Debug, Clone)]
+pub struct ProjectConfig {
+    pub project: Project,
+    pub quotas: Arc<Vec<Quota>>,
+}
+
+type Cached<T> = Mutex<HashMap<String, (Instant, T)>>;
+
+/// Configuration cached for `config_ttl`.
+#[derive(Default)]
+pub struct ConfigCache {
+    projects: Cached<Option<ProjectConfig>>,
+    keys: Cached<Option<ApiKey>>,
+}
+
+fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration) -> Option<T> {
+    let g = m.lock().unwrap_or_else(|e| e.into_inner());
+    g.get(k).filter(|(at, _)| at.elapsed() < ttl).map(|(_, v)| v.clone())
+}
+
+fn put<T>(m: &Cached<T>, k: String, v: T) {
+    let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+    if g.len() > 100_000 {
+        g.clear();
+    }
+    g.insert(k, (Instant::now(), v));
+}
+
+/// Everything a handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub view: Arc<dyn View>,
+    pub log: Arc<dyn Log>,
+    pub clock: Arc<dyn Clock>,
+    pub settings: Arc<Settings>,
+    pub cache: Arc<ConfigCache>,
+}
+
+impl AppState {
+    pub fn new(
+        store: Arc<dyn Store>,
+        view: Arc<dyn View>,
+        log: Arc<dyn Log>,
+        clock: Arc<dyn Clock>,
+        settings: Settings,
+    ) -> Self {
+        AppState { store, view, log, clock, settings: Arc::new(settings), cache: Arc::default() }
+    }
+
+    /// A project and its quotas (cached).
+    pub async fn project_config(&self, id: &ProjectId) -> PortResult<Option<ProjectConfig>> {
+        if let Some(c) = get(&self.cache.projects, id.as_str(), self.settings.config_ttl) {
+            return Ok(c);
+        }
+        let cfg = match self.store.project(id).await? {
+            None => None,
+            Some(project) => {
+                let quotas = self.store.quotas(id).await?;
+                Some(ProjectConfig { project, quotas: Arc::new(quotas) })
+            }
+        };
+        put(&self.cache.projects, id.as_str().to_owned(), cfg.clone());
+        Ok(cfg)
+    }
+
+    /// Forgets a project's cached configuration after an admin change.
+    pub fn invalidate_project(&self, id: &ProjectId) {
+        let mut g = self.cache.projects.lock().unwrap_or_else(|e| e.into_inner());
+        g.remove(id.as_str());
+    }
+
+    /// An API key by its secret (cached by the secret's hash).
+    pub async fn key_by_secret(&self, secret: &str) -> PortResult<Option<ApiKey>> {
+        let hash = hash_secret(secret);
+        if let Some(k) = get(&self.cache.keys, &hash, self.settings.config_ttl) {
+            return Ok(k);
+        }
+        let k = self.store.api_key_by_secret_hash(&hash).await?;
+        put(&self.cache.keys, hash, k.clone());
+        Ok(k)
+    }
+
+    /// An API key by its id (cached).
+    pub async fn key_by_id(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>> {
+        let k = format!("id:{id}");
+        if let Some(v) = get(&self.cache.keys, &k, self.settings.config_ttl) {
+            return Ok(v);
+        }
+        let v = self.store.api_key(id).await?;
+        put(&self.cache.keys, k, v.clone());
+        Ok(v)
+    }
+}
+
+/// The stored form of a secret: its SHA-256, hex. Secrets are random and
+/// long, so a fast hash is enough (no dictionary to attack).
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// A random token of letters and digits.
+pub fn random_token(len: usize) -> String {
+    rand::rng().sample_iter(&Alphanumeric).take(len).map(char::from).collect()
+}
+
+/// A new public id with a type prefix, time-ordered.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
+}
+
+/// Compares two secrets in time independent of where they differ.
+pub fn same_secret(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc::now()
+    }
+}

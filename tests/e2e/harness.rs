@@ -1,0 +1,250 @@
+//! Spawns real Tollgate processes against real PostgreSQL, Redis and a
+//! Kafka-protocol broker, each test with its own database, key prefix and
+//! topics so tests run in parallel.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use chrono::{Timelike, Utc};
+use serde_json::{Value, json};
+
+pub const ADMIN: &str = "admin-token-e2e";
+pub const GATEWAY: &str = "gateway-token-e2e";
+
+pub fn kafka() -> String {
+    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+pub fn base_db() -> String {
+    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+pub fn base_redis() -> String {
+    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind port 0").local_addr().expect("addr").port()
+}
+
+/// A day-window time zone whose current day has at least two hours left and
+/// has run for at least two, so a test never straddles a window boundary.
+pub fn safe_timezone() -> &'static str {
+    let zones = [("UTC", 0i64), ("Asia/Tokyo", 9), ("America/New_York", -5), ("Asia/Kolkata", 5)];
+    let now = Utc::now();
+    for (z, off) in zones {
+        let h = (now.hour() as i64 + off).rem_euclid(24);
+        if (2..=21).contains(&h) {
+            return z;
+        }
+    }
+    "UTC"
+}
+
+/// One isolated environment: database, Redis prefix, topic prefix.
+pub struct Env {
+    pub id: String,
+    pub db_url: String,
+    pub redis_url: String,
+    pub redis_prefix: String,
+    pub topic_prefix: String,
+    children: Vec<(String, Child)>,
+    pub gateways: Vec<String>,
+    pub http: reqwest::Client,
+}
+
+impl Env {
+    pub async fn new() -> Env {
+        Self::with_redis(base_redis()).await
+    }
+
+    pub async fn with_redis(redis_url: String) -> Env {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let db = format!("tg_e2e_{id}");
+        let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&pool).await.expect("create test database");
+        pool.close().await;
+        let base = base_db();
+        let db_url = match base.rfind('/') {
+            Some(i) => format!("{}/{db}", &base[..i]),
+            None => panic!("database url without a path: {base}"),
+        };
+        Env {
+            db_url,
+            redis_url,
+            redis_prefix: format!("tge2e:{id}:"),
+            topic_prefix: format!("tge2e.{id}."),
+            id,
+            children: Vec::new(),
+            gateways: Vec::new(),
+            http: reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("http client"),
+        }
+    }
+
+    fn command(&self, sub: &str) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        c.arg(sub)
+            .env("TOLLGATE_DATABASE_URL", &self.db_url)
+            .env("TOLLGATE_REDIS_URL", &self.redis_url)
+            .env("TOLLGATE_REDIS_PREFIX", &self.redis_prefix)
+            .env("TOLLGATE_TOPIC_PREFIX", &self.topic_prefix)
+            .env("TOLLGATE_KAFKA_BROKERS", kafka())
+            .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("TOLLGATE_GATEWAY_TOKEN", GATEWAY)
+            .env("TOLLGATE_LOG", std::env::var("TEST_LOG").map(|_| "info").unwrap_or("warn"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if std::env::var("TEST_LOG").is_err() {
+            c.stderr(Stdio::null());
+        }
+        c
+    }
+
+    /// Starts a gateway process and waits until it answers.
+    pub async fn start_gateway(&mut self) -> String {
+        let port = free_port();
+        let child = self
+            .command("serve")
+            .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TOLLGATE_INSTANCE", format!("gw{}", self.gateways.len()))
+            .spawn()
+            .expect("spawn tollgate serve");
+        self.children.push(("gateway".into(), child));
+        let url = format!("http://127.0.0.1:{port}");
+        for _ in 0..600 {
+            if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await {
+                if r.status().is_success() {
+                    self.gateways.push(url.clone());
+                    return url;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("gateway did not start on {url}");
+    }
+
+    /// Starts a projector process; returns its index for `kill`.
+    pub fn start_projector(&mut self) -> usize {
+        let child = self.command("project").spawn().expect("spawn tollgate project");
+        self.children.push(("projector".into(), child));
+        self.children.len() - 1
+    }
+
+    /// SIGKILLs a child process.
+    pub fn kill(&mut self, index: usize) {
+        let (_, c) = &mut self.children[index];
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    pub fn gw(&self) -> &str {
+        &self.gateways[0]
+    }
+
+    pub async fn admin_post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.gw()))
+            .bearer_auth(ADMIN)
+            .json(&body)
+            .send()
+            .await
+            .expect("admin request");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn admin_get(&self, path: &str) -> (u16, Value) {
+        let r = self.http.get(format!("{}{path}", self.gw())).bearer_auth(ADMIN).send().await.expect("admin get");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// A project, one key (id, secret) in it.
+    pub async fn project_with_key(&self, tz: &str) -> (String, String, String) {
+        let (s, p) = self.admin_post("/v1/projects", json!({"name": "e2e", "timezone": tz})).await;
+        assert_eq!(s, 201, "create project: {p}");
+        let pid = p["id"].as_str().expect("project id").to_owned();
+        let (s, k) = self.admin_post(&format!("/v1/projects/{pid}/api-keys"), json!({"name": "k"})).await;
+        assert_eq!(s, 201, "create key: {k}");
+        (pid, k["id"].as_str().expect("key id").to_owned(), k["secret"].as_str().expect("secret").to_owned())
+    }
+
+    pub async fn quota(&self, body: Value) -> String {
+        let (s, q) = self.admin_post("/v1/quotas", body).await;
+        assert_eq!(s, 201, "create quota: {q}");
+        q["id"].as_str().expect("quota id").to_owned()
+    }
+
+    /// Durable totals of one counter in PostgreSQL.
+    pub async fn durable(&self, project: &str, dimension: &str, window: &str) -> (i64, i64, i64) {
+        let pool = sqlx::PgPool::connect(&self.db_url).await.expect("connect test database");
+        let row: Option<(i64, i64, i64)> = sqlx::query_as(
+            "SELECT COALESCE(SUM(requests),0)::bigint, COALESCE(SUM(calls),0)::bigint, COALESCE(SUM(\"rows\"),0)::bigint
+             FROM usage_aggregates WHERE project_id = $1 AND dimension = $2 AND window_kind = $3",
+        )
+        .bind(project)
+        .bind(dimension)
+        .bind(window)
+        .fetch_optional(&pool)
+        .await
+        .expect("read aggregates");
+        pool.close().await;
+        row.unwrap_or((0, 0, 0))
+    }
+
+    /// Waits until `f` holds, polling, or panics after `secs`.
+    pub async fn eventually<F, Fut>(&self, secs: u64, what: &str, mut f: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+        while tokio::time::Instant::now() < deadline {
+            if f().await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A check by secret, from one gateway.
+pub async fn check(http: &reqwest::Client, gw: &str, secret: &str, extra: Value) -> reqwest::Response {
+    let mut body = json!({ "api_key": secret });
+    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+        b.extend(e);
+    }
+    http.post(format!("{gw}/v1/check")).bearer_auth(GATEWAY).json(&body).send().await.expect("check request")
+}
+
+/// Posts events; returns the status and body.
+pub async fn post_events(http: &reqwest::Client, gw: &str, events: Vec<Value>) -> (u16, Value) {
+    let r = http
+        .post(format!("{gw}/v1/events"))
+        .bearer_auth(GATEWAY)
+        .json(&json!({ "events": events }))
+        .send()
+        .await
+        .expect("events request");
+    let s = r.status().as_u16();
+    (s, r.json().await.unwrap_or(Value::Null))
+}
+
+/// A successful call event.
+pub fn call_event(id: &str, project: &str, key: &str, reservation: Option<&str>, rows: u64) -> Value {
+    json!({
+        "id": id, "type": "call", "project_id": project, "api_key_id": key,
+        "occurred_at": Utc::now().to_rfc3339(), "reservation_id": reservation,
+        "outcome": "success", "rows": rows,
+    })
+}

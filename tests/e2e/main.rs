@@ -1,0 +1,412 @@
+//! End-to-end tests of the whole system on real services: PostgreSQL, Redis
+//! and a Kafka-protocol broker (see `scripts/test`).
+
+mod harness;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use harness::*;
+use rand::Rng;
+use serde_json::{Value, json};
+
+/// (a) A calls quota of 1,000, two gateway processes, 64 concurrent clients
+/// that check then settle: exactly 1,000 admitted; every other answer is the
+/// documented 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exact_admission_across_two_gateways() {
+    let mut env = Env::new().await;
+    env.start_gateway().await;
+    env.start_gateway().await;
+    env.start_projector();
+    let tz = safe_timezone();
+    let (pid, kid, secret) = env.project_with_key(tz).await;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 1000}))
+        .await;
+
+    let admitted = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for c in 0..64 {
+        let gw = env.gateways[c % 2].clone();
+        let (http, secret, pid, kid, qid) = (env.http.clone(), secret.clone(), pid.clone(), kid.clone(), qid.clone());
+        let (admitted, refused) = (admitted.clone(), refused.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..25 {
+                let r = check(&http, &gw, &secret, json!({})).await;
+                let status = r.status().as_u16();
+                let headers = r.headers().clone();
+                let body: Value = r.json().await.expect("check body");
+                match status {
+                    200 => {
+                        admitted.fetch_add(1, Ordering::SeqCst);
+                        assert!(headers.contains_key("x-quota-remaining-calls"), "remaining header");
+                        let rid = body["reservation_id"].as_str().expect("reservation id");
+                        let ev = call_event(&format!("c{c}-{i}"), &pid, &kid, Some(rid), 3);
+                        let (s, b) = post_events(&http, &gw, vec![ev]).await;
+                        assert_eq!(s, 202, "settle: {b}");
+                    }
+                    429 => {
+                        refused.fetch_add(1, Ordering::SeqCst);
+                        assert_eq!(body["error"]["code"], "QUOTA_EXCEEDED", "{body}");
+                        let meta = &body["error"]["meta"];
+                        assert_eq!(meta["quota_id"], qid.as_str());
+                        assert_eq!(meta["metric"], "calls");
+                        assert_eq!(meta["limit"], 1000);
+                        assert_eq!(meta["window"], "day");
+                        assert!(meta["resets_at"].is_string());
+                        let ra: u64 = headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+                        assert!(ra >= 1 && ra <= 86_400);
+                        assert_eq!(headers["x-quota-remaining-calls"], "0");
+                        assert!(headers.contains_key("x-quota-reset"));
+                    }
+                    other => panic!("unexpected status {other}: {body}"),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    assert_eq!(admitted.load(Ordering::SeqCst), 1000, "exactly the limit is admitted");
+    assert_eq!(refused.load(Ordering::SeqCst), 64 * 25 - 1000);
+
+    // The durable fold agrees, and the quota reads the same count.
+    env.eventually(60, "1,000 calls folded", || async { env.durable(&pid, &format!("k:{kid}"), "day").await.1 == 1000 })
+        .await;
+    assert_eq!(env.durable(&pid, &format!("k:{kid}"), "day").await.2, 3000, "rows folded");
+    let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(q["current_usage"]["count"], 1000, "{q}");
+}
+
+/// (b) 50,000 events while the projector is SIGKILLed five times at random
+/// moments: the aggregates equal the totals of the acknowledged events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn projector_killed_five_times_loses_and_doubles_nothing() {
+    let mut env = Env::new().await;
+    env.start_gateway().await;
+    let mut proj = env.start_projector();
+    let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
+
+    let acked_calls = Arc::new(AtomicU64::new(0));
+    let acked_rows = Arc::new(AtomicU64::new(0));
+    let mut senders = Vec::new();
+    for t in 0..4 {
+        let (http, gw, pid, kid) = (env.http.clone(), env.gw().to_owned(), pid.clone(), kid.clone());
+        let (acked_calls, acked_rows) = (acked_calls.clone(), acked_rows.clone());
+        senders.push(tokio::spawn(async move {
+            for b in 0..25 {
+                let mut rows_in_batch = 0;
+                let events: Vec<Value> = (0..500)
+                    .map(|i| {
+                        let rows = rand::rng().random_range(0..10u64);
+                        rows_in_batch += rows;
+                        call_event(&format!("t{t}-b{b}-e{i}"), &pid, &kid, None, rows)
+                    })
+                    .collect();
+                let (s, body) = post_events(&http, &gw, events).await;
+                assert_eq!(s, 202, "{body}");
+                acked_calls.fetch_add(500, Ordering::SeqCst);
+                acked_rows.fetch_add(rows_in_batch, Ordering::SeqCst);
+            }
+        }));
+    }
+    for _ in 0..5 {
+        let wait = rand::rng().random_range(300..2000);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        env.kill(proj);
+        tokio::time::sleep(Duration::from_millis(rand::rng().random_range(50..500))).await;
+        proj = env.start_projector();
+    }
+    for s in senders {
+        s.await.expect("sender");
+    }
+    let calls = acked_calls.load(Ordering::SeqCst) as i64;
+    let rows = acked_rows.load(Ordering::SeqCst) as i64;
+    assert_eq!(calls, 50_000);
+    env.eventually(240, "all acknowledged events folded", || async {
+        env.durable(&pid, "p", "day").await.1 >= calls
+    })
+    .await;
+    // Settle a little longer: nothing more may arrive.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, c, r) = env.durable(&pid, "p", "day").await;
+    assert_eq!((c, r), (calls, rows), "nothing lost, nothing counted twice");
+    let (_, c, r) = env.durable(&pid, &format!("k:{kid}"), "calendar_month").await;
+    assert_eq!((c, r), (calls, rows));
+}
+
+/// (c) The same event id, in one batch and in two batches, is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_event_ids_count_once() {
+    let mut env = Env::new().await;
+    env.start_gateway().await;
+    env.start_projector();
+    let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 100}))
+        .await;
+    let e = call_event("dup-1", &pid, &kid, None, 5);
+    let (s, b) = post_events(&env.http, env.gw(), vec![e.clone(), e.clone()]).await;
+    assert_eq!((s, b["accepted"].clone(), b["duplicates"].clone()), (202, json!(1), json!(1)), "{b}");
+    // Before the fold the view already counts it once, and a resend adds nothing.
+    let (s, _) = post_events(&env.http, env.gw(), vec![e.clone()]).await;
+    assert_eq!(s, 202);
+    let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(q["current_usage"]["count"], 1, "{q}");
+    env.eventually(30, "the event folded", || async { env.durable(&pid, "p", "day").await.1 == 1 }).await;
+    // After the fold, a resend in a later batch is still counted once.
+    let (s, _) = post_events(&env.http, env.gw(), vec![e.clone(), call_event("dup-2", &pid, &kid, None, 1)]).await;
+    assert_eq!(s, 202);
+    env.eventually(30, "the second event folded", || async { env.durable(&pid, "p", "day").await.1 == 2 }).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(env.durable(&pid, "p", "day").await, (0, 2, 6));
+    let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(q["current_usage"]["count"], 2, "{q}");
+}
+
+/// (d) A malformed message on the topic lands in the DLQ with a reason, and
+/// the events after it are folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_message_goes_to_the_dlq() {
+    use rdkafka::Message;
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::message::Headers;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    let mut env = Env::new().await;
+    env.start_gateway().await;
+    env.start_projector();
+    let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka())
+        .create()
+        .expect("producer");
+    let topic = format!("{}usage", env.topic_prefix);
+    producer
+        .send(FutureRecord::to(&topic).key(&pid).payload(b"not avro at all".as_slice()), Duration::from_secs(10))
+        .await
+        .expect("produce garbage");
+    // A well-framed record of an unknown schema fingerprint, too.
+    let mut unknown = vec![0xC3, 0x01];
+    unknown.extend_from_slice(&[7u8; 8]);
+    producer
+        .send(FutureRecord::to(&topic).key(&pid).payload(&unknown), Duration::from_secs(10))
+        .await
+        .expect("produce unknown fingerprint");
+    let events: Vec<Value> = (0..10).map(|i| call_event(&format!("after-{i}"), &pid, &kid, None, 1)).collect();
+    let (s, _) = post_events(&env.http, env.gw(), events).await;
+    assert_eq!(s, 202);
+    env.eventually(30, "events after the bad ones folded", || async { env.durable(&pid, "p", "day").await.1 == 10 })
+        .await;
+
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka())
+        .set("group.id", format!("dlq-reader-{}", env.id))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let dlq = format!("{}dlq", env.topic_prefix);
+    consumer.subscribe(&[&dlq]).expect("subscribe dlq");
+    let mut found = Vec::new();
+    while found.len() < 2 {
+        let m = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+            .await
+            .expect("a dead letter within 30 s")
+            .expect("dlq message");
+        let reason = m
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "tollgate-reason").and_then(|h| h.value.map(<[u8]>::to_vec)))
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .expect("a reason header");
+        found.push((m.payload().map(<[u8]>::to_vec).unwrap_or_default(), reason));
+    }
+    assert!(found.iter().any(|(p, r)| p == b"not avro at all" && r.starts_with("malformed")), "{found:?}");
+    assert!(found.iter().any(|(p, r)| *p == unknown && r.contains("fingerprint")), "{found:?}");
+}
+
+/// (e) FLUSHALL on Redis during traffic: checks after it see the right
+/// counts again within seconds. Runs on a Redis server of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_flush_during_traffic_recovers() {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("tg-redis-{port}"));
+    std::fs::create_dir_all(&dir).expect("redis dir");
+    let mut redis = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server is installed");
+    let redis_url = format!("redis://127.0.0.1:{port}");
+    let client = redis::Client::open(redis_url.as_str()).expect("redis client");
+    let mut conn = None;
+    for _ in 0..50 {
+        if let Ok(c) = client.get_multiplexed_async_connection().await {
+            conn = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut conn = conn.expect("own redis started");
+
+    let mut env = Env::with_redis(redis_url).await;
+    env.start_gateway().await;
+    env.start_projector();
+    let (pid, kid, secret) = env.project_with_key(safe_timezone()).await;
+    let limit = 400u64;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": limit}))
+        .await;
+
+    let settled = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..8 {
+        let (http, gw, secret, pid, kid) = (env.http.clone(), env.gw().to_owned(), secret.clone(), pid.clone(), kid.clone());
+        let (settled, stop) = (settled.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) && i < 25 {
+                let r = check(&http, &gw, &secret, json!({})).await;
+                if r.status().as_u16() == 200 {
+                    let body: Value = r.json().await.expect("body");
+                    let rid = body["reservation_id"].as_str().expect("rid").to_owned();
+                    let (s, _) = post_events(&http, &gw, vec![call_event(&format!("f{c}-{i}"), &pid, &kid, Some(&rid), 0)]).await;
+                    assert_eq!(s, 202);
+                    settled.fetch_add(1, Ordering::SeqCst);
+                }
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("flushall");
+    for t in tasks {
+        t.await.expect("traffic task");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let n = settled.load(Ordering::SeqCst);
+    assert!(n > 0 && n <= limit, "settled {n}");
+    // Within seconds the view is right again: the quota reads every settled call.
+    env.eventually(10, "the view counts every settled call", || async {
+        let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+        q["current_usage"]["count"] == json!(n)
+    })
+    .await;
+    // And checks compare against it exactly: limit − n more are admitted.
+    let mut more = 0;
+    loop {
+        let r = check(&env.http, env.gw(), &secret, json!({})).await;
+        if r.status().as_u16() != 200 {
+            assert_eq!(r.status().as_u16(), 429);
+            break;
+        }
+        more += 1;
+        assert!(more <= limit, "runaway admission");
+    }
+    assert_eq!(more, limit - n);
+    drop(env);
+    let _ = redis.kill();
+    let _ = redis.wait();
+}
+
+/// (f) The validity rules through the API: every metric × scope × window of
+/// this release, each accepted (201) or refused (400 naming the field).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_validity_table() {
+    let mut env = Env::new().await;
+    env.start_gateway().await;
+    let (pid, kid, _) = env.project_with_key("UTC").await;
+    let metrics = ["requests", "calls", "rows", "tokens", "cost_usd", "storage_bytes"];
+    let scopes = ["project", "api_key", "agent", "actor"];
+    let windows = ["rolling_1m", "rolling_1h", "rolling_24h", "day", "calendar_month", "current"];
+    let mut accepted = 0;
+    for m in metrics {
+        for s in scopes {
+            for w in windows {
+                let valid_scope = match m {
+                    "requests" => ["project", "api_key"].contains(&s),
+                    "calls" | "rows" => ["project", "api_key", "actor"].contains(&s),
+                    _ => false,
+                };
+                let metered = ["requests", "calls", "rows"].contains(&m);
+                let expect_field = if !metered {
+                    Some("metric")
+                } else if !valid_scope {
+                    Some("scope")
+                } else if w == "current" {
+                    Some("window")
+                } else {
+                    None
+                };
+                let scope_ref = if s == "api_key" { json!(kid) } else { Value::Null };
+                let (status, body) = env
+                    .admin_post("/v1/quotas", json!({"project_id": pid, "scope": s, "scope_ref": scope_ref, "metric": m, "window": w, "limit": 5}))
+                    .await;
+                match expect_field {
+                    None => {
+                        assert_eq!(status, 201, "{m}/{s}/{w}: {body}");
+                        accepted += 1;
+                    }
+                    Some(f) => {
+                        assert_eq!(status, 400, "{m}/{s}/{w}: {body}");
+                        assert_eq!(body["error"]["code"], "INVALID_REQUEST");
+                        assert_eq!(body["error"]["meta"]["field"], f, "{m}/{s}/{w}: {body}");
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(accepted, 5 * (2 + 3 + 3));
+    let (_, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(accepted), "refusals changed nothing");
+
+    // A duplicate identity is a conflict; a null scope_ref is part of the identity.
+    let q = json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 9});
+    let (s, b) = env.admin_post("/v1/quotas", q).await;
+    assert_eq!((s, b["error"]["code"].clone()), (409, json!("QUOTA_CONFLICT")), "{b}");
+    // Field-level errors.
+    for (body, field) in [
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 0}), "limit"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": "5"}), "limit"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day"}), "limit"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "week", "limit": 5}), "window"),
+        (json!({"project_id": pid, "scope": "api_key", "scope_ref": "key_nope", "metric": "calls", "window": "day", "limit": 5}), "scope_ref"),
+        (json!({"project_id": "proj_nope", "scope": "project", "metric": "calls", "window": "day", "limit": 5}), "project_id"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "mode": "loud"}), "mode"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "meter_type": "llm_tokens"}), "meter_type"),
+        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "colour": "red"}), "colour"),
+    ] {
+        let (s, b) = env.admin_post("/v1/quotas", body.clone()).await;
+        assert_eq!(s, 400, "{body}: {b}");
+        assert_eq!(b["error"]["meta"]["field"], field, "{body}: {b}");
+    }
+    // PATCH changes only limit and mode.
+    let (_, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
+    let id = list["data"][0]["id"].as_str().expect("a quota").to_owned();
+    let r = env.http.patch(format!("{}/v1/quotas/{id}", env.gw())).bearer_auth(ADMIN)
+        .json(&json!({"window": "rolling_1h"})).send().await.expect("patch");
+    assert_eq!(r.status().as_u16(), 400);
+    let b: Value = r.json().await.expect("body");
+    assert_eq!(b["error"]["meta"]["field"], "window");
+    let r = env.http.patch(format!("{}/v1/quotas/{id}", env.gw())).bearer_auth(ADMIN)
+        .json(&json!({"limit": 77, "mode": "monitor"})).send().await.expect("patch");
+    assert_eq!(r.status().as_u16(), 200);
+    let b: Value = r.json().await.expect("body");
+    assert_eq!((b["limit"].clone(), b["mode"].clone()), (json!(77), json!("monitor")));
+    // Bad events change nothing: one bad event refuses the whole batch.
+    let good = call_event("ok-1", &pid, &kid, None, 1);
+    let mut bad = call_event("bad-1", &pid, &kid, None, 1);
+    bad["rows"] = json!(-3);
+    let (s, b) = post_events(&env.http, env.gw(), vec![good, bad]).await;
+    assert_eq!(s, 400);
+    assert_eq!(b["error"]["meta"]["field"], "events[1].rows", "{b}");
+    // Without the right token nothing is allowed.
+    let r = env.http.post(format!("{}/v1/quotas", env.gw())).bearer_auth(GATEWAY).json(&json!({})).send().await.expect("req");
+    assert_eq!(r.status().as_u16(), 401);
+}
