@@ -61,6 +61,81 @@ async fn caller(s: &AppState, obj: &serde_json::Map<String, Value>) -> ApiResult
     key.ok_or_else(|| ApiError::unauthenticated("unknown api key").with_meta(json!({ "field": "api_key" })))
 }
 
+/// An admitted check: the reservation to settle, the caller, and the
+/// headers every answer to a caller with a quota carries.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub reservation: ReservationId,
+    pub key: ApiKey,
+    pub headers: HeaderMap,
+    /// True when the view was unreachable and policy let the call through.
+    pub degraded: bool,
+}
+
+/// Runs one check for a known caller: one view round trip, the verdict, and
+/// the request event published in the background. A refusal is the
+/// documented error (429 with `Retry-After`, or 503 by the view-down policy).
+pub async fn admit(s: &AppState, key: ApiKey, agent: Option<String>, actor: Option<String>) -> ApiResult<Admission> {
+    let cfg = s
+        .project_config(&key.project_id)
+        .await?
+        .ok_or_else(|| ApiError::unauthenticated("the api key's project no longer exists"))?;
+    let now = s.clock.now();
+    let plan = meter::plan_check(&cfg.quotas, cfg.project.timezone, &key.id, actor.as_deref(), now);
+    let hold = Hold {
+        reservation: ReservationId::parse(new_id("res")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
+        request_event: EventId::parse(new_id("req")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
+        lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
+    };
+    let outcome = if plan.limits.is_empty() {
+        Some(CheckOutcome { admitted: true, used: Vec::new() })
+    } else {
+        match run_check(s, &key.project_id, &plan, &hold, now).await {
+            Ok(o) => Some(o),
+            Err(e) => {
+                warn!(error = %e, "view unreachable during check");
+                metrics::counter!("tollgate_view_unavailable_total", "policy" => match s.settings.view_down {
+                    ViewDownPolicy::Allow => "allow",
+                    ViewDownPolicy::Deny => "deny",
+                })
+                .increment(1);
+                if s.settings.view_down == ViewDownPolicy::Deny {
+                    return Err(ApiError::unavailable("VIEW_UNAVAILABLE", "quota view unreachable; the check is refused by policy"));
+                }
+                None
+            }
+        }
+    };
+    publish_request(s, &key, agent, actor, &hold, now);
+    let Some(outcome) = outcome else {
+        return Ok(Admission { reservation: hold.reservation, key, headers: HeaderMap::new(), degraded: true });
+    };
+    let verdict = meter::decide(&cfg.quotas, &plan, &outcome, now);
+    let mut headers = HeaderMap::new();
+    remaining_headers(&verdict, &mut headers);
+    match &verdict.breach {
+        None => Ok(Admission { reservation: hold.reservation, key, headers, degraded: false }),
+        Some(b) => {
+            metrics::counter!("tollgate_check_refusals_total", "metric" => b.metric.as_str()).increment(1);
+            let subject = match &b.scope_ref {
+                Some(r) => format!("{} {r}", b.scope),
+                None if b.scope == meter::Scope::Project => format!("project {}", key.project_id),
+                None => format!("{} (all)", b.scope),
+            };
+            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "QUOTA_EXCEEDED", format!("Quota exceeded for {subject}."))
+                .with_meta(json!({
+                    "quota_id": b.quota_id, "metric": b.metric.as_str(), "limit": b.limit,
+                    "window": b.window.as_str(), "resets_at": b.resets_at,
+                }));
+            e.headers = headers;
+            if let Some(secs) = b.retry_after_secs {
+                e = e.header("retry-after", &secs.to_string());
+            }
+            Err(e)
+        }
+    }
+}
+
 #[utoipa::path(post, path = "/v1/check", tag = "hot path",
     responses((status = 200, description = "Admitted: a reservation to settle with the call's event"),
               (status = 429, description = "QUOTA_EXCEEDED, with Retry-After"),
@@ -80,68 +155,13 @@ pub async fn check(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -
             return Err(ApiError::invalid("project_id", "is not the api key's project"));
         }
     }
-    let cfg = s
-        .project_config(&key.project_id)
-        .await?
-        .ok_or_else(|| ApiError::unauthenticated("the api key's project no longer exists"))?;
-    let now = s.clock.now();
-    let plan = meter::plan_check(&cfg.quotas, cfg.project.timezone, &key.id, actor.as_deref(), now);
-    let hold = Hold {
-        reservation: ReservationId::parse(new_id("res")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
-        request_event: EventId::parse(new_id("req")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
-        lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
-    };
-    let outcome = if plan.limits.is_empty() {
-        Some(CheckOutcome { admitted: true, used: Vec::new() })
-    } else {
-        match run_check(&s, &key.project_id, &plan, &hold, now).await {
-            Ok(o) => Some(o),
-            Err(e) => {
-                warn!(error = %e, "view unreachable during check");
-                metrics::counter!("tollgate_view_unavailable_total", "policy" => match s.settings.view_down {
-                    ViewDownPolicy::Allow => "allow",
-                    ViewDownPolicy::Deny => "deny",
-                })
-                .increment(1);
-                if s.settings.view_down == ViewDownPolicy::Deny {
-                    return Err(ApiError::unavailable("VIEW_UNAVAILABLE", "quota view unreachable; the check is refused by policy"));
-                }
-                None
-            }
-        }
-    };
-    publish_request(&s, &key, agent, actor, &hold, now);
-    let limits = json!({ "query_timeout": key.grants.query_timeout, "max_rows": key.grants.max_rows });
-    let Some(outcome) = outcome else {
-        return Ok(Json(json!({ "allowed": true, "reservation_id": hold.reservation, "limits": limits, "degraded": true })).into_response());
-    };
-    let verdict = meter::decide(&cfg.quotas, &plan, &outcome, now);
-    let mut res_headers = HeaderMap::new();
-    remaining_headers(&verdict, &mut res_headers);
-    match &verdict.breach {
-        None => {
-            let body = json!({ "allowed": true, "reservation_id": hold.reservation, "limits": limits });
-            Ok((StatusCode::OK, res_headers, Json(body)).into_response())
-        }
-        Some(b) => {
-            metrics::counter!("tollgate_check_refusals_total", "metric" => b.metric.as_str()).increment(1);
-            let subject = match &b.scope_ref {
-                Some(r) => format!("{} {r}", b.scope),
-                None if b.scope == meter::Scope::Project => format!("project {}", key.project_id),
-                None => format!("{} (all)", b.scope),
-            };
-            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "QUOTA_EXCEEDED", format!("Quota exceeded for {subject}."))
-                .with_meta(json!({
-                    "quota_id": b.quota_id, "metric": b.metric.as_str(), "limit": b.limit,
-                    "window": b.window.as_str(), "resets_at": b.resets_at,
-                }));
-            e.headers = res_headers;
-            if let Some(secs) = b.retry_after_secs {
-                e = e.header("retry-after", &secs.to_string());
-            }
-            Err(e)
-        }
+    let a = admit(&s, key, agent, actor).await?;
+    let limits = json!({ "query_timeout": a.key.grants.query_timeout, "max_rows": a.key.grants.max_rows });
+    let mut body = json!({ "allowed": true, "reservation_id": a.reservation, "limits": limits });
+    if a.degraded {
+        body["degraded"] = json!(true);
     }
+    Ok((StatusCode::OK, a.headers, Json(body)).into_response())
 }
 
 async fn run_check(
@@ -287,9 +307,18 @@ pub async fn events(State(s): State<AppState>, headers: HeaderMap, body: Bytes) 
             duplicates += 1;
         }
     }
+    record(&s, &facts).await?;
+    metrics::counter!("tollgate_events_accepted_total").increment(facts.len() as u64);
+    Ok((StatusCode::ACCEPTED, Json(json!({ "accepted": facts.len(), "duplicates": duplicates }))))
+}
+
+/// Settles facts into the view, then publishes them; returns once the log
+/// acknowledged every one (or takes the settlement back and fails).
+pub async fn record(s: &AppState, facts: &[UsageFact]) -> ApiResult<()> {
+    let now = s.clock.now();
     // Settle into the view first, per project, so a fold never precedes it.
     let mut by_project: BTreeMap<ProjectId, Vec<Settlement>> = BTreeMap::new();
-    for f in &facts {
+    for f in facts {
         let cfg = s.project_config(&f.project_id).await?;
         let tz = cfg.map(|c| c.project.timezone).unwrap_or(chrono_tz::Tz::UTC);
         let deltas = meter::usage::counters_for(f, tz)
@@ -309,7 +338,7 @@ pub async fn events(State(s): State<AppState>, headers: HeaderMap, body: Bytes) 
             metrics::counter!("tollgate_view_unavailable_total", "policy" => "settle").increment(1);
         }
     }
-    if let Err(e) = s.log.publish(&facts).await {
+    if let Err(e) = s.log.publish(facts).await {
         warn!(error = %e, "publishing events failed; nothing acknowledged");
         for (project, settlements) in &by_project {
             let ids: Vec<EventId> = settlements.iter().map(|x| x.event.clone()).collect();
@@ -317,6 +346,5 @@ pub async fn events(State(s): State<AppState>, headers: HeaderMap, body: Bytes) 
         }
         return Err(ApiError::unavailable("LOG_UNAVAILABLE", "the event log did not acknowledge the events; retry with the same ids"));
     }
-    metrics::counter!("tollgate_events_accepted_total").increment(facts.len() as u64);
-    Ok((StatusCode::ACCEPTED, Json(json!({ "accepted": facts.len(), "duplicates": duplicates }))))
+    Ok(())
 }
