@@ -10,6 +10,7 @@ pub mod auth;
 pub mod error;
 pub mod fields;
 pub mod hot;
+pub mod layer;
 pub mod state;
 
 use axum::Router;
@@ -17,6 +18,7 @@ use axum::routing::{get, post};
 use utoipa::OpenApi;
 
 pub use error::{ApiError, ApiResult};
+pub use layer::TollgateLayer;
 pub use state::{AppState, Settings, ViewDownPolicy};
 
 #[derive(OpenApi)]

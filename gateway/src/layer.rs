@@ -1,0 +1,368 @@
+//! A tower [`Layer`] that gives a Rust (axum) service admission and metering
+//! in-process, on the same ports and rules as the HTTP gateway.
+//!
+//! ```ignore
+//! let app = Router::new()
+//!     .route("/reports", get(reports))
+//!     .layer(TollgateLayer::new(state));
+//! ```
+//!
+//! For every request the layer:
+//!
+//! 1. identifies the caller by API key (`Authorization: Bearer <key>` or
+//!    `x-api-key` by default); a missing or unknown key is answered
+//!    `401 UNAUTHENTICATED` and the service is not called;
+//! 2. runs the check ([`hot::admit`]): a refusal (`429 QUOTA_EXCEEDED` with
+//!    `Retry-After` and the `X-Quota-*` headers, `503` by the view-down
+//!    policy, …) is answered with the same body and headers as `/v1/check`,
+//!    and the service is not called;
+//! 3. calls the service, with the [`Admission`] in the request's extensions
+//!    (so a handler can read the key and its `max_rows`);
+//! 4. settles the call from the response: a 2xx is a successful `call` with
+//!    the rows the service reported in the rows header (default
+//!    `x-tollgate-rows`, removed before the response leaves); anything else is
+//!    a failed `call`, which releases the reservation and counts nothing;
+//! 5. records that fact ([`hot::record`]: into the view, then onto the log)
+//!    before answering, and adds the admission's `X-Quota-*` headers.
+//!
+//! If recording fails, the service's response is still sent (the call has
+//! happened; refusing it now would help nobody), with a warning and
+//! `tollgate_layer_record_failures_total`. Recording runs in its own task, so
+//! a client that disconnects mid-way cannot leave a settle without its
+//! publish. If the service's future is dropped or panics before it answers,
+//! the reservation is released at once instead of waiting for its lease.
+//!
+//! The layer works with whatever ports the [`AppState`] holds: the embedded
+//! view and store, or Redis, PostgreSQL and Kafka.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, header};
+use axum::response::{IntoResponse, Response};
+use meter::{ApiKey, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use tower::{Layer, Service};
+use tracing::warn;
+
+use crate::error::{ApiError, ApiResult};
+use crate::hot::{self, Admission};
+use crate::state::{AppState, new_id};
+
+/// The header the key is read from besides `Authorization: Bearer`.
+pub const DEFAULT_KEY_HEADER: &str = "x-api-key";
+/// The response header in which the service reports the rows it returned.
+pub const DEFAULT_ROWS_HEADER: &str = "x-tollgate-rows";
+/// The conventional request header naming the end user, when enabled.
+pub const DEFAULT_ACTOR_HEADER: &str = "x-tollgate-actor";
+
+/// Where the layer finds the caller's API key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// `Authorization: Bearer <key>` only.
+    Bearer,
+    /// The raw key in this header only.
+    Header(HeaderName),
+    /// `Authorization: Bearer <key>`, else the raw key in this header.
+    BearerOrHeader(HeaderName),
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    key: KeySource,
+    rows_header: HeaderName,
+    actor_header: Option<HeaderName>,
+}
+
+/// Admission and metering for the service it wraps. Cheap to clone.
+#[derive(Clone)]
+pub struct TollgateLayer {
+    state: AppState,
+    config: Arc<Config>,
+}
+
+impl std::fmt::Debug for TollgateLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TollgateLayer").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl TollgateLayer {
+    /// A layer over `state`'s ports: key from `Authorization: Bearer` or
+    /// `x-api-key`, rows from `x-tollgate-rows`, no actor.
+    pub fn new(state: AppState) -> Self {
+        TollgateLayer {
+            state,
+            config: Arc::new(Config {
+                key: KeySource::BearerOrHeader(HeaderName::from_static(DEFAULT_KEY_HEADER)),
+                rows_header: HeaderName::from_static(DEFAULT_ROWS_HEADER),
+                actor_header: None,
+            }),
+        }
+    }
+
+    /// Where the API key is read from.
+    pub fn key_source(mut self, source: KeySource) -> Self {
+        Arc::make_mut(&mut self.config).key = source;
+        self
+    }
+
+    /// Reads the key from this header only (not from `Authorization`), for a
+    /// service that uses `Authorization` for something else.
+    pub fn key_header(self, name: HeaderName) -> Self {
+        self.key_source(KeySource::Header(name))
+    }
+
+    /// The response header the service reports its rows in.
+    pub fn rows_header(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.config).rows_header = name;
+        self
+    }
+
+    /// Reads the actor (end user) from this request header, for `actor`
+    /// quotas and attribution. Enable it only when the header is set by
+    /// something the service trusts (a proxy or an outer layer that
+    /// authenticated the user): a caller who can set it freely can spread
+    /// calls over made-up actors. See [`DEFAULT_ACTOR_HEADER`].
+    pub fn actor_header(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.config).actor_header = Some(name);
+        self
+    }
+
+    /// The ports this layer runs on.
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+}
+
+impl<S> Layer<S> for TollgateLayer {
+    type Service = TollgateService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TollgateService { inner, state: self.state.clone(), config: self.config.clone() }
+    }
+}
+
+/// The service [`TollgateLayer`] wraps around another.
+#[derive(Clone)]
+pub struct TollgateService<S> {
+    inner: S,
+    state: AppState,
+    config: Arc<Config>,
+}
+
+impl<S> std::fmt::Debug for TollgateService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TollgateService").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S> Service<Request<Body>> for TollgateService<S>
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // Take the instance that was polled ready; leave a fresh clone behind.
+        let fresh = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, fresh);
+        let state = self.state.clone();
+        let config = self.config.clone();
+        Box::pin(async move { Ok(handle(state, config, inner, req).await) })
+    }
+}
+
+async fn handle<S>(state: AppState, config: Arc<Config>, mut inner: S, mut req: Request<Body>) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible>,
+{
+    let (key, actor) = match identify(&state, &config, req.headers()).await {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let admission = match hot::admit(&state, key, None, actor.clone()).await {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let guard = ReleaseGuard {
+        state: state.clone(),
+        project: admission.key.project_id.clone(),
+        reservation: Some(admission.reservation.clone()),
+    };
+    req.extensions_mut().insert(admission.clone());
+
+    let mut res = match inner.call(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+
+    let reported = res.headers_mut().remove(&config.rows_header);
+    let success = res.status().is_success();
+    let rows = if success { rows_of(reported.as_ref(), &config.rows_header) } else { 0 };
+    match call_fact(&state, &admission, actor, success, rows) {
+        Ok(fact) => {
+            guard.disarm();
+            // In its own task: settle and publish must not be cut apart by
+            // the client going away (a settle without its publish would
+            // leave a pending delta that no fold ever drops).
+            let s = state.clone();
+            let recorded = tokio::spawn(async move { hot::record(&s, std::slice::from_ref(&fact)).await });
+            let failure = match recorded.await {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("{}: {}", e.code, e.message)),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(error) = failure {
+                warn!(%error, status = res.status().as_u16(), "layer: call not recorded");
+                metrics::counter!("tollgate_layer_record_failures_total").increment(1);
+            }
+        }
+        Err(e) => {
+            // Cannot happen with ids from `new_id`; the guard releases.
+            warn!(error = %e.message, "layer: call fact not built; reservation released");
+            metrics::counter!("tollgate_layer_record_failures_total").increment(1);
+            drop(guard);
+        }
+    }
+
+    let headers = res.headers_mut();
+    for (name, value) in &admission.headers {
+        headers.insert(name.clone(), value.clone());
+    }
+    res
+}
+
+/// The caller's key and actor, or the 401/400 to answer with.
+async fn identify(state: &AppState, config: &Config, headers: &HeaderMap) -> ApiResult<(ApiKey, Option<String>)> {
+    let Some(secret) = secret(&config.key, headers) else {
+        return Err(unauthenticated(&config.key, "an api key is required"));
+    };
+    let Some(key) = state.key_by_secret(secret).await? else {
+        return Err(unauthenticated(&config.key, "unknown api key"));
+    };
+    let actor = match &config.actor_header {
+        None => None,
+        Some(name) => actor(headers, name)?,
+    };
+    Ok((key, actor))
+}
+
+fn unauthenticated(source: &KeySource, message: &str) -> ApiError {
+    let e = match source {
+        KeySource::Bearer => ApiError::unauthenticated(format!("{message} (Authorization: Bearer <key>)")),
+        KeySource::Header(h) => ApiError::unauthenticated(format!("{message} ({h}: <key>)")),
+        KeySource::BearerOrHeader(h) => {
+            ApiError::unauthenticated(format!("{message} (Authorization: Bearer <key>, or {h}: <key>)"))
+        }
+    };
+    match source {
+        KeySource::Header(_) => e,
+        _ => e.header("www-authenticate", "Bearer"),
+    }
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
+    headers.get(name)?.to_str().ok().map(str::trim).filter(|s| !s.is_empty())
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = v.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+fn secret<'a>(source: &KeySource, headers: &'a HeaderMap) -> Option<&'a str> {
+    match source {
+        KeySource::Bearer => bearer(headers),
+        KeySource::Header(h) => header_str(headers, h),
+        KeySource::BearerOrHeader(h) => bearer(headers).or_else(|| header_str(headers, h)),
+    }
+}
+
+fn actor(headers: &HeaderMap, name: &HeaderName) -> ApiResult<Option<String>> {
+    let Some(v) = headers.get(name) else { return Ok(None) };
+    let v = v.to_str().map_err(|_| ApiError::invalid(name.as_str(), "must be visible ASCII"))?.trim();
+    if v.is_empty() {
+        return Ok(None);
+    }
+    meter::ids::check_id(v).map_err(|e| ApiError::invalid(name.as_str(), e.to_string()))?;
+    Ok(Some(v.to_owned()))
+}
+
+/// The rows a 2xx reported; a value that is not a whole number counts 0.
+fn rows_of(value: Option<&HeaderValue>, name: &HeaderName) -> u64 {
+    let Some(v) = value else { return 0 };
+    match v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).filter(|n| *n <= i64::MAX as u64) {
+        Some(n) => n,
+        None => {
+            warn!(header = %name, value = ?v, "layer: rows header is not a whole number; counting 0 rows");
+            metrics::counter!("tollgate_layer_bad_rows_total").increment(1);
+            0
+        }
+    }
+}
+
+fn call_fact(
+    state: &AppState,
+    admission: &Admission,
+    actor: Option<String>,
+    success: bool,
+    rows: u64,
+) -> ApiResult<UsageFact> {
+    let id = EventId::parse(new_id("evt")).map_err(|e| ApiError::invalid("id", e.to_string()))?;
+    Ok(UsageFact {
+        id,
+        project_id: admission.key.project_id.clone(),
+        api_key_id: Some(admission.key.id.clone()),
+        agent_id: None,
+        actor_id: actor,
+        occurred_at: state.clock.now(),
+        kind: EventKind::Call,
+        outcome: if success { Outcome::Success } else { Outcome::Failure },
+        rows,
+        reservation_id: Some(admission.reservation.clone()),
+        gateway: state.settings.instance.clone(),
+    })
+}
+
+/// Releases an admitted call's reservation if the call never reaches its
+/// settlement (the service's future was dropped or panicked).
+struct ReleaseGuard {
+    state: AppState,
+    project: ProjectId,
+    reservation: Option<ReservationId>,
+}
+
+impl ReleaseGuard {
+    fn disarm(mut self) {
+        self.reservation = None;
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        let Some(reservation) = self.reservation.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let view = self.state.view.clone();
+        let project = self.project.clone();
+        rt.spawn(async move {
+            if let Err(e) = view.release(&project, &reservation).await {
+                warn!(error = %e, %project, "layer: reservation not released; its lease will free it");
+            }
+        });
+    }
+}

@@ -1,0 +1,342 @@
+//! The tower layer, driven through `oneshot` (no sockets) on real backends:
+//! PostgreSQL, Redis and a Kafka-protocol broker on 127.0.0.1, with a fresh
+//! database, Redis prefix and topic prefix per test.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::response::Response;
+use axum::routing::get;
+use chrono::{Timelike, Utc};
+use gateway::state::{SystemClock, hash_secret, new_id, random_token};
+use gateway::{AppState, Settings, TollgateLayer};
+use meter::{
+    ApiKey, ApiKeyId, CounterKey, Dimension, Grants, Metric, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec,
+    Scope, Store, View, WindowKind, window_at,
+};
+use serde_json::Value;
+use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
+use tower::ServiceExt;
+
+fn kafka() -> String {
+    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+fn base_db() -> String {
+    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+fn base_redis() -> String {
+    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A time zone whose current day has run for two hours and has two left,
+/// so a `day` window never turns over during a test.
+fn safe_timezone() -> chrono_tz::Tz {
+    let zones = [
+        (chrono_tz::Tz::UTC, 0i64),
+        (chrono_tz::Asia::Tokyo, 9),
+        (chrono_tz::America::New_York, -5),
+        (chrono_tz::Asia::Kolkata, 5),
+    ];
+    let h = Utc::now().hour() as i64;
+    zones.into_iter().find(|(_, off)| (2..=21).contains(&(h + off).rem_euclid(24))).map_or(chrono_tz::Tz::UTC, |z| z.0)
+}
+
+/// One isolated environment with a project and a key in it.
+struct Env {
+    state: AppState,
+    view: Arc<RedisView>,
+    project: Project,
+    key: ApiKey,
+    secret: String,
+    /// How many times a handler ran.
+    hits: Arc<AtomicUsize>,
+}
+
+async fn env() -> Env {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let db = format!("tg_layer_{id}");
+    let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&pool)
+        .await
+        .expect("create test database");
+    pool.close().await;
+    let base = base_db();
+    let db_url = match base.rfind('/') {
+        Some(i) => format!("{}/{db}", &base[..i]),
+        None => panic!("database url without a path: {base}"),
+    };
+    let store = PgStore::connect(&db_url).await.expect("connect test database");
+    store.migrate().await.expect("migrate");
+    let view = Arc::new(RedisView::connect(&base_redis(), &format!("tglayer:{id}:")).await.expect("connect redis"));
+    let kcfg = KafkaConfig::new(kafka(), format!("tglayer.{id}."));
+    let mut attempt = 0;
+    while let Err(e) = kcfg.ensure_topics().await {
+        attempt += 1;
+        assert!(attempt < 10, "creating topics: {e}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let log = KafkaLog::new(&kcfg).expect("kafka producer");
+
+    let now = Utc::now();
+    let project = Project {
+        id: ProjectId::parse(new_id("proj")).expect("project id"),
+        name: "layer".into(),
+        timezone: safe_timezone(),
+        created_at: now,
+    };
+    store.create_project(&project).await.expect("create project");
+    let secret = format!("tg_{}", random_token(40));
+    let key = ApiKey {
+        id: ApiKeyId::parse(new_id("key")).expect("key id"),
+        project_id: project.id.clone(),
+        name: "k".into(),
+        prefix: secret[..10].to_owned(),
+        grants: Grants::default(),
+        created_at: now,
+    };
+    store.create_api_key(&key, &hash_secret(&secret)).await.expect("create key");
+
+    let mut settings = Settings::new("admin-token-layer", "gateway-token-layer");
+    settings.instance = format!("layer-{id}");
+    let state = AppState::new(Arc::new(store), view.clone(), Arc::new(log), Arc::new(SystemClock), settings);
+    Env { state, view, project, key, secret, hits: Arc::default() }
+}
+
+impl Env {
+    /// An enforce quota on this key, `day` window. Create quotas before the
+    /// first request: the project's configuration is then cached.
+    async fn quota(&self, metric: Metric, limit: u64) -> Quota {
+        let now = Utc::now();
+        let q = Quota {
+            id: QuotaId::parse(new_id("quota")).expect("quota id"),
+            spec: QuotaSpec {
+                project_id: self.project.id.clone(),
+                scope: Scope::ApiKey,
+                scope_ref: Some(self.key.id.to_string()),
+                metric,
+                window: WindowKind::Day,
+                limit,
+                mode: Mode::Enforce,
+                meter_type: None,
+                on_unpriced: None,
+            },
+            created_at: now,
+            updated_at: now,
+        };
+        self.state.store.create_quota(&q).await.expect("create quota");
+        q
+    }
+
+    /// A service with the layer: `/reports` returns 7 rows, `/bad-rows` a
+    /// rows header that is no number, `/fail` a 500, `/nothing` no header.
+    fn app(&self) -> Router {
+        let hit = |hits: Arc<AtomicUsize>| {
+            move || {
+                hits.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        let (a, b, c, d) =
+            (hit(self.hits.clone()), hit(self.hits.clone()), hit(self.hits.clone()), hit(self.hits.clone()));
+        Router::new()
+            .route(
+                "/reports",
+                get(move || async move {
+                    a();
+                    ([("x-tollgate-rows", "7")], "seven rows")
+                }),
+            )
+            .route(
+                "/bad-rows",
+                get(move || async move {
+                    b();
+                    ([("x-tollgate-rows", "lots")], "some rows")
+                }),
+            )
+            .route(
+                "/fail",
+                get(move || async move {
+                    c();
+                    (StatusCode::INTERNAL_SERVER_ERROR, [("x-tollgate-rows", "3")], "boom")
+                }),
+            )
+            .route(
+                "/nothing",
+                get(move || async move {
+                    d();
+                    "ok"
+                }),
+            )
+            .layer(TollgateLayer::new(self.state.clone()))
+    }
+
+    async fn get(&self, path: &str) -> Response {
+        self.get_with(path, Some(("authorization", format!("Bearer {}", self.secret)))).await
+    }
+
+    async fn get_with(&self, path: &str, header: Option<(&str, String)>) -> Response {
+        let mut req = Request::get(path);
+        if let Some((n, v)) = header {
+            req = req.header(n, v);
+        }
+        self.app().oneshot(req.body(Body::empty()).expect("request")).await.expect("infallible")
+    }
+
+    /// The key's `day` counter in the view.
+    async fn usage(&self) -> meter::Totals {
+        let now = Utc::now();
+        let w = window_at(WindowKind::Day, self.project.timezone, now);
+        let counter = CounterKey {
+            dimension: Dimension::ApiKey(self.key.id.clone()),
+            window: WindowKind::Day,
+            window_key: w.key,
+        };
+        let u = self.view.usage(&self.project.id, &counter, now).await.expect("view usage").expect("seeded");
+        let mut t = u.durable;
+        t.add(u.pending);
+        assert_eq!(u.reserved_calls, 0, "no reservation left held");
+        t
+    }
+}
+
+async fn body_json(res: Response) -> Value {
+    let bytes = axum::body::to_bytes(res.into_body(), 1 << 20).await.expect("body");
+    serde_json::from_slice(&bytes).expect("json body")
+}
+
+fn header<'a>(res: &'a Response, name: &str) -> Option<&'a str> {
+    res.headers().get(name).map(|v| v.to_str().expect("ascii header"))
+}
+
+#[tokio::test]
+async fn a_calls_quota_refuses_exactly_the_call_after_the_limit() {
+    let env = env().await;
+    let q = env.quota(Metric::Calls, 3).await;
+    for left in [2, 1, 0] {
+        let res = env.get("/nothing").await;
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(header(&res, "x-quota-remaining-calls"), Some(left.to_string().as_str()));
+        assert!(header(&res, "x-quota-reset").is_some(), "X-Quota-Reset on an admitted call");
+    }
+    assert_eq!(env.hits.load(Ordering::SeqCst), 3);
+
+    let res = env.get("/nothing").await;
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = header(&res, "retry-after").expect("Retry-After").parse().expect("seconds");
+    assert!(retry > 0 && retry <= 86_400, "retry-after {retry}");
+    assert_eq!(header(&res, "x-quota-remaining-calls"), Some("0"));
+    assert!(header(&res, "x-quota-reset").is_some());
+    let body = body_json(res).await;
+    let e = &body["error"];
+    assert_eq!(e["code"], "QUOTA_EXCEEDED", "{body}");
+    assert_eq!(e["meta"]["quota_id"], q.id.as_str());
+    assert_eq!(e["meta"]["metric"], "calls");
+    assert_eq!(e["meta"]["limit"], 3);
+    assert_eq!(e["meta"]["window"], "day");
+    assert!(e["meta"]["resets_at"].is_string(), "{body}");
+    assert!(e["message"].as_str().is_some_and(|m| m.contains(env.key.id.as_str())), "{body}");
+    assert_eq!(env.hits.load(Ordering::SeqCst), 3, "a refused call does not reach the service");
+    assert_eq!(env.usage().await.calls, 3);
+}
+
+#[tokio::test]
+async fn rows_are_counted_from_the_header_and_the_header_is_stripped() {
+    let env = env().await;
+    env.quota(Metric::Rows, 1000).await;
+    let res = env.get("/reports").await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(header(&res, "x-tollgate-rows").is_none(), "rows header stripped");
+    assert_eq!(header(&res, "x-quota-remaining-rows"), Some("1000"), "headers of the admission");
+    let bytes = axum::body::to_bytes(res.into_body(), 1024).await.expect("body");
+    assert_eq!(&bytes[..], b"seven rows");
+    let u = env.usage().await;
+    assert_eq!((u.calls, u.rows), (1, 7));
+
+    // A rows value that is no number counts the call with 0 rows.
+    let res = env.get("/bad-rows").await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(header(&res, "x-tollgate-rows").is_none(), "bad rows header stripped too");
+    assert_eq!(header(&res, "x-quota-remaining-rows"), Some("993"));
+    let u = env.usage().await;
+    assert_eq!((u.calls, u.rows), (2, 7));
+}
+
+#[tokio::test]
+async fn a_failing_handler_releases_its_reservation_and_counts_nothing() {
+    let env = env().await;
+    env.quota(Metric::Calls, 1).await;
+    let res = env.get("/fail").await;
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "the service's own answer");
+    assert!(header(&res, "x-tollgate-rows").is_none());
+    assert_eq!(header(&res, "x-quota-remaining-calls"), Some("0"));
+    let bytes = axum::body::to_bytes(res.into_body(), 1024).await.expect("body");
+    assert_eq!(&bytes[..], b"boom");
+    let u = env.usage().await;
+    assert_eq!((u.calls, u.rows), (0, 0), "a failed call counts nothing");
+
+    let res = env.get("/reports").await;
+    assert_eq!(res.status(), StatusCode::OK, "the released slot admits the next call");
+    let res = env.get("/reports").await;
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(env.hits.load(Ordering::SeqCst), 2);
+    let u = env.usage().await;
+    assert_eq!((u.calls, u.rows), (1, 7));
+}
+
+#[tokio::test]
+async fn a_missing_or_unknown_key_is_unauthenticated() {
+    let env = env().await;
+    env.quota(Metric::Calls, 10).await;
+    for h in [
+        None,
+        Some(("authorization", "Bearer tg_not-a-key".to_owned())),
+        Some(("x-api-key", "tg_not-a-key".to_owned())),
+        Some(("authorization", "Basic abc".to_owned())),
+    ] {
+        let res = env.get_with("/reports", h.clone()).await;
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "{h:?}");
+        assert_eq!(header(&res, "www-authenticate"), Some("Bearer"));
+        let body = body_json(res).await;
+        assert_eq!(body["error"]["code"], "UNAUTHENTICATED", "{body}");
+        assert!(body["error"]["message"].is_string() && body["error"]["meta"].is_object(), "{body}");
+    }
+    assert_eq!(env.hits.load(Ordering::SeqCst), 0, "never reaches the service");
+
+    // The key in x-api-key works as well as a bearer token.
+    let res = env.get_with("/reports", Some(("x-api-key", env.secret.clone()))).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(env.hits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn concurrent_calls_admit_exactly_the_quota() {
+    let env = env().await;
+    env.quota(Metric::Calls, 30).await;
+    let app = env.app();
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let app = app.clone();
+        let auth = format!("Bearer {}", env.secret);
+        tasks.push(tokio::spawn(async move {
+            let req = Request::get("/reports").header("authorization", auth).body(Body::empty()).expect("request");
+            app.oneshot(req).await.expect("infallible").status()
+        }));
+    }
+    let mut ok = 0;
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            s => panic!("unexpected status {s}"),
+        }
+    }
+    assert_eq!((ok, refused), (30, 70));
+    assert_eq!(env.hits.load(Ordering::SeqCst), 30);
+    let u = env.usage().await;
+    assert_eq!((u.calls, u.rows), (30, 210));
+}
