@@ -8,7 +8,11 @@
 pub mod kafka;
 pub mod pg;
 pub mod redis_view;
+pub mod sqlite_log;
+pub mod sqlite_store;
 
 pub use kafka::{KafkaConfig, KafkaLog, KafkaReader};
 pub use pg::PgStore;
 pub use redis_view::RedisView;
+pub use sqlite_log::{SqliteLog, SqliteLogReader};
+pub use sqlite_store::SqliteStore;

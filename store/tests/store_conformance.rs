@@ -1,11 +1,15 @@
-//! PgStore against a real PostgreSQL. Each test gets a database of its own
-//! (`tg_<uuid>`), so the tests run in parallel; it is dropped when the test
-//! ends, even if it panics.
+//! The `Store` conformance suite. Each behaviour is one async fn over
+//! `&dyn Store`; `conformance!` stamps every one out as a test per backend:
 //!
-//! `TOLLGATE_TEST_DATABASE_URL` names the server (default
-//! `postgres://postgres@127.0.0.1:5432/test`).
+//! - `pg::*` runs against a real PostgreSQL. Each test gets a database of
+//!   its own (`tg_<uuid>`), so the tests run in parallel; it is dropped when
+//!   the test ends, even if it panics. `TOLLGATE_TEST_DATABASE_URL` names the
+//!   server (default `postgres://postgres@127.0.0.1:5432/test`).
+//! - `sqlite::*` runs against the embedded store, a fresh file in a temporary
+//!   directory per test, removed when the test ends.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
@@ -15,7 +19,171 @@ use meter::{
     QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
 };
 use sqlx::{Connection, PgConnection};
-use store::PgStore;
+use store::{PgStore, SqliteStore};
+
+/// Stamps out every suite test for one backend. `$fixture` is an expression
+/// giving a future of a value with a `store` field (the backend's store,
+/// migrated), kept alive for the test.
+macro_rules! conformance {
+    ($fixture:expr) => {
+        conformance!(@plain $fixture;
+            projects_and_api_keys_round_trip,
+            quotas_crud,
+            a_duplicate_quota_identity_is_a_conflict,
+            fold_batch_folds_and_returns_the_new_totals,
+            the_same_event_in_two_batches_counts_once,
+            the_same_event_twice_in_one_batch_counts_once,
+            a_fenced_batch_changes_nothing,
+            two_projectors_racing_from_the_same_offset_fold_once,
+            offsets_round_trip_per_consumer_and_topic,
+            a_calendar_month_in_kathmandu_lands_in_the_local_month,
+            an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing,
+            a_large_batch_folds_in_one_go,
+        );
+
+        // `purge_processed_before` and `migrate` are inherent methods of
+        // each store (not on the port), with the same signatures.
+        #[tokio::test]
+        async fn purging_the_dedup_set_forgets_old_ids_only() {
+            let db = $fixture.await;
+            let store = &db.store;
+            super::purging_the_dedup_set_forgets_old_ids_only(store, async |before| {
+                store.purge_processed_before(before).await.expect("purge")
+            })
+            .await;
+        }
+
+        #[tokio::test]
+        async fn migrating_twice_is_harmless() {
+            let db = $fixture.await;
+            db.store.migrate().await.expect("second migrate");
+        }
+    };
+    (@plain $fixture:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $test() {
+                let db = $fixture.await;
+                super::$test(&db.store).await;
+            }
+        )*
+    };
+}
+
+mod pg {
+    use super::*;
+
+    conformance!(PgDb::new());
+}
+
+mod sqlite {
+    use super::*;
+
+    conformance!(SqliteDb::new());
+
+    #[tokio::test]
+    async fn a_committed_fold_survives_closing_and_reopening_the_file() {
+        let dir = TempDir::new();
+        let path = dir.0.join("tollgate.db");
+        let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+        {
+            let s = SqliteStore::open(&path).await.expect("open");
+            s.migrate().await.expect("migrate");
+            s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu))
+                .await
+                .expect("create project");
+            s.fold_batch(&batch(
+                0,
+                2,
+                vec![
+                    call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
+                    request("proj_1", "e2", "2026-07-07T12:31:20Z"),
+                ],
+            ))
+            .await
+            .expect("fold");
+            s.pool().close().await;
+        }
+
+        let s = SqliteStore::open(&path).await.expect("reopen");
+        s.migrate().await.expect("migrating an up-to-date file");
+        assert_eq!(
+            s.project(&pid("proj_1")).await.expect("project"),
+            Some(project("proj_1", chrono_tz::Asia::Kathmandu))
+        );
+        assert_eq!(
+            total(&s, "proj_1", minute).await,
+            Totals {
+                requests: 1,
+                calls: 1,
+                rows: 5
+            }
+        );
+        assert_eq!(
+            s.offsets("projector", "tollgate.usage").await.expect("offsets"),
+            BTreeMap::from([(0, 2)])
+        );
+        // The fold's ids are still known: a redelivery counts nothing.
+        let report = s
+            .fold_batch(&batch(2, 3, vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)]))
+            .await
+            .expect("fold after reopening");
+        assert!(report.folded.is_empty());
+        assert_eq!(report.duplicates.len(), 1);
+
+        // What makes a commit survive a kill -9: WAL, fsync on commit.
+        let (journal,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+            .fetch_one(s.pool())
+            .await
+            .expect("journal mode");
+        assert_eq!(journal, "wal");
+        let (synchronous,): (i64,) = sqlx::query_as("PRAGMA synchronous")
+            .fetch_one(s.pool())
+            .await
+            .expect("synchronous");
+        assert_eq!(synchronous, 2, "FULL");
+        let (foreign_keys,): (i64,) = sqlx::query_as("PRAGMA foreign_keys")
+            .fetch_one(s.pool())
+            .await
+            .expect("foreign keys");
+        assert_eq!(foreign_keys, 1);
+    }
+}
+
+/// A directory of its own under the system's temporary one, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("tollgate-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh, migrated SQLite file. Fields drop in order: the store, then the
+/// directory.
+struct SqliteDb {
+    store: SqliteStore,
+    _dir: TempDir,
+}
+
+impl SqliteDb {
+    async fn new() -> SqliteDb {
+        let dir = TempDir::new();
+        let store = SqliteStore::open(&dir.0.join("tollgate.db"))
+            .await
+            .expect("open the test file");
+        store.migrate().await.expect("migrate");
+        SqliteDb { store, _dir: dir }
+    }
+}
 
 const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -40,14 +208,14 @@ fn with_database(url: &str, db: &str) -> String {
     }
 }
 
-/// A fresh, migrated database, dropped on drop.
-struct TestDb {
+/// A fresh, migrated PostgreSQL database, dropped on drop.
+struct PgDb {
     name: String,
     store: PgStore,
 }
 
-impl TestDb {
-    async fn new() -> TestDb {
+impl PgDb {
+    async fn new() -> PgDb {
         let server = server_url();
         let name = format!("tg_{}", uuid::Uuid::new_v4().simple());
         let mut admin = PgConnection::connect(&server)
@@ -62,11 +230,11 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         store.migrate().await.expect("migrate");
-        TestDb { name, store }
+        PgDb { name, store }
     }
 }
 
-impl Drop for TestDb {
+impl Drop for PgDb {
     fn drop(&mut self) {
         // Best effort, on a thread of its own so it also runs while a test
         // panics inside the runtime.
@@ -159,7 +327,7 @@ fn key(dimension: Dimension, window: WindowKind, window_key: &str) -> CounterKey
     }
 }
 
-async fn total(store: &PgStore, project: &str, k: CounterKey) -> Totals {
+async fn total(store: &dyn Store, project: &str, k: CounterKey) -> Totals {
     let got = store
         .totals(&pid(project), std::slice::from_ref(&k))
         .await
@@ -194,10 +362,7 @@ fn quota(
     }
 }
 
-#[tokio::test]
-async fn projects_and_api_keys_round_trip() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
     let p = project("proj_1", chrono_tz::Asia::Kathmandu);
     s.create_project(&p).await.expect("create project");
     assert_eq!(
@@ -269,10 +434,7 @@ async fn projects_and_api_keys_round_trip() {
     );
 }
 
-#[tokio::test]
-async fn quotas_crud() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn quotas_crud(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -360,10 +522,7 @@ async fn quotas_crud() {
     assert_eq!(s.quota(&b.id).await.expect("read deleted"), None);
 }
 
-#[tokio::test]
-async fn a_duplicate_quota_identity_is_a_conflict() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn a_duplicate_quota_identity_is_a_conflict(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -479,10 +638,7 @@ async fn a_duplicate_quota_identity_is_a_conflict() {
     assert_eq!(s.quotas(&pid("proj_1")).await.expect("list").len(), 5);
 }
 
-#[tokio::test]
-async fn fold_batch_folds_and_returns_the_new_totals() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -665,10 +821,7 @@ async fn fold_batch_folds_and_returns_the_new_totals() {
     );
 }
 
-#[tokio::test]
-async fn the_same_event_in_two_batches_counts_once() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn the_same_event_in_two_batches_counts_once(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -756,10 +909,7 @@ async fn the_same_event_in_two_batches_counts_once() {
     assert_eq!(report.folded.len(), 1);
 }
 
-#[tokio::test]
-async fn the_same_event_twice_in_one_batch_counts_once() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn the_same_event_twice_in_one_batch_counts_once(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -796,10 +946,7 @@ async fn the_same_event_twice_in_one_batch_counts_once() {
     );
 }
 
-#[tokio::test]
-async fn a_fenced_batch_changes_nothing() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn a_fenced_batch_changes_nothing(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -889,10 +1036,7 @@ async fn a_fenced_batch_changes_nothing() {
     );
 }
 
-#[tokio::test]
-async fn two_projectors_racing_from_the_same_offset_fold_once() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn two_projectors_racing_from_the_same_offset_fold_once(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -936,10 +1080,7 @@ async fn two_projectors_racing_from_the_same_offset_fold_once() {
     );
 }
 
-#[tokio::test]
-async fn offsets_round_trip_per_consumer_and_topic() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn offsets_round_trip_per_consumer_and_topic(s: &dyn Store) {
     assert!(
         s.offsets("projector", "tollgate.usage")
             .await
@@ -1015,10 +1156,7 @@ async fn offsets_round_trip_per_consumer_and_topic() {
     );
 }
 
-#[tokio::test]
-async fn a_calendar_month_in_kathmandu_lands_in_the_local_month() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn a_calendar_month_in_kathmandu_lands_in_the_local_month(s: &dyn Store) {
     s.create_project(&project("proj_ktm", chrono_tz::Asia::Kathmandu))
         .await
         .expect("create project");
@@ -1089,10 +1227,7 @@ async fn a_calendar_month_in_kathmandu_lands_in_the_local_month() {
     assert!(!open.iter().any(|(c, _)| c.key == august));
 }
 
-#[tokio::test]
-async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -1125,10 +1260,7 @@ async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing() {
     );
 }
 
-#[tokio::test]
-async fn purging_the_dedup_set_forgets_old_ids_only() {
-    let db = TestDb::new().await;
-    let s = &db.store;
+pub async fn purging_the_dedup_set_forgets_old_ids_only(s: &dyn Store, purge: impl AsyncFn(DateTime<Utc>) -> u64) {
     s.create_project(&project("proj_1", Tz::UTC))
         .await
         .expect("create project");
@@ -1142,10 +1274,7 @@ async fn purging_the_dedup_set_forgets_old_ids_only() {
     ))
     .await
     .expect("fold");
-    let purged = s
-        .purge_processed_before(utc("2026-07-01T00:00:00Z") - Duration::days(35))
-        .await
-        .expect("purge");
+    let purged = purge(utc("2026-07-01T00:00:00Z") - Duration::days(35)).await;
     assert_eq!(purged, 1);
     let report = s
         .fold_batch(&batch(
@@ -1168,8 +1297,63 @@ async fn purging_the_dedup_set_forgets_old_ids_only() {
     );
 }
 
-#[tokio::test]
-async fn migrating_twice_is_harmless() {
-    let db = TestDb::new().await;
-    db.store.migrate().await.expect("second migrate");
+/// Far more rows than SQLite binds in one statement (32,766 parameters):
+/// 5,000 facts of 5,000 actors touch over 25,000 counters.
+pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let n: i64 = 5_000;
+    let facts: Vec<UsageFact> = (0..n)
+        .map(|i| UsageFact {
+            actor_id: Some(format!("user_{i}")),
+            ..call("proj_1", &format!("e{i}"), "2026-07-07T12:31:10Z", 2)
+        })
+        .collect();
+    let report = s
+        .fold_batch(&batch(0, n, facts.clone()))
+        .await
+        .expect("fold");
+    assert_eq!(report.folded.len(), facts.len());
+    assert!(report.duplicates.is_empty());
+    // project, api key, all keys: 5 windows each; then 5 per actor.
+    assert_eq!(report.totals.len(), 15 + 5 * facts.len());
+    let minute = key(
+        Dimension::Project,
+        WindowKind::Rolling1m,
+        "2026-07-07T12:31Z",
+    );
+    let expected = Totals {
+        requests: 0,
+        calls: 5_000,
+        rows: 10_000,
+    };
+    assert_eq!(total(s, "proj_1", minute.clone()).await, expected);
+    assert_eq!(
+        total(
+            s,
+            "proj_1",
+            key(
+                Dimension::Actor("user_4999".into()),
+                WindowKind::Day,
+                "2026-07-07"
+            )
+        )
+        .await,
+        Totals {
+            requests: 0,
+            calls: 1,
+            rows: 2
+        }
+    );
+
+    // Redelivered under new offsets: every id is a duplicate.
+    let report = s
+        .fold_batch(&batch(n, 2 * n, facts))
+        .await
+        .expect("fold again");
+    assert!(report.folded.is_empty());
+    assert_eq!(report.duplicates.len(), 5_000);
+    assert!(report.totals.is_empty());
+    assert_eq!(total(s, "proj_1", minute).await, expected);
 }
