@@ -1,0 +1,496 @@
+//! The `Log` + `LogReader` conformance suite. Each behaviour is one async fn
+//! over a [`Harness`] (a `&dyn Log`, fresh `Box<dyn LogReader>`s, raw
+//! publishing and the dead letters); `conformance!` stamps every one out as a
+//! test per backend:
+//!
+//! - `kafka::*` runs against a real Kafka-protocol broker
+//!   (`TOLLGATE_TEST_KAFKA`, default `127.0.0.1:9092`), with topics of its
+//!   own per test (a unique prefix), one partition each so the order is
+//!   total. Readers poll until they have what they expect or a deadline
+//!   passes: the first fetch after an assignment can take a second.
+//! - `sqlite::*` runs against the embedded log, in a fresh file (also holding
+//!   the migrated embedded store) in a temporary directory per test.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use meter::{ApiKeyId, EventId, EventKind, Log, LogReader, LogRecord, Outcome, ProjectId, UsageFact};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use store::{KafkaConfig, KafkaLog, KafkaReader, SqliteLog, SqliteLogReader, SqliteStore};
+
+/// How long a test waits for records it knows are there.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// One backend under test.
+#[async_trait]
+trait Harness: Send + Sync {
+    fn log(&self) -> &dyn Log;
+    /// A new reader of the usage topic (not yet positioned).
+    async fn reader(&self) -> Box<dyn LogReader>;
+    /// Puts bytes on the usage topic as they are.
+    async fn publish_raw(&self, key: &str, payload: &[u8]);
+    /// The dead letters as (original payload, reason), once `expected` of
+    /// them are there (or the deadline passed).
+    async fn dead_letters(&self, expected: usize) -> Vec<(Vec<u8>, String)>;
+}
+
+macro_rules! conformance {
+    ($fixture:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let harness = $fixture.await;
+                super::$name(&harness).await;
+            }
+        )*
+    };
+}
+
+macro_rules! suite {
+    ($fixture:expr) => {
+        conformance!($fixture;
+            published_facts_read_back_in_order,
+            seeking_to_a_stored_offset_resumes_exactly_there,
+            polling_an_empty_log_returns_nothing_after_the_wait,
+            a_waiting_poll_returns_a_record_published_meanwhile,
+            a_dead_letter_keeps_the_original_bytes_and_the_reason,
+            facts_of_one_project_stay_in_order,
+        );
+    };
+}
+
+mod kafka {
+    suite!(super::KafkaHarness::new());
+}
+
+mod sqlite {
+    suite!(super::SqliteHarness::new());
+
+    // Beyond the port: what only the embedded log promises.
+
+    #[tokio::test]
+    async fn a_publish_wakes_a_reader_of_the_same_log_at_once() {
+        let h = super::SqliteHarness::new().await;
+        super::a_publish_wakes_a_reader_at_once(&h.log, h.log.reader(), std::time::Duration::from_millis(50)).await;
+    }
+
+    #[tokio::test]
+    async fn a_reader_of_another_log_value_sees_publishes_by_polling() {
+        let h = super::SqliteHarness::new().await;
+        // Same file, no shared `Notify`: like a writer in another process.
+        let other = store::SqliteLog::new(h.pool(), "tollgate.");
+        super::a_publish_wakes_a_reader_at_once(&h.log, other.reader(), std::time::Duration::from_millis(250))
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_dead_letter_records_its_source() {
+        super::a_dead_letter_records_its_source(&super::SqliteHarness::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn published_records_survive_reopening_the_file() {
+        super::published_records_survive_reopening_the_file().await;
+    }
+}
+
+// ---------------------------------------------------------------- helpers
+
+fn at() -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339("2026-07-07T12:31:00.123456Z").expect("ts").with_timezone(&Utc)
+}
+
+/// A distinct, fully populated fact.
+fn fact(project: &str, n: usize) -> UsageFact {
+    UsageFact {
+        id: EventId::parse(format!("{project}-e{n}")).expect("event id"),
+        project_id: ProjectId::parse(project).expect("project id"),
+        api_key_id: Some(ApiKeyId::parse(format!("{project}-k1")).expect("key id")),
+        agent_id: Some(format!("agent-{n}")),
+        actor_id: None,
+        occurred_at: at() + chrono::Duration::milliseconds(n as i64),
+        kind: EventKind::ALL[n % EventKind::ALL.len()],
+        outcome: if n % 3 == 0 { Outcome::Failure } else { Outcome::Success },
+        rows: n as u64 * 7,
+        reservation_id: None,
+        gateway: "gw-test".into(),
+    }
+}
+
+/// Facts of three projects, interleaved.
+fn facts(n: usize) -> Vec<UsageFact> {
+    (0..n).map(|i| fact(["pa", "pb", "pc"][i % 3], i)).collect()
+}
+
+fn decode(records: &[LogRecord]) -> Vec<UsageFact> {
+    records.iter().map(|r| schemas::decode_usage(&r.payload).expect("a published fact decodes")).collect()
+}
+
+/// A reader positioned at `at` on every partition.
+async fn reader_at(h: &dyn Harness, at: i64) -> Box<dyn LogReader> {
+    let mut reader = h.reader().await;
+    let partitions = reader.partitions().await.expect("partitions");
+    assert!(!partitions.is_empty(), "a usage topic has partitions");
+    let positions: BTreeMap<i32, i64> = partitions.into_iter().map(|p| (p, at)).collect();
+    reader.seek(&positions).await.expect("seek");
+    reader
+}
+
+/// Polls until `n` records arrived; fails the test at the deadline.
+async fn read_n(reader: &mut dyn LogReader, n: usize) -> Vec<LogRecord> {
+    let started = Instant::now();
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(started.elapsed() < DEADLINE, "only {} of {n} records within {DEADLINE:?}", out.len());
+        let batch = reader.poll(n - out.len(), Duration::from_millis(500)).await.expect("poll");
+        assert!(out.len() + batch.len() <= n, "poll returned more than asked for");
+        out.extend(batch);
+    }
+    out
+}
+
+/// Asserts nothing more is on the log after the reader's position.
+async fn assert_nothing_more(reader: &mut dyn LogReader) {
+    let extra = reader.poll(100, Duration::from_millis(300)).await.expect("poll");
+    assert!(extra.is_empty(), "unexpected records: {:?}", extra.iter().map(|r| r.offset).collect::<Vec<_>>());
+}
+
+fn assert_increasing(records: &[LogRecord]) {
+    for w in records.windows(2) {
+        assert_eq!(w[0].partition, w[1].partition, "one partition");
+        assert!(w[0].offset < w[1].offset, "offsets increase: {} then {}", w[0].offset, w[1].offset);
+    }
+}
+
+// ---------------------------------------------------------------- the suite
+
+async fn published_facts_read_back_in_order(h: &dyn Harness) {
+    let sent = facts(60);
+    h.log().publish(&sent[..25]).await.expect("publish");
+    h.log().publish(&sent[25..]).await.expect("publish");
+    h.log().publish(&[]).await.expect("publishing nothing is fine");
+
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), sent.len()).await;
+    assert_eq!(decode(&got), sent);
+    assert_increasing(&got);
+    for (r, f) in got.iter().zip(&sent) {
+        assert_eq!(r.key.as_deref(), Some(f.project_id.as_str().as_bytes()), "keyed by project");
+        assert_eq!(r.payload, schemas::encode_usage(f).expect("encode"), "the bytes as encoded");
+    }
+    assert_nothing_more(reader.as_mut()).await;
+}
+
+async fn seeking_to_a_stored_offset_resumes_exactly_there(h: &dyn Harness) {
+    let sent = facts(20);
+    h.log().publish(&sent).await.expect("publish");
+    let mut first = reader_at(h, 0).await;
+    let all = read_n(first.as_mut(), sent.len()).await;
+
+    // What a projector stores after folding the first 7: last offset + 1.
+    let k = 7;
+    let stored = all[k - 1].offset + 1;
+    let partition = all[k - 1].partition;
+
+    // A new reader resumes there…
+    let mut second = h.reader().await;
+    second.seek(&BTreeMap::from([(partition, stored)])).await.expect("seek");
+    let rest = read_n(second.as_mut(), sent.len() - k).await;
+    assert_eq!(rest, all[k..], "exactly the records after the stored offset");
+    assert_nothing_more(second.as_mut()).await;
+
+    // …and so does the first one, sent back.
+    first.seek(&BTreeMap::from([(partition, stored)])).await.expect("seek back");
+    let again = read_n(first.as_mut(), sent.len() - k).await;
+    assert_eq!(again, all[k..]);
+    assert_nothing_more(first.as_mut()).await;
+
+    // Records published later continue after the resumed ones, and the
+    // ones before the stored offset never come back.
+    let later: Vec<UsageFact> = (100..105).map(|i| fact("pd", i)).collect();
+    h.log().publish(&later).await.expect("publish");
+    let more = read_n(second.as_mut(), later.len()).await;
+    assert_eq!(decode(&more), later);
+    assert!(more.iter().all(|r| r.offset > all[sent.len() - 1].offset));
+    assert_nothing_more(second.as_mut()).await;
+}
+
+async fn polling_an_empty_log_returns_nothing_after_the_wait(h: &dyn Harness) {
+    let mut reader = reader_at(h, 0).await;
+    let wait = Duration::from_millis(400);
+    let started = Instant::now();
+    let got = reader.poll(10, wait).await.expect("poll");
+    let took = started.elapsed();
+    assert!(got.is_empty());
+    assert!(took >= wait - Duration::from_millis(50), "returned after {took:?}, before the wait");
+    assert!(took < wait + Duration::from_secs(3), "returned after {took:?}, long after the wait");
+
+    let started = Instant::now();
+    assert!(reader.poll(10, Duration::ZERO).await.expect("poll").is_empty());
+    assert!(started.elapsed() < Duration::from_secs(3), "a zero wait does not wait");
+}
+
+async fn a_waiting_poll_returns_a_record_published_meanwhile(h: &dyn Harness) {
+    let mut reader = reader_at(h, 0).await;
+    let sent = fact("pa", 1);
+    let started = Instant::now();
+    let publish = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        h.log().publish(std::slice::from_ref(&sent)).await.expect("publish");
+    };
+    let poll = async {
+        let mut got = Vec::new();
+        while got.is_empty() && started.elapsed() < DEADLINE {
+            got = reader.poll(10, Duration::from_secs(10)).await.expect("poll");
+        }
+        (got, started.elapsed())
+    };
+    let ((got, took), ()) = tokio::join!(poll, publish);
+    assert_eq!(decode(&got), [sent]);
+    assert!(took < Duration::from_secs(10), "the poll waited its whole wait ({took:?})");
+}
+
+async fn a_dead_letter_keeps_the_original_bytes_and_the_reason(h: &dyn Harness) {
+    let garbage = b"\xc3\x01not avro at all".to_vec();
+    assert!(schemas::decode_usage(&garbage).is_err());
+    h.publish_raw("pa", &garbage).await;
+    h.log().publish(&[fact("pa", 1)]).await.expect("publish");
+
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), 2).await;
+    assert_eq!(got[0].payload, garbage);
+    assert_eq!(got[0].key.as_deref(), Some(&b"pa"[..]));
+    let reason = "malformed: not a single-object encoded usage event";
+    reader.dead_letter(&got[0], reason).await.expect("dead letter");
+
+    assert_eq!(h.dead_letters(1).await, [(garbage, reason.to_owned())]);
+    // The dead letter is not on the usage topic.
+    assert_nothing_more(reader.as_mut()).await;
+}
+
+async fn facts_of_one_project_stay_in_order(h: &dyn Harness) {
+    // Three publishers at once, each publishing its project's facts one
+    // small batch at a time.
+    let projects = ["pa", "pb", "pc"];
+    let per_project = 12;
+    let sent: BTreeMap<&str, Vec<UsageFact>> =
+        projects.iter().map(|p| (*p, (0..per_project).map(|i| fact(p, i)).collect())).collect();
+    futures::future::join_all(sent.values().map(|facts| async move {
+        for chunk in facts.chunks(2) {
+            h.log().publish(chunk).await.expect("publish");
+        }
+    }))
+    .await;
+
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), projects.len() * per_project).await;
+    assert_increasing(&got);
+    let mut seen: BTreeMap<String, Vec<UsageFact>> = BTreeMap::new();
+    for (r, f) in got.iter().zip(decode(&got)) {
+        assert_eq!(r.key.as_deref(), Some(f.project_id.as_str().as_bytes()));
+        seen.entry(f.project_id.as_str().to_owned()).or_default().push(f);
+    }
+    for (project, facts) in &sent {
+        assert_eq!(seen.get(*project), Some(facts), "the facts of {project}, in order");
+    }
+}
+
+// ---------------------------------------------------------------- Kafka
+
+struct KafkaHarness {
+    config: KafkaConfig,
+    log: KafkaLog,
+}
+
+impl KafkaHarness {
+    async fn new() -> KafkaHarness {
+        let brokers = std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+        let prefix = format!("tg-logconf-{}.", uuid::Uuid::new_v4().simple());
+        let mut config = KafkaConfig::new(brokers, prefix);
+        config.partitions = 1;
+        config.ensure_topics().await.expect("create the test topics");
+        let log = KafkaLog::new(&config).expect("producer");
+        KafkaHarness { config, log }
+    }
+}
+
+#[async_trait]
+impl Harness for KafkaHarness {
+    fn log(&self) -> &dyn Log {
+        &self.log
+    }
+
+    async fn reader(&self) -> Box<dyn LogReader> {
+        let group = format!("{}reader-{}", self.config.topic_prefix, uuid::Uuid::new_v4().simple());
+        Box::new(KafkaReader::new(&self.config, &group).expect("consumer"))
+    }
+
+    async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        self.log.publish_raw(key, payload).await.expect("publish raw");
+    }
+
+    async fn dead_letters(&self, expected: usize) -> Vec<(Vec<u8>, String)> {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.config.brokers)
+            .set("broker.address.family", "v4")
+            .set("group.id", format!("{}dlq-check", self.config.topic_prefix))
+            .set("enable.auto.commit", "false")
+            .set("fetch.wait.max.ms", "20")
+            .create()
+            .expect("dlq consumer");
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.config.dlq_topic(), 0, Offset::Beginning).expect("partition");
+        consumer.assign(&tpl).expect("assign");
+        let started = Instant::now();
+        let mut out = Vec::new();
+        while out.len() < expected && started.elapsed() < DEADLINE {
+            let Ok(m) = tokio::time::timeout(Duration::from_millis(500), consumer.recv()).await else {
+                continue;
+            };
+            let m = m.expect("read the dlq");
+            let reason = m
+                .headers()
+                .and_then(|hs| hs.iter().find(|h| h.key == "tollgate-reason").and_then(|h| h.value))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            out.push((m.payload().unwrap_or_default().to_vec(), reason));
+        }
+        out
+    }
+}
+
+// ---------------------------------------------------------------- SQLite
+
+/// A directory removed when the test ends.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("tollgate-logtest-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The log in the embedded store's file. Fields drop in order: the log
+/// (a pool handle), then the directory.
+struct SqliteHarness {
+    log: SqliteLog,
+    pool: sqlx::SqlitePool,
+    _dir: TempDir,
+}
+
+impl SqliteHarness {
+    async fn new() -> SqliteHarness {
+        let dir = TempDir::new();
+        let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open the test file");
+        store.migrate().await.expect("migrate the store");
+        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+        log.ensure_schema().await.expect("log schema");
+        log.ensure_schema().await.expect("ensuring the schema twice is harmless");
+        SqliteHarness { log, pool: store.pool().clone(), _dir: dir }
+    }
+}
+
+#[async_trait]
+impl Harness for SqliteHarness {
+    fn log(&self) -> &dyn Log {
+        &self.log
+    }
+
+    async fn reader(&self) -> Box<dyn LogReader> {
+        Box::new(self.log.reader())
+    }
+
+    async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        self.log.publish_raw(key, payload).await.expect("publish raw");
+    }
+
+    async fn dead_letters(&self, _expected: usize) -> Vec<(Vec<u8>, String)> {
+        self.log.dead_letters().await.expect("dead letters")
+    }
+}
+
+impl SqliteHarness {
+    fn pool(&self) -> sqlx::SqlitePool {
+        self.pool.clone()
+    }
+}
+
+/// A reader waiting on an empty log gets a record within `slack` of its
+/// publish, far sooner than its wait.
+async fn a_publish_wakes_a_reader_at_once(log: &SqliteLog, reader: SqliteLogReader, slack: Duration) {
+    let mut reader = reader;
+    assert!(reader.poll(10, Duration::ZERO).await.expect("poll").is_empty());
+    let published_at = std::sync::Mutex::new(None);
+    let publish = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        log.publish(&[fact("pa", 1)]).await.expect("publish");
+        *published_at.lock().expect("lock") = Some(Instant::now());
+    };
+    let poll = async {
+        let got = reader.poll(10, Duration::from_secs(5)).await.expect("poll");
+        (got, Instant::now())
+    };
+    let ((got, woke), ()) = tokio::join!(poll, publish);
+    assert_eq!(decode(&got), [fact("pa", 1)]);
+    let published_at = published_at.lock().expect("lock").expect("published");
+    let late = woke.saturating_duration_since(published_at);
+    assert!(late <= slack, "woke {late:?} after the publish (allowed {slack:?})");
+}
+
+async fn a_dead_letter_records_its_source(h: &SqliteHarness) {
+    h.log.publish(&[fact("pa", 1), fact("pb", 2)]).await.expect("publish");
+    let mut reader = h.log.reader();
+    let got = read_n(&mut reader, 2).await;
+    reader.dead_letter(&got[1], "invalid: unknown project pb").await.expect("dead letter");
+    let row: (String, String, i64, i64, Option<Vec<u8>>, Vec<u8>, String) = sqlx::query_as(
+        "SELECT topic, source_topic, source_partition, source_offset, key, payload, reason FROM log_dead_letters",
+    )
+    .fetch_one(&h.pool())
+    .await
+    .expect("one dead letter");
+    assert_eq!(
+        row,
+        (
+            "tollgate.dlq".to_owned(),
+            "tollgate.usage".to_owned(),
+            i64::from(got[1].partition),
+            got[1].offset,
+            Some(b"pb".to_vec()),
+            got[1].payload.clone(),
+            "invalid: unknown project pb".to_owned(),
+        )
+    );
+}
+
+async fn published_records_survive_reopening_the_file() {
+    let dir = TempDir::new();
+    let path = dir.0.join("tollgate.db");
+    let sent = facts(10);
+    {
+        let store = SqliteStore::open(&path).await.expect("open");
+        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+        log.ensure_schema().await.expect("schema");
+        log.publish(&sent).await.expect("publish");
+        store.pool().close().await;
+    }
+    let store = SqliteStore::open(&path).await.expect("reopen");
+    let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+    log.ensure_schema().await.expect("schema again");
+    let mut reader = log.reader();
+    let got = read_n(&mut reader, sent.len()).await;
+    assert_eq!(decode(&got), sent);
+    store.pool().close().await;
+}
