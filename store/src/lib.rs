@@ -6,12 +6,14 @@
 //! permanent is decided once, where a driver error is converted.
 
 pub mod kafka;
+pub mod memory_view;
 pub mod pg;
 pub mod redis_view;
 pub mod sqlite_log;
 pub mod sqlite_store;
 
 pub use kafka::{KafkaConfig, KafkaLog, KafkaReader};
+pub use memory_view::MemoryView;
 pub use pg::PgStore;
 pub use redis_view::RedisView;
 pub use sqlite_log::{SqliteLog, SqliteLogReader};

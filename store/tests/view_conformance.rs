@@ -1,12 +1,16 @@
-//! The view's conformance suite, run against Redis.
+//! The `View` conformance suite. Every behaviour is a generic body
+//! (`suite_*`) taking a `&dyn View` (or an `Arc<dyn View>` when it spawns
+//! tasks); `conformance!` stamps every one out as a test per backend:
 //!
-//! Every behaviour is a generic body (`suite_*`) taking a `&dyn View` (or an
-//! `Arc<dyn View>` when it spawns tasks), so the same bodies can run against
-//! the in-memory view. Each Redis test gets its own key prefix (and each body
-//! its own project id), so the tests run in parallel against one Redis; the
-//! keys are removed afterwards.
+//! - `redis::*` runs against a real Redis at `TOLLGATE_REDIS_URL` (default
+//!   `redis://127.0.0.1:6379`). Each test gets its own key prefix (and each
+//!   body its own project id), so the tests run in parallel against one
+//!   Redis; the keys are removed afterwards.
+//! - `memory::*` runs against a fresh [`MemoryView`] per test.
 //!
-//! Needs Redis at `TOLLGATE_REDIS_URL` (default `redis://127.0.0.1:6379`).
+//! The bodies use the real time, since Redis expires keys by its own clock.
+//! Backend-specific behaviour stays in its module: connection errors and key
+//! prefixes for Redis; for memory, what needs the time moved by days.
 
 use std::sync::Arc;
 
@@ -16,7 +20,7 @@ use meter::{
     CheckOutcome, CheckPlan, Counter, CounterKey, Dimension, EventId, Hold, Metric, PlannedLimit, ProjectId,
     ReservationId, Settlement, Totals, View, WindowKind, window_at,
 };
-use store::RedisView;
+use store::{MemoryView, RedisView};
 use uuid::Uuid;
 
 // ---------------------------------------------------------------- helpers
@@ -338,6 +342,28 @@ async fn suite_a_retried_check_counts_once(view: &dyn View) {
     assert_eq!((u.pending.requests, u.reserved_calls), (1, 1));
 }
 
+async fn suite_counters_expire_an_hour_after_their_window_resets(view: &dyn View) {
+    let at = Utc::now();
+    // Windows that reset 61 and 59 minutes ago: the first is gone, the second
+    // lives for one more minute (the grace lets late settles land).
+    let closed = |minutes: i64, key: &str| Counter {
+        key: CounterKey { dimension: Dimension::Project, window: WindowKind::Day, window_key: key.to_owned() },
+        resets_at: Some(at - Duration::minutes(minutes)),
+    };
+    let (gone, kept) = (closed(61, "gone"), closed(59, "kept"));
+    let t = Totals { requests: 1, calls: 2, rows: 3 };
+    let p = seeded(view, &[(gone.clone(), t), (kept.clone(), t)]).await;
+    let s = Settlement { event: event(), reservation: None, deltas: vec![(gone.clone(), calls(1, 1)), (kept.clone(), calls(1, 1))] };
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
+    assert_eq!(usage(view, &p, &gone, at).await, meter::CounterUsage::default(), "an expired counter was kept or recreated");
+    let u = usage(view, &p, &kept, at).await;
+    assert_eq!((u.durable, u.pending), (t, calls(1, 1)));
+    // Taking the event back leaves the expired counter alone.
+    view.unsettle(&p, std::slice::from_ref(&s.event)).await.expect("unsettle");
+    assert_eq!(usage(view, &p, &gone, at).await, meter::CounterUsage::default());
+    assert_eq!(usage(view, &p, &kept, at).await.pending, Totals::default());
+}
+
 // ---------------------------------------------------------------- Redis
 
 const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
@@ -360,50 +386,57 @@ impl Fresh {
     }
 
     async fn cleanup(self) {
-        let client = redis::Client::open(url()).expect("redis url");
+        let client = ::redis::Client::open(url()).expect("redis url");
         let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
+        let keys: Vec<String> = ::redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
         if !keys.is_empty() {
-            let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
+            let _: i64 = ::redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
         }
     }
 }
 
-macro_rules! redis_suite {
-    ($($name:ident),* $(,)?) => {$(
+/// Stamps out every generic suite as a test for one backend. `$fixture` is
+/// an expression giving a future of a value with a `view` field and an async
+/// `cleanup(self)`, kept alive for the test.
+macro_rules! conformance {
+    ($fixture:expr) => {
+        conformance!(@each $fixture;
+            suite_unseeded_project_answers_none_and_changes_nothing,
+            suite_admits_up_to_the_limit_then_refuses_reserving_nothing,
+            suite_settle_releases_the_reservation_and_adds_pending,
+            suite_the_same_event_settled_twice_counts_once,
+            suite_unsettle_takes_back_pending,
+            suite_fold_moves_pending_into_durable_without_double_counting,
+            suite_expired_leases_free_the_slot,
+            suite_requests_limit_counts_refused_requests,
+            suite_release_frees_a_slot,
+            suite_seed_never_lowers_a_total,
+            suite_a_retried_check_counts_once,
+            suite_counters_expire_an_hour_after_their_window_resets,
+        );
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn suite_concurrent_checks_admit_exactly_the_limit() {
+            let fixture = $fixture.await;
+            let view: Arc<dyn View> = Arc::new(fixture.view.clone());
+            super::suite_concurrent_checks_admit_exactly_the_limit(view).await;
+            fixture.cleanup().await;
+        }
+    };
+    (@each $fixture:expr; $($name:ident),* $(,)?) => {$(
         #[tokio::test]
         async fn $name() {
-            let fresh = Fresh::new().await;
-            super::$name(&fresh.view).await;
-            fresh.cleanup().await;
+            let fixture = $fixture.await;
+            super::$name(&fixture.view).await;
+            fixture.cleanup().await;
         }
     )*};
 }
 
-mod redis_view {
+mod redis {
     use super::*;
 
-    redis_suite!(
-        suite_unseeded_project_answers_none_and_changes_nothing,
-        suite_admits_up_to_the_limit_then_refuses_reserving_nothing,
-        suite_settle_releases_the_reservation_and_adds_pending,
-        suite_the_same_event_settled_twice_counts_once,
-        suite_unsettle_takes_back_pending,
-        suite_fold_moves_pending_into_durable_without_double_counting,
-        suite_expired_leases_free_the_slot,
-        suite_requests_limit_counts_refused_requests,
-        suite_release_frees_a_slot,
-        suite_seed_never_lowers_a_total,
-        suite_a_retried_check_counts_once,
-    );
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn suite_concurrent_checks_admit_exactly_the_limit() {
-        let fresh = Fresh::new().await;
-        let view: Arc<dyn View> = Arc::new(fresh.view.clone());
-        super::suite_concurrent_checks_admit_exactly_the_limit(view).await;
-        fresh.cleanup().await;
-    }
+    conformance!(Fresh::new());
 
     #[tokio::test]
     async fn a_prefix_with_a_hash_tag_is_refused() {
@@ -415,5 +448,104 @@ mod redis_view {
     async fn an_unreachable_redis_is_transient() {
         let err = RedisView::connect("redis://127.0.0.1:1", "tg:").await.expect_err("nothing listens on port 1");
         assert!(err.is_transient(), "{err}");
+    }
+}
+
+// ---------------------------------------------------------------- memory
+
+/// A fresh in-memory view.
+struct Memory {
+    view: MemoryView,
+}
+
+impl Memory {
+    async fn new() -> Memory {
+        Memory { view: MemoryView::new() }
+    }
+
+    async fn cleanup(self) {}
+}
+
+mod memory {
+    use super::*;
+
+    conformance!(Memory::new());
+
+    /// A fixed instant far from the wall clock: the memory view's time is
+    /// only what it is given.
+    fn t0() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2030-01-01T00:00:00Z").expect("timestamp").with_timezone(&Utc)
+    }
+
+    /// A counter that never resets.
+    fn lifetime() -> Counter {
+        let w = window_at(WindowKind::Current, Tz::UTC, t0());
+        Counter { key: CounterKey { dimension: Dimension::Project, window: w.kind, window_key: w.key }, resets_at: w.resets_at }
+    }
+
+    #[tokio::test]
+    async fn an_event_index_is_forgotten_after_seven_days() {
+        let view = MemoryView::new();
+        let c = lifetime();
+        let p = seeded(&view, &[]).await;
+        let s = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 2))] };
+        view.settle(&p, std::slice::from_ref(&s), t0()).await.expect("settle");
+        let almost = t0() + Duration::days(7) - Duration::milliseconds(1);
+        view.settle(&p, std::slice::from_ref(&s), almost).await.expect("settle within the TTL");
+        assert_eq!(usage(&view, &p, &c, almost).await.pending, calls(1, 2));
+        let after = t0() + Duration::days(7);
+        view.settle(&p, std::slice::from_ref(&s), after).await.expect("settle after the TTL");
+        assert_eq!(usage(&view, &p, &c, after).await.pending, calls(2, 4), "the index outlived its TTL");
+    }
+
+    #[tokio::test]
+    async fn a_counter_expires_exactly_an_hour_after_its_reset() {
+        let view = MemoryView::new();
+        let c = counter(Dimension::Project, t0());
+        let resets = c.resets_at.expect("a day resets");
+        let p = seeded(&view, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1 })]).await;
+        let last = resets + Duration::hours(1) - Duration::milliseconds(1);
+        assert_eq!(usage(&view, &p, &c, last).await.durable.calls, 1);
+        let gone = resets + Duration::hours(1);
+        assert_eq!(usage(&view, &p, &c, gone).await, meter::CounterUsage::default());
+        // The view's time does not run backwards: the counter stays gone.
+        assert_eq!(usage(&view, &p, &c, last).await, meter::CounterUsage::default());
+    }
+
+    #[tokio::test]
+    async fn expired_records_are_swept_from_memory() {
+        let view = MemoryView::new();
+        let at = t0();
+        let c = counter(Dimension::Project, at);
+        let p = seeded(&view, &[(c.clone(), Totals::default())]).await;
+        let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 1000), (0, Metric::Calls, 1000)], at);
+        for _ in 0..100 {
+            let h = hold(at + Duration::seconds(30));
+            assert!(check(&view, &p, &pl, &h, at).await.admitted);
+            let s = Settlement { event: event(), reservation: Some(h.reservation), deltas: vec![(c.clone(), calls(1, 1))] };
+            view.settle(&p, &[s], at).await.expect("settle");
+        }
+        // Leases taken and never settled or released.
+        for _ in 0..20 {
+            assert!(check(&view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
+        }
+        assert!(view.records() > 200, "{} records", view.records());
+        // Eight days on (past every grace and TTL), any call sweeps; the
+        // seeded project keeps only its loaded marker.
+        view.usage(&project(), &c.key, at + Duration::days(8)).await.expect("usage");
+        assert_eq!(view.records(), 1);
+        assert_eq!(usage(&view, &p, &c, at + Duration::days(8)).await, meter::CounterUsage::default());
+    }
+
+    #[tokio::test]
+    async fn clones_share_one_view() {
+        let view = MemoryView::new();
+        let other = view.clone();
+        let at = Utc::now();
+        let c = project_counter(at);
+        let p = seeded(&view, &[]).await;
+        let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 1)], at);
+        assert!(check(&other, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
+        assert!(!check(&view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
     }
 }
