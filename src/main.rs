@@ -13,6 +13,8 @@ use projector::{Projector, ProjectorConfig};
 use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, RedisView};
 use tracing::info;
 
+mod dev;
+
 #[derive(Parser)]
 #[command(name = "tollgate", version, about = "Usage metering and exact quota enforcement on an event log")]
 struct Cli {
@@ -28,6 +30,9 @@ enum Command {
     Project(ProjectArgs),
     /// Apply the PostgreSQL migrations and exit.
     Migrate(DbArgs),
+    /// Run everything in one process with no external service: an embedded
+    /// log and store in one SQLite file, and the in-memory view.
+    Dev(dev::DevArgs),
 }
 
 #[derive(Args, Clone)]
@@ -138,7 +143,7 @@ struct ProjectArgs {
     max_batch: usize,
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -218,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(a) => serve(a).await,
         Command::Project(a) => project(a).await,
+        Command::Dev(a) => dev::run(a).await,
         Command::Migrate(a) => {
             let store = PgStore::connect(&a.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating")?;

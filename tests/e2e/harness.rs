@@ -40,8 +40,20 @@ pub fn safe_timezone() -> &'static str {
     "UTC"
 }
 
-/// One isolated environment: database, Redis prefix, topic prefix.
+/// Which deployment a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `tollgate serve` + `tollgate project` on PostgreSQL, Redis and the broker.
+    Distributed,
+    /// `tollgate dev`: one process, SQLite log and store, in-memory view.
+    Dev,
+}
+
+/// One isolated environment: database, Redis prefix, topic prefix (or, in
+/// dev mode, a data directory of its own).
 pub struct Env {
+    pub mode: Mode,
+    pub data_dir: std::path::PathBuf,
     pub id: String,
     pub db_url: String,
     pub redis_url: String,
@@ -69,6 +81,8 @@ impl Env {
             None => panic!("database url without a path: {base}"),
         };
         Env {
+            mode: Mode::Distributed,
+            data_dir: std::env::temp_dir().join(format!("tg-e2e-{id}")),
             db_url,
             redis_url,
             redis_prefix: format!("tge2e:{id}:"),
@@ -77,6 +91,32 @@ impl Env {
             children: Vec::new(),
             gateways: Vec::new(),
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("http client"),
+        }
+    }
+
+    /// An environment for `tollgate dev`, with a fresh data directory.
+    pub async fn dev() -> Env {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let data_dir = std::env::temp_dir().join(format!("tg-e2e-dev-{id}"));
+        std::fs::create_dir_all(&data_dir).expect("data dir");
+        Env {
+            mode: Mode::Dev,
+            db_url: format!("sqlite://{}", data_dir.join("tollgate.db").display()),
+            data_dir,
+            redis_url: String::new(),
+            redis_prefix: String::new(),
+            topic_prefix: "tollgate.".into(),
+            id,
+            children: Vec::new(),
+            gateways: Vec::new(),
+            http: reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("http client"),
+        }
+    }
+
+    pub async fn of(mode: Mode) -> Env {
+        match mode {
+            Mode::Distributed => Env::new().await,
+            Mode::Dev => Env::dev().await,
         }
     }
 
@@ -102,12 +142,21 @@ impl Env {
     /// Starts a gateway process and waits until it answers.
     pub async fn start_gateway(&mut self) -> String {
         let port = free_port();
-        let child = self
-            .command("serve")
-            .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
-            .env("TOLLGATE_INSTANCE", format!("gw{}", self.gateways.len()))
-            .spawn()
-            .expect("spawn tollgate serve");
+        let child = match self.mode {
+            Mode::Distributed => self
+                .command("serve")
+                .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+                .env("TOLLGATE_INSTANCE", format!("gw{}", self.gateways.len()))
+                .spawn()
+                .expect("spawn tollgate serve"),
+            Mode::Dev => self
+                .command("dev")
+                .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+                .env("TOLLGATE_DATA_DIR", &self.data_dir)
+                .env("TOLLGATE_NO_DEMO", "true")
+                .spawn()
+                .expect("spawn tollgate dev"),
+        };
         self.children.push(("gateway".into(), child));
         let url = format!("http://127.0.0.1:{port}");
         for _ in 0..600 {
@@ -124,6 +173,10 @@ impl Env {
 
     /// Starts a projector process; returns its index for `kill`.
     pub fn start_projector(&mut self) -> usize {
+        if self.mode == Mode::Dev {
+            // `tollgate dev` runs its projector in-process.
+            return usize::MAX;
+        }
         let child = self.command("project").spawn().expect("spawn tollgate project");
         self.children.push(("projector".into(), child));
         self.children.len() - 1
@@ -134,6 +187,18 @@ impl Env {
         let (_, c) = &mut self.children[index];
         let _ = c.kill();
         let _ = c.wait();
+    }
+
+    /// Kills every process of this environment and starts `tollgate dev`
+    /// again on the same data directory.
+    pub async fn restart_dev(&mut self) -> String {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.children.clear();
+        self.gateways.clear();
+        self.start_gateway().await
     }
 
     pub fn gw(&self) -> &str {
@@ -177,19 +242,32 @@ impl Env {
 
     /// Durable totals of one counter in PostgreSQL.
     pub async fn durable(&self, project: &str, dimension: &str, window: &str) -> (i64, i64, i64) {
-        let pool = sqlx::PgPool::connect(&self.db_url).await.expect("connect test database");
-        let row: Option<(i64, i64, i64)> = sqlx::query_as(
-            "SELECT COALESCE(SUM(requests),0)::bigint, COALESCE(SUM(calls),0)::bigint, COALESCE(SUM(\"rows\"),0)::bigint
-             FROM usage_aggregates WHERE project_id = $1 AND dimension = $2 AND window_kind = $3",
-        )
-        .bind(project)
-        .bind(dimension)
-        .bind(window)
-        .fetch_optional(&pool)
-        .await
-        .expect("read aggregates");
-        pool.close().await;
+        let sql = "SELECT CAST(COALESCE(SUM(requests),0) AS BIGINT), CAST(COALESCE(SUM(calls),0) AS BIGINT),
+                          CAST(COALESCE(SUM(\"rows\"),0) AS BIGINT)
+                   FROM usage_aggregates WHERE project_id = $1 AND dimension = $2 AND window_kind = $3";
+        let row: Option<(i64, i64, i64)> = match self.mode {
+            Mode::Distributed => {
+                let pool = sqlx::PgPool::connect(&self.db_url).await.expect("connect test database");
+                let r = sqlx::query_as(sql).bind(project).bind(dimension).bind(window).fetch_optional(&pool).await;
+                pool.close().await;
+                r.expect("read aggregates")
+            }
+            Mode::Dev => {
+                let pool = self.sqlite().await;
+                let r = sqlx::query_as(sql).bind(project).bind(dimension).bind(window).fetch_optional(&pool).await;
+                pool.close().await;
+                r.expect("read aggregates")
+            }
+        };
         row.unwrap_or((0, 0, 0))
+    }
+
+    /// A connection to the dev data file (shared with the running process).
+    pub async fn sqlite(&self) -> sqlx::SqlitePool {
+        let opts = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(self.data_dir.join("tollgate.db"))
+            .busy_timeout(Duration::from_secs(10));
+        sqlx::SqlitePool::connect_with(opts).await.expect("open the dev data file")
     }
 
     /// Waits until `f` holds, polling, or panics after `secs`.
@@ -214,6 +292,9 @@ impl Drop for Env {
         for (_, c) in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        if self.mode == Mode::Dev {
+            let _ = std::fs::remove_dir_all(&self.data_dir);
         }
     }
 }

@@ -16,9 +16,21 @@ use serde_json::{Value, json};
 /// documented 429.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exact_admission_across_two_gateways() {
-    let mut env = Env::new().await;
+    exact_admission(Mode::Distributed).await;
+}
+
+/// (a) in one `tollgate dev` process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exact_admission_dev() {
+    exact_admission(Mode::Dev).await;
+}
+
+async fn exact_admission(mode: Mode) {
+    let mut env = Env::of(mode).await;
     env.start_gateway().await;
-    env.start_gateway().await;
+    if mode == Mode::Distributed {
+        env.start_gateway().await;
+    }
     env.start_projector();
     let tz = safe_timezone();
     let (pid, kid, secret) = env.project_with_key(tz).await;
@@ -30,7 +42,7 @@ async fn exact_admission_across_two_gateways() {
     let refused = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for c in 0..64 {
-        let gw = env.gateways[c % 2].clone();
+        let gw = env.gateways[c % env.gateways.len()].clone();
         let (http, secret, pid, kid, qid) = (env.http.clone(), secret.clone(), pid.clone(), kid.clone(), qid.clone());
         let (admitted, refused) = (admitted.clone(), refused.clone());
         tasks.push(tokio::spawn(async move {
@@ -141,7 +153,16 @@ async fn projector_killed_five_times_loses_and_doubles_nothing() {
 /// (c) The same event id, in one batch and in two batches, is counted once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_event_ids_count_once() {
-    let mut env = Env::new().await;
+    duplicates(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_event_ids_count_once_dev() {
+    duplicates(Mode::Dev).await;
+}
+
+async fn duplicates(mode: Mode) {
+    let mut env = Env::of(mode).await;
     env.start_gateway().await;
     env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
@@ -319,7 +340,16 @@ async fn redis_flush_during_traffic_recovers() {
 /// this release, each accepted (201) or refused (400 naming the field).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quota_validity_table() {
-    let mut env = Env::new().await;
+    validity(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_validity_table_dev() {
+    validity(Mode::Dev).await;
+}
+
+async fn validity(mode: Mode) {
+    let mut env = Env::of(mode).await;
     env.start_gateway().await;
     let (pid, kid, _) = env.project_with_key("UTC").await;
     let metrics = ["requests", "calls", "rows", "tokens", "cost_usd", "storage_bytes"];
@@ -409,4 +439,53 @@ async fn quota_validity_table() {
     // Without the right token nothing is allowed.
     let r = env.http.post(format!("{}/v1/quotas", env.gw())).bearer_auth(GATEWAY).json(&json!({})).send().await.expect("req");
     assert_eq!(r.status().as_u16(), 401);
+}
+
+/// (d) in `tollgate dev`: a malformed record on the embedded log is
+/// dead-lettered with its reason, and the events after it are folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_message_goes_to_the_dlq_dev() {
+    let mut env = Env::dev().await;
+    env.start_gateway().await;
+    let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
+    let log = store::SqliteLog::new(env.sqlite().await, "tollgate.");
+    log.publish_raw(&pid, b"not avro at all").await.expect("put garbage on the log");
+    let events: Vec<Value> = (0..10).map(|i| call_event(&format!("after-{i}"), &pid, &kid, None, 1)).collect();
+    let (s, _) = post_events(&env.http, env.gw(), events).await;
+    assert_eq!(s, 202);
+    env.eventually(30, "events after the bad one folded", || async { env.durable(&pid, "p", "day").await.1 == 10 })
+        .await;
+    let dead = log.dead_letters().await.expect("read dead letters");
+    assert!(dead.iter().any(|(p, r)| p == b"not avro at all" && r.starts_with("malformed")), "{dead:?}");
+}
+
+/// `tollgate dev` keeps its state: killed and started again on the same
+/// data directory, the quotas and the counters are still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_state_survives_a_restart() {
+    let mut env = Env::dev().await;
+    env.start_gateway().await;
+    let (pid, kid, secret) = env.project_with_key(safe_timezone()).await;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 5}))
+        .await;
+    for i in 0..3 {
+        let r = check(&env.http, env.gw(), &secret, json!({})).await;
+        assert_eq!(r.status().as_u16(), 200);
+        let body: Value = r.json().await.expect("body");
+        let rid = body["reservation_id"].as_str().expect("rid").to_owned();
+        let (s, _) = post_events(&env.http, env.gw(), vec![call_event(&format!("r{i}"), &pid, &kid, Some(&rid), 2)]).await;
+        assert_eq!(s, 202);
+    }
+    env.eventually(30, "three calls folded", || async { env.durable(&pid, "p", "day").await.1 == 3 }).await;
+    env.restart_dev().await;
+    let (s, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(s, 200, "{q}");
+    assert_eq!(q["current_usage"]["count"], 3, "{q}");
+    let mut admitted = 0;
+    while check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16() == 200 {
+        admitted += 1;
+        assert!(admitted <= 5, "runaway admission after restart");
+    }
+    assert_eq!(admitted, 2, "the restarted process continues from 3 of 5");
 }

@@ -1,0 +1,655 @@
+//! Hot-path benchmark: Tollgate's `/v1/check` and `/v1/events` against the
+//! baselines DESIGN §8 names, measured as ratios in one run on one machine.
+//!
+//! Everything runs in this process on one tokio multi-thread runtime, against
+//! the real services (PostgreSQL, Redis, a Kafka-protocol broker), with its
+//! own database, Redis key prefix and topic prefix:
+//!
+//! - baseline A: `RedisView::check` (the check script) called directly,
+//!   sequentially, and a plain Redis `PING` for reference;
+//! - baseline B: an axum hello-world, driven by the same HTTP client as the
+//!   check: sequential latency and 64-client throughput;
+//! - `/v1/check` through `gateway::app` with the real adapters;
+//! - baseline C: a raw rdkafka producer (the same configuration as
+//!   `store::KafkaConfig::producer`) versus `/v1/events`.
+//!
+//! Run it with `scripts/bench` (or `cargo bench --bench hot_path` when the
+//! services are up). Under `cargo test --all-targets` it returns at once.
+//! It never asserts: it prints a markdown report and writes it to
+//! `target/bench-report.md`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::routing::post;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use gateway::state::SystemClock;
+use gateway::{AppState, Settings};
+use meter::{ApiKeyId, EventId, EventKind, Hold, Outcome, ProjectId, ReservationId, Store, UsageFact, View};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use serde_json::{Value, json};
+use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
+
+const ADMIN: &str = "admin-token-bench";
+const GATEWAY: &str = "gateway-token-bench";
+
+/// Sequential round trips for the Redis baselines.
+const REDIS_N: usize = 10_000;
+/// Sequential HTTP requests per latency measurement (after warm-up).
+const HTTP_N: usize = 5_000;
+const HTTP_WARMUP: usize = 500;
+/// Concurrent clients and duration of a throughput measurement.
+const CLIENTS: usize = 64;
+const THROUGHPUT_SECS: u64 = 5;
+/// Records and events of the log measurements.
+const EVENTS_N: usize = 50_000;
+const EVENTS_BATCH: usize = 500;
+const EVENTS_CLIENTS: usize = 4;
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this
+    // target without it.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("benchmarks run with cargo bench");
+        return;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("hot_path: cannot build the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run()) {
+        eprintln!("hot_path: benchmark failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn kafka_brokers() -> String {
+    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+fn base_db() -> String {
+    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+fn base_redis() -> String {
+    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Latency percentiles of one sequential run, in microseconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Latency {
+    p50: f64,
+    p99: f64,
+    n: usize,
+    errors: usize,
+}
+
+impl Latency {
+    fn of(mut us: Vec<f64>, errors: usize) -> Latency {
+        us.sort_by(f64::total_cmp);
+        let pick = |p: f64| {
+            if us.is_empty() {
+                return f64::NAN;
+            }
+            let i = ((p * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1;
+            us[i]
+        };
+        Latency { p50: pick(0.50), p99: pick(0.99), n: us.len(), errors }
+    }
+}
+
+/// Requests (or records) per second of one run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    per_sec: f64,
+    done: u64,
+    errors: u64,
+    secs: f64,
+}
+
+/// Runs `op` `n` times in sequence (after `warmup` untimed runs).
+async fn sequential<F, Fut>(warmup: usize, n: usize, mut op: F) -> Latency
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    for _ in 0..warmup {
+        op().await;
+    }
+    let mut us = Vec::with_capacity(n);
+    let mut errors = 0;
+    for _ in 0..n {
+        let t = Instant::now();
+        let ok = op().await;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+        if !ok {
+            errors += 1;
+        }
+    }
+    Latency::of(us, errors)
+}
+
+/// `clients` tasks calling `op` in a loop for `secs` seconds.
+async fn throughput<F, Fut>(clients: usize, secs: f64, op: F) -> Rate
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send,
+{
+    let ok = Arc::new(AtomicU64::new(0));
+    let bad = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let (op, ok, bad) = (op.clone(), ok.clone(), bad.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                if op().await {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    bad.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let done = ok.load(Ordering::Relaxed);
+    Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed }
+}
+
+/// A one-second warm-up, then the measured run.
+async fn measured_throughput<F, Fut>(op: F) -> Rate
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send,
+{
+    throughput(CLIENTS, 1.0, op.clone()).await;
+    throughput(CLIENTS, THROUGHPUT_SECS as f64, op).await
+}
+
+/// One POST with the gateway token and a JSON body; true on a 2xx answer
+/// whose body was read completely.
+async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> bool {
+    match http.post(url).bearer_auth(GATEWAY).json(body).send().await {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            r.bytes().await.is_ok() && ok
+        }
+        Err(_) => false,
+    }
+}
+
+async fn serve(router: axum::Router) -> AnyResult<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(format!("http://{addr}"))
+}
+
+async fn admin_post(http: &reqwest::Client, url: &str, body: Value) -> AnyResult<Value> {
+    let r = http.post(url).bearer_auth(ADMIN).json(&body).send().await?;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        return Err(format!("POST {url}: {status} {v}").into());
+    }
+    Ok(v)
+}
+
+/// A project with one key and a calls quota on it that is never reached.
+async fn project_with_quota(http: &reqwest::Client, gw: &str, name: &str) -> AnyResult<(String, String, String)> {
+    let p = admin_post(http, &format!("{gw}/v1/projects"), json!({"name": name, "timezone": "UTC"})).await?;
+    let pid = p["id"].as_str().ok_or("project id")?.to_owned();
+    let k = admin_post(http, &format!("{gw}/v1/projects/{pid}/api-keys"), json!({"name": "bench"})).await?;
+    let kid = k["id"].as_str().ok_or("key id")?.to_owned();
+    let secret = k["secret"].as_str().ok_or("secret")?.to_owned();
+    admin_post(
+        http,
+        &format!("{gw}/v1/quotas"),
+        json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day",
+               "limit": 1_000_000_000_000i64}),
+    )
+    .await?;
+    Ok((pid, kid, secret))
+}
+
+/// Server-wide commands Redis has processed (other clients count too).
+async fn redis_commands(conn: &mut redis::aio::MultiplexedConnection) -> Option<u64> {
+    let info: String = redis::cmd("INFO").arg("stats").query_async(conn).await.ok()?;
+    info.lines().find_map(|l| l.strip_prefix("total_commands_processed:")).and_then(|v| v.trim().parse().ok())
+}
+
+struct Results {
+    ping: Latency,
+    script: Latency,
+    hello: Latency,
+    check: Latency,
+    hello_rate: Rate,
+    check_rate: Rate,
+    redis_cmds_per_check: Option<f64>,
+    record_bytes: usize,
+    raw_pipelined: Rate,
+    raw_batched: Rate,
+    events: Rate,
+}
+
+async fn run() -> AnyResult<()> {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    eprintln!("hot_path: run {id}; {} worker threads", tokio::runtime::Handle::current().metrics().num_workers());
+
+    // Own database, Redis prefix and topics, as the e2e harness does.
+    let db = format!("tg_bench_{id}");
+    let base = base_db();
+    let admin_pool = sqlx::PgPool::connect(&base).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&admin_pool).await?;
+    let db_url = match base.rfind('/') {
+        Some(i) => format!("{}/{db}", &base[..i]),
+        None => return Err(format!("database url without a path: {base}").into()),
+    };
+    let redis_prefix = format!("tgbench:{id}:");
+    let topic_prefix = format!("tgbench.{id}.");
+
+    let result = measure(&db_url, &redis_prefix, &topic_prefix).await;
+
+    // Clean up what this run made (topics stay on the broker).
+    if let Ok(client) = redis::Client::open(base_redis()) {
+        if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+            let mut cursor = 0u64;
+            loop {
+                let page: Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(format!("{redis_prefix}*"))
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut conn)
+                    .await;
+                let Ok((next, keys)) = page else { break };
+                if !keys.is_empty() {
+                    let _: Result<(), _> = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+    }
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&admin_pool).await;
+    admin_pool.close().await;
+
+    let r = result?;
+    let report = report(&r);
+    println!("\n{report}");
+    let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target").into());
+    let path = std::path::Path::new(&dir).join("bench-report.md");
+    match std::fs::write(&path, &report) {
+        Ok(()) => eprintln!("hot_path: report written to {}", path.display()),
+        Err(e) => eprintln!("hot_path: could not write {}: {e}", path.display()),
+    }
+    Ok(())
+}
+
+
+async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyResult<Results> {
+    // --- the gateway, with the real adapters ---
+    let store = PgStore::connect(db_url).await?;
+    store.migrate().await?;
+    let store = Arc::new(store);
+    let kafka = KafkaConfig::new(kafka_brokers(), topic_prefix);
+    let mut delay = Duration::from_millis(200);
+    for attempt in 0.. {
+        match kafka.ensure_topics().await {
+            Ok(()) => break,
+            Err(e) if attempt < 10 => {
+                eprintln!("hot_path: topics not ready ({e}); retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(3));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let view = Arc::new(RedisView::connect(&base_redis(), redis_prefix).await?);
+    let log = KafkaLog::new(&kafka)?;
+    let state = AppState::new(
+        store.clone(),
+        view.clone(),
+        Arc::new(log),
+        Arc::new(SystemClock),
+        Settings::new(ADMIN, GATEWAY),
+    );
+    let gw = serve(gateway::app(state)).await?;
+
+    // --- baseline B: hello-world on the same runtime ---
+    async fn hello() -> Json<Value> {
+        Json(json!({"allowed": true}))
+    }
+    let hello_url = format!("{}/hello", serve(axum::Router::new().route("/hello", post(hello))).await?);
+
+    // One client for every HTTP measurement.
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
+
+    let (pid, kid, secret) = project_with_quota(&http, &gw, "bench-check").await?;
+    let (view_pid, view_kid, _) = project_with_quota(&http, &gw, "bench-view").await?;
+
+    // --- baseline A: Redis PING and the check script ---
+    eprintln!("hot_path: Redis baselines ({REDIS_N} sequential each)");
+    let redis_client = redis::Client::open(base_redis())?;
+    let ping_conn = redis::aio::ConnectionManager::new(redis_client.clone()).await?;
+    let ping = sequential(200, REDIS_N, || {
+        let mut c = ping_conn.clone();
+        async move { redis::cmd("PING").query_async::<String>(&mut c).await.is_ok() }
+    })
+    .await;
+
+    let view_project = ProjectId::parse(view_pid)?;
+    let view_key = ApiKeyId::parse(view_kid)?;
+    let quotas = store.quotas(&view_project).await?;
+    let totals = store.open_totals(&view_project, chrono::Utc::now()).await?;
+    view.seed(&view_project, &totals).await?;
+    let script = {
+        let (view, project, key, quotas) = (view.clone(), view_project.clone(), view_key.clone(), quotas.clone());
+        sequential(200, REDIS_N, move || {
+            let (view, project, key, quotas) = (view.clone(), project.clone(), key.clone(), quotas.clone());
+            async move {
+                let now = chrono::Utc::now();
+                let plan = meter::plan_check(&quotas, chrono_tz::Tz::UTC, &key, None, now);
+                let hold = Hold {
+                    reservation: ReservationId::parse(gateway::state::new_id("res")).expect("reservation id"),
+                    request_event: EventId::parse(gateway::state::new_id("req")).expect("event id"),
+                    lease_until: now + chrono::Duration::seconds(60),
+                };
+                matches!(view.check(&project, &plan, &hold, now).await, Ok(Some(o)) if o.admitted)
+            }
+        })
+        .await
+    };
+
+    // --- HTTP latency: hello-world, then /v1/check ---
+    let check_url = format!("{gw}/v1/check");
+    let check_body = json!({ "api_key": secret });
+    eprintln!("hot_path: hello-world latency ({HTTP_N} sequential)");
+    let hello_lat = {
+        let (h, u, b) = (http.clone(), hello_url.clone(), check_body.clone());
+        sequential(HTTP_WARMUP, HTTP_N, move || {
+            let (h, u, b) = (h.clone(), u.clone(), b.clone());
+            async move { post_json(&h, &u, &b).await }
+        })
+        .await
+    };
+    eprintln!("hot_path: /v1/check latency ({HTTP_N} sequential)");
+    let mut info_conn = redis_client.get_multiplexed_async_connection().await?;
+    let cmds_before = redis_commands(&mut info_conn).await;
+    let check_lat = {
+        let (h, u, b) = (http.clone(), check_url.clone(), check_body.clone());
+        sequential(HTTP_WARMUP, HTTP_N, move || {
+            let (h, u, b) = (h.clone(), u.clone(), b.clone());
+            async move { post_json(&h, &u, &b).await }
+        })
+        .await
+    };
+    let cmds_after = redis_commands(&mut info_conn).await;
+    let redis_cmds_per_check = match (cmds_before, cmds_after) {
+        // Warm-up checks count too; the two INFO calls are subtracted.
+        (Some(a), Some(b)) if b > a => Some((b - a - 1) as f64 / (HTTP_WARMUP + HTTP_N) as f64),
+        _ => None,
+    };
+
+    // --- HTTP throughput ---
+    eprintln!("hot_path: hello-world throughput ({CLIENTS} clients, {THROUGHPUT_SECS} s)");
+    let hello_rate = {
+        let (h, u, b) = (http.clone(), hello_url.clone(), check_body.clone());
+        measured_throughput(move || {
+            let (h, u, b) = (h.clone(), u.clone(), b.clone());
+            async move { post_json(&h, &u, &b).await }
+        })
+        .await
+    };
+    eprintln!("hot_path: /v1/check throughput ({CLIENTS} clients, {THROUGHPUT_SECS} s)");
+    let check_rate = {
+        let (h, u, b) = (http.clone(), check_url.clone(), check_body.clone());
+        measured_throughput(move || {
+            let (h, u, b) = (h.clone(), u.clone(), b.clone());
+            async move { post_json(&h, &u, &b).await }
+        })
+        .await
+    };
+    // Let the background publishes of the checks' request events drain.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // --- baseline C: raw producer, then /v1/events ---
+    let project = ProjectId::parse(pid.clone())?;
+    let key = ApiKeyId::parse(kid.clone())?;
+    let sample = UsageFact {
+        id: EventId::parse("bench-000000-00000")?,
+        project_id: project.clone(),
+        api_key_id: Some(key.clone()),
+        agent_id: None,
+        actor_id: None,
+        occurred_at: chrono::Utc::now(),
+        kind: EventKind::Call,
+        outcome: Outcome::Success,
+        rows: 1,
+        reservation_id: None,
+        gateway: "gw-bench0".into(),
+    };
+    let payload = schemas::encode_usage(&sample)?;
+    let record_bytes = payload.len();
+    let producer = kafka.producer()?;
+    let topic = kafka.usage_topic();
+    let send = send_one;
+    // Warm-up: metadata and connections.
+    for _ in 0..100 {
+        send(&producer, &topic, pid.as_str(), &payload).await;
+    }
+    eprintln!("hot_path: raw producer, {EVENTS_N} records of {record_bytes} bytes, all in flight");
+    let raw_pipelined = {
+        let start = Instant::now();
+        let mut inflight: FuturesUnordered<_> =
+            (0..EVENTS_N).map(|_| send(&producer, &topic, pid.as_str(), &payload)).collect();
+        let (mut ok, mut bad) = (0u64, 0u64);
+        while let Some(r) = inflight.next().await {
+            if r { ok += 1 } else { bad += 1 }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        Rate { per_sec: ok as f64 / secs, done: ok, errors: bad, secs }
+    };
+    eprintln!(
+        "hot_path: raw producer, {EVENTS_N} records in batches of {EVENTS_BATCH} from {EVENTS_CLIENTS} tasks"
+    );
+    let raw_batched = {
+        let producer = Arc::new(producer);
+        let (payload, topic, key) = (Arc::new(payload), Arc::new(topic), Arc::new(pid.clone()));
+        batched(move |_batch| {
+            let (producer, payload, topic, key) = (producer.clone(), payload.clone(), topic.clone(), key.clone());
+            async move {
+                let sends = (0..EVENTS_BATCH).map(|_| send(&producer, &topic, &key, &payload));
+                let oks = futures::future::join_all(sends).await;
+                oks.iter().filter(|x| **x).count()
+            }
+        })
+        .await
+    };
+
+    eprintln!("hot_path: /v1/events, {EVENTS_N} call events in batches of {EVENTS_BATCH} from {EVENTS_CLIENTS} clients");
+    let events_url = format!("{gw}/v1/events");
+    let event = |i: usize| {
+        json!({
+            "id": format!("bench-{i:06}"), "type": "call", "project_id": pid, "api_key_id": kid,
+            "occurred_at": chrono::Utc::now().to_rfc3339(), "outcome": "success", "rows": 1,
+        })
+    };
+    // Warm-up batch (ids outside the measured range).
+    let warm: Vec<Value> = (0..EVENTS_BATCH).map(|i| event(EVENTS_N + i)).collect();
+    post_json(&http, &events_url, &json!({ "events": warm })).await;
+    let bodies: Arc<Vec<Value>> = Arc::new(
+        (0..EVENTS_N / EVENTS_BATCH)
+            .map(|b| json!({ "events": (0..EVENTS_BATCH).map(|i| event(b * EVENTS_BATCH + i)).collect::<Vec<_>>() }))
+            .collect(),
+    );
+    let events = {
+        let (h, u) = (http.clone(), events_url.clone());
+        batched(move |b| {
+            let (h, u, bodies) = (h.clone(), u.clone(), bodies.clone());
+            async move { if post_json(&h, &u, &bodies[b]).await { EVENTS_BATCH } else { 0 } }
+        })
+        .await
+    };
+
+    Ok(Results {
+        ping,
+        script,
+        hello: hello_lat,
+        check: check_lat,
+        hello_rate,
+        check_rate,
+        redis_cmds_per_check,
+        record_bytes,
+        raw_pipelined,
+        raw_batched,
+        events,
+    })
+}
+
+/// One record through the producer; true once the broker acknowledged it.
+async fn send_one(producer: &FutureProducer, topic: &str, key: &str, payload: &[u8]) -> bool {
+    producer
+        .send(FutureRecord::to(topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
+        .await
+        .is_ok()
+}
+
+/// `EVENTS_N / EVENTS_BATCH` batches taken by `EVENTS_CLIENTS` tasks; `op`
+/// returns how many of its batch succeeded.
+async fn batched<F, Fut>(op: F) -> Rate
+where
+    F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = usize> + Send,
+{
+    let batches = EVENTS_N / EVENTS_BATCH;
+    let next = Arc::new(AtomicUsize::new(0));
+    let ok = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..EVENTS_CLIENTS {
+        let (op, next, ok) = (op.clone(), next.clone(), ok.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let b = next.fetch_add(1, Ordering::Relaxed);
+                if b >= batches {
+                    break;
+                }
+                ok.fetch_add(op(b).await as u64, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let done = ok.load(Ordering::Relaxed);
+    Rate { per_sec: done as f64 / secs, done, errors: EVENTS_N as u64 - done, secs }
+}
+
+fn ms(us: f64) -> String {
+    format!("{:.3} ms", us / 1000.0)
+}
+
+fn lat_row(name: &str, what: &str, l: &Latency) -> String {
+    let err = if l.errors > 0 { format!(" ({} errors)", l.errors) } else { String::new() };
+    format!("| {name} | {what} | {} | {} | n = {}{err} |\n", ms(l.p50), ms(l.p99), l.n)
+}
+
+fn rate_row(name: &str, what: &str, r: &Rate, unit: &str) -> String {
+    let err = if r.errors > 0 { format!(", {} errors", r.errors) } else { String::new() };
+    format!("| {name} | {what} | {:.0} {unit}/s | | {} in {:.2} s{err} |\n", r.per_sec, r.done, r.secs)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "**met**" } else { "**not met**" }
+}
+
+fn report(r: &Results) -> String {
+    let mut s = String::new();
+    s.push_str("### Raw measurements\n\n");
+    s.push_str("| Measurement | What | p50 / rate | p99 | Notes |\n|---|---|---|---|---|\n");
+    s.push_str(&lat_row("Redis PING", "round trip, sequential", &r.ping));
+    s.push_str(&lat_row("A: Redis check script", "`RedisView::check`, sequential", &r.script));
+    s.push_str(&lat_row("B: hello-world", "HTTP POST, sequential", &r.hello));
+    s.push_str(&lat_row("`/v1/check`", "HTTP POST, sequential", &r.check));
+    s.push_str(&rate_row("B: hello-world", &format!("{CLIENTS} concurrent clients"), &r.hello_rate, "req"));
+    s.push_str(&rate_row("`/v1/check`", &format!("{CLIENTS} concurrent clients"), &r.check_rate, "req"));
+    s.push_str(&rate_row(
+        "C: raw producer",
+        &format!("{EVENTS_N} × {} B records, all in flight", r.record_bytes),
+        &r.raw_pipelined,
+        "rec",
+    ));
+    s.push_str(&rate_row(
+        "C': raw producer",
+        &format!("{EVENTS_N} records, batches of {EVENTS_BATCH} from {EVENTS_CLIENTS} tasks"),
+        &r.raw_batched,
+        "rec",
+    ));
+    s.push_str(&rate_row(
+        "`/v1/events`",
+        &format!("{EVENTS_N} call events, batches of {EVENTS_BATCH} from {EVENTS_CLIENTS} clients"),
+        &r.events,
+        "ev",
+    ));
+    if let Some(c) = r.redis_cmds_per_check {
+        s.push_str(&format!(
+            "\nRedis commands per check (server-wide `total_commands_processed` delta over the sequential checks; \
+             other clients of the same Redis would inflate it): **{c:.2}**\n"
+        ));
+    }
+
+    s.push_str("\n### DESIGN §8 targets\n\n| Target | Measured | Bound | Result |\n|---|---|---|---|\n");
+    let bound = r.hello.p99 + 2.0 * r.script.p99 + 500.0;
+    s.push_str(&format!(
+        "| check p99 ≤ hello p99 + 2 × script p99 + 0.5 ms | {} | {} ({} + 2 × {} + 0.5 ms) | {} |\n",
+        ms(r.check.p99),
+        ms(bound),
+        ms(r.hello.p99),
+        ms(r.script.p99),
+        verdict(r.check.p99 <= bound)
+    ));
+    let tput = r.check_rate.per_sec / r.hello_rate.per_sec;
+    s.push_str(&format!(
+        "| check throughput ≥ 0.35 × hello-world | {tput:.3} ({:.0} / {:.0} req/s) | 0.35 | {} |\n",
+        r.check_rate.per_sec,
+        r.hello_rate.per_sec,
+        verdict(tput >= 0.35)
+    ));
+    let publish = r.events.per_sec / r.raw_pipelined.per_sec;
+    s.push_str(&format!(
+        "| publish (`/v1/events`) ≥ 0.5 × raw producer | {publish:.3} ({:.0} / {:.0} per s) | 0.5 | {} |\n",
+        r.events.per_sec,
+        r.raw_pipelined.per_sec,
+        verdict(publish >= 0.5)
+    ));
+    if let Some(c) = r.redis_cmds_per_check {
+        s.push_str(&format!(
+            "| one Redis round trip per check | {c:.2} commands per check | 1 | {} |\n",
+            verdict(c < 1.5)
+        ));
+    }
+    let batched = r.events.per_sec / r.raw_batched.per_sec;
+    s.push_str(&format!(
+        "\n`/v1/events` against the raw producer driven in the same shape (C'): {batched:.3}.\n"
+    ));
+    s
+}

@@ -1,0 +1,168 @@
+//! `tollgate dev`: gateway and projector in one process, with no external
+//! service. The log and the store live in one SQLite file under the data
+//! directory, the view in memory; the fold, the verdict and the API are the
+//! same code as the distributed deployment. State survives a restart: the
+//! view is re-seeded from the store and the projector resumes from its
+//! stored offsets.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use gateway::state::{SystemClock, hash_secret, new_id, random_token};
+use gateway::{AppState, Settings};
+use meter::{ApiKey, ApiKeyId, Clock, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
+use projector::{Projector, ProjectorConfig};
+use serde_json::json;
+use store::{MemoryView, SqliteLog, SqliteStore};
+use tracing::info;
+
+#[derive(Args)]
+pub struct DevArgs {
+    /// Where the SQLite file and the dev tokens are kept.
+    #[arg(long, env = "TOLLGATE_DATA_DIR", default_value = ".tollgate")]
+    data_dir: PathBuf,
+    /// Address to listen on.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Bearer token of the admin API (generated and kept in the data directory if unset).
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Bearer token of the hot path (generated and kept in the data directory if unset).
+    #[arg(long, env = "TOLLGATE_GATEWAY_TOKEN", hide_env_values = true)]
+    gateway_token: Option<String>,
+    /// Do not create the demo project, key and quota on the first start.
+    #[arg(long, env = "TOLLGATE_NO_DEMO")]
+    no_demo: bool,
+    /// How long an admitted call holds its reservation if never settled.
+    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    lease: Duration,
+}
+
+/// Tokens kept across restarts so curl lines keep working.
+fn tokens(dir: &Path, admin: Option<String>, gateway: Option<String>) -> anyhow::Result<(String, String)> {
+    let path = dir.join("tokens.json");
+    let saved: serde_json::Value = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_else(|| json!({}));
+    let admin = admin
+        .or_else(|| saved["admin"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("adm_{}", random_token(32)));
+    let gateway = gateway
+        .or_else(|| saved["gateway"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("gw_{}", random_token(32)));
+    std::fs::write(&path, serde_json::to_vec_pretty(&json!({"admin": admin, "gateway": gateway}))?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok((admin, gateway))
+}
+
+/// The demo project, key and quota, created once; returns (project, key id, secret).
+async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Result<(String, String, String)> {
+    let path = dir.join("demo.json");
+    if let Some(v) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()) {
+        if let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str()) {
+            return Ok((p.to_owned(), k.to_owned(), s.to_owned()));
+        }
+    }
+    let now = clock.now();
+    let project = Project {
+        id: ProjectId::parse(new_id("proj"))?,
+        name: "demo".into(),
+        timezone: chrono_tz::Tz::UTC,
+        created_at: now,
+    };
+    store.create_project(&project).await?;
+    let secret = format!("tg_{}", random_token(40));
+    let key = ApiKey {
+        id: ApiKeyId::parse(new_id("key"))?,
+        project_id: project.id.clone(),
+        name: "demo key".into(),
+        prefix: secret[..10].to_owned(),
+        grants: Grants::default(),
+        created_at: now,
+    };
+    store.create_api_key(&key, &hash_secret(&secret)).await?;
+    let quota = Quota {
+        id: QuotaId::parse(new_id("quota"))?,
+        spec: QuotaSpec {
+            project_id: project.id.clone(),
+            scope: Scope::ApiKey,
+            scope_ref: Some(key.id.to_string()),
+            metric: meter::Metric::Calls,
+            window: meter::WindowKind::Rolling1m,
+            limit: 5,
+            mode: Mode::Enforce,
+            meter_type: None,
+            on_unpriced: None,
+        },
+        created_at: now,
+        updated_at: now,
+    };
+    store.create_quota(&quota).await?;
+    let v = json!({"project_id": project.id, "api_key_id": key.id, "secret": secret, "quota_id": quota.id});
+    std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
+    Ok((project.id.to_string(), key.id.to_string(), secret))
+}
+
+pub async fn run(args: DevArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
+    let (admin, gateway_token) = tokens(&args.data_dir, args.admin_token, args.gateway_token)?;
+    let db = args.data_dir.join("tollgate.db");
+    let store = SqliteStore::open(&db).await.with_context(|| format!("opening {}", db.display()))?;
+    store.migrate().await.context("migrating the embedded store")?;
+    let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+    log.ensure_schema().await.context("creating the embedded log")?;
+    let reader = log.reader();
+    let view = MemoryView::new();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let store: Arc<dyn Store> = Arc::new(store);
+
+    let demo = if args.no_demo { None } else { Some(demo(store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
+
+    let mut settings = Settings::new(admin.clone(), gateway_token.clone());
+    settings.lease = args.lease;
+    settings.instance = "dev".into();
+    let view = Arc::new(view);
+    let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
+
+    let config = ProjectorConfig::new("tollgate.usage");
+    let projector = Projector::new(reader, store, view, clock, config);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let projector = tokio::spawn(projector.run(async move {
+        let _ = stop_rx.await;
+    }));
+
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    print_banner(&url, &admin, &gateway_token, &args.data_dir, demo.as_ref());
+    info!(%url, "tollgate dev listening");
+    axum::serve(listener, gateway::app(state)).with_graceful_shutdown(crate::shutdown_signal()).await?;
+    let _ = stop_tx.send(());
+    match projector.await {
+        Ok(r) => r.context("projector")?,
+        Err(e) => anyhow::bail!("projector task: {e}"),
+    }
+    Ok(())
+}
+
+fn print_banner(url: &str, admin: &str, gateway: &str, dir: &Path, demo: Option<&(String, String, String)>) {
+    println!("tollgate dev — gateway and projector in one process, state in {}", dir.display());
+    println!();
+    println!("  URL            {url}");
+    println!("  admin token    {admin}");
+    println!("  gateway token  {gateway}");
+    if let Some((project, key, secret)) = demo {
+        println!("  demo project   {project}");
+        println!("  demo key       {key}  (secret {secret}; quota: 5 calls per minute)");
+        println!();
+        println!("Try:");
+        println!("  curl -s -X POST {url}/v1/check -H 'authorization: Bearer {gateway}' \\");
+        println!("       -H 'content-type: application/json' -d '{{\"api_key\":\"{secret}\"}}'");
+        println!("  curl -s {url}/v1/quotas?project_id={project} -H 'authorization: Bearer {admin}'");
+    }
+    println!("  curl -s {url}/openapi.json");
+    println!();
+}
