@@ -12,11 +12,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use gateway::state::{SystemClock, hash_secret, new_id, random_token};
-use gateway::{AppState, Settings};
+use gateway::Settings;
+use gateway::embedded::Embedded;
 use meter::{ApiKey, ApiKeyId, Clock, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
-use projector::{Projector, ProjectorConfig};
 use serde_json::json;
-use store::{MemoryView, SqliteLog, SqliteStore};
 use tracing::info;
 
 #[derive(Args)]
@@ -110,41 +109,23 @@ async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Resul
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
     let (admin, gateway_token) = tokens(&args.data_dir, args.admin_token, args.gateway_token)?;
-    let db = args.data_dir.join("tollgate.db");
-    let store = SqliteStore::open(&db).await.with_context(|| format!("opening {}", db.display()))?;
-    store.migrate().await.context("migrating the embedded store")?;
-    let log = SqliteLog::new(store.pool().clone(), "tollgate.");
-    log.ensure_schema().await.context("creating the embedded log")?;
-    let reader = log.reader();
-    let view = MemoryView::new();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let store: Arc<dyn Store> = Arc::new(store);
-
-    let demo = if args.no_demo { None } else { Some(demo(store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
-
     let mut settings = Settings::new(admin.clone(), gateway_token.clone());
     settings.lease = args.lease;
     settings.instance = "dev".into();
-    let view = Arc::new(view);
-    let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
-
-    let config = ProjectorConfig::new("tollgate.usage");
-    let projector = Projector::new(reader, store, view, clock, config);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let projector = tokio::spawn(projector.run(async move {
-        let _ = stop_rx.await;
-    }));
+    let db = args.data_dir.join("tollgate.db");
+    let embedded = Embedded::open(&db, settings, clock.clone())
+        .await
+        .with_context(|| format!("opening {}", db.display()))?;
+    let state = embedded.state.clone();
+    let demo = if args.no_demo { None } else { Some(demo(state.store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
 
     let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let url = format!("http://{}", listener.local_addr()?);
     print_banner(&url, &admin, &gateway_token, &args.data_dir, demo.as_ref());
     info!(%url, "tollgate dev listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(crate::shutdown_signal()).await?;
-    let _ = stop_tx.send(());
-    match projector.await {
-        Ok(r) => r.context("projector")?,
-        Err(e) => anyhow::bail!("projector task: {e}"),
-    }
+    embedded.shutdown().await.context("projector")?;
     Ok(())
 }
 

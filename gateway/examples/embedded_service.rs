@@ -14,9 +14,9 @@
 //! At start-up it creates a demo project, an API key and a quota of
 //! 5 calls a day on that key through the Store port, and prints the secret.
 //!
-//! Backends: for now PostgreSQL, Redis and Kafka, from `TOLLGATE_DATABASE_URL`,
-//! `TOLLGATE_REDIS_URL` and `TOLLGATE_KAFKA_BROKERS` (local defaults). Only
-//! [`backends`] knows which; see there for the switch to the embedded ones.
+//! Backends: embedded (no external service): the log and store in
+//! `tollgate-example.db` (`EXAMPLE_DATA`), the view in memory, or in Redis
+//! when `TOLLGATE_REDIS_URL` is set.
 
 use std::error::Error;
 use std::sync::Arc;
@@ -28,44 +28,29 @@ use axum::{Extension, Json, Router};
 use chrono::Utc;
 use gateway::hot::Admission;
 use gateway::state::{SystemClock, hash_secret, new_id, random_token};
-use gateway::{AppState, Settings, TollgateLayer};
-use meter::{ApiKey, ApiKeyId, Grants, Log, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store, View};
+use gateway::embedded::Embedded;
+use gateway::{Settings, TollgateLayer};
+use meter::{ApiKey, ApiKeyId, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
 use serde_json::json;
-
-type Ports = (Arc<dyn Store>, Arc<dyn View>, Arc<dyn Log>);
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
-/// The ports the layer runs on: the only place that names a technology.
-///
-/// To run with no external service, replace the body with the embedded
-/// backends (as `tollgate dev` does in src/main.rs's `dev` module), e.g.:
-///
-/// ```ignore
-/// let store = store::SqliteStore::open("tollgate-example.db").await?;
-/// store.migrate().await?;
-/// let log = store::SqliteLog::new(store.pool().clone(), "tollgate.");
-/// log.ensure_schema().await?;
-/// let view = store::MemoryView::new();
-/// Ok((Arc::new(store), Arc::new(view), Arc::new(log)))
-/// ```
-///
-/// (The embedded view lives in this process, so a separate projector cannot
-/// fold into it; run the projector in-process too, as `tollgate dev` does,
-/// or let the view's pending deltas carry the window.)
-async fn backends() -> Result<Ports, Box<dyn Error>> {
-    let database_url = env("TOLLGATE_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tollgate");
-    let redis_url = env("TOLLGATE_REDIS_URL", "redis://127.0.0.1:6379");
-    let brokers = env("TOLLGATE_KAFKA_BROKERS", "127.0.0.1:9092");
-    let store = store::PgStore::connect(&database_url).await?;
-    store.migrate().await?;
-    let view = store::RedisView::connect(&redis_url, &env("TOLLGATE_REDIS_PREFIX", "tg:")).await?;
-    let kafka = store::KafkaConfig::new(brokers, env("TOLLGATE_TOPIC_PREFIX", "tollgate."));
-    kafka.ensure_topics().await?;
-    let log = store::KafkaLog::new(&kafka)?;
-    Ok((Arc::new(store), Arc::new(view), Arc::new(log)))
+/// Tollgate in this process: the embedded log and store in one SQLite file
+/// and its projector as a task; the view in memory, or in Redis when
+/// `TOLLGATE_REDIS_URL` is set (so several instances share one count).
+async fn tollgate(settings: Settings) -> Result<Embedded, Box<dyn Error>> {
+    let path = std::path::PathBuf::from(env("EXAMPLE_DATA", "tollgate-example.db"));
+    let clock = Arc::new(SystemClock);
+    let embedded = match std::env::var("TOLLGATE_REDIS_URL") {
+        Ok(url) => {
+            let view = store::RedisView::connect(&url, &env("TOLLGATE_REDIS_PREFIX", "tg-example:")).await?;
+            Embedded::open_with_view(&path, settings, clock, Arc::new(view)).await?
+        }
+        Err(_) => Embedded::open(&path, settings, clock).await?,
+    };
+    Ok(embedded)
 }
 
 /// A demo project, key (its secret is returned) and a quota of 5 calls a day.
@@ -122,13 +107,12 @@ async fn broken() -> impl IntoResponse {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     tracing_subscriber::fmt().with_env_filter(env("RUST_LOG", "info")).init();
-    let (store, view, log) = backends().await?;
-    let secret = demo(store.as_ref()).await?;
-
     // The admin and gateway tokens guard Tollgate's own HTTP API, which this
     // service does not expose; the layer does not use them.
     let settings = Settings::new(random_token(32), random_token(32));
-    let state = AppState::new(store, view, log, Arc::new(SystemClock), settings);
+    let embedded = tollgate(settings).await?;
+    let state = embedded.state.clone();
+    let secret = demo(state.store.as_ref()).await?;
 
     let app =
         Router::new().route("/reports", get(reports)).route("/broken", get(broken)).layer(TollgateLayer::new(state));
@@ -137,6 +121,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     println!("listening on http://{}", listener.local_addr()?);
     println!("try: curl -i -H 'Authorization: Bearer {secret}' http://{listen}/reports   (5 calls a day)");
-    axum::serve(listener, app).await?;
+    axum::serve(listener, app).with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+    embedded.shutdown().await?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod embedded;
 pub mod error;
 pub mod fields;
 pub mod hot;

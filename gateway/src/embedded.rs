@@ -1,0 +1,64 @@
+//! Tollgate in-process, with no external service: the embedded log and store
+//! in one SQLite file, the in-memory view (or any other view, Redis for
+//! instance), and the projector running as a task beside the gateway. It is
+//! what `tollgate dev` runs and what a Rust service embeds under a
+//! [`TollgateLayer`](crate::TollgateLayer). The fold, the verdict and the API
+//! are the same code as the distributed deployment; only the ports differ.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use meter::{Clock, PortError, PortResult, Store, View};
+use projector::{Projector, ProjectorConfig};
+use store::{MemoryView, SqliteLog, SqliteStore};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::state::{AppState, Settings};
+
+/// A running embedded Tollgate: the state to serve or layer, and its projector.
+pub struct Embedded {
+    pub state: AppState,
+    stop: oneshot::Sender<()>,
+    projector: JoinHandle<PortResult<()>>,
+}
+
+impl Embedded {
+    /// Opens (or creates) the data file at `path` and starts the projector,
+    /// with the in-memory view.
+    pub async fn open(path: &Path, settings: Settings, clock: Arc<dyn Clock>) -> PortResult<Embedded> {
+        Self::open_with_view(path, settings, clock, Arc::new(MemoryView::new())).await
+    }
+
+    /// As [`Embedded::open`], with the view given (Redis, when configured).
+    pub async fn open_with_view(
+        path: &Path,
+        settings: Settings,
+        clock: Arc<dyn Clock>,
+        view: Arc<dyn View>,
+    ) -> PortResult<Embedded> {
+        let store = SqliteStore::open(path).await?;
+        store.migrate().await?;
+        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+        log.ensure_schema().await?;
+        let reader = log.reader();
+        let topic = log.usage_topic().to_owned();
+        let store: Arc<dyn Store> = Arc::new(store);
+        let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
+        let projector = Projector::new(reader, store, view, clock, ProjectorConfig::new(topic));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let projector = tokio::spawn(projector.run(async move {
+            let _ = stopped.await;
+        }));
+        Ok(Embedded { state, stop, projector })
+    }
+
+    /// Stops the projector; what it folded is durable.
+    pub async fn shutdown(self) -> PortResult<()> {
+        let _ = self.stop.send(());
+        match self.projector.await {
+            Ok(r) => r,
+            Err(e) => Err(PortError::Permanent(format!("projector task: {e}"))),
+        }
+    }
+}
