@@ -95,6 +95,11 @@ id_type!(
     /// A live reservation made by an admitted check.
     ReservationId
 );
+id_type!(
+    /// An audit-log entry; time-ordered, so ordering by id orders by time
+    /// and the id of the last entry read is the cursor of the next page.
+    AuditId
+);
 
 #[cfg(test)]
 mod tests {

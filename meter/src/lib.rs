@@ -25,6 +25,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod admission;
+pub mod apply;
+pub mod audit;
 pub mod fold;
 pub mod ids;
 pub mod ports;
@@ -33,8 +35,10 @@ pub mod usage;
 pub mod window;
 
 pub use admission::{Breach, CheckOutcome, CheckPlan, PlannedLimit, Verdict, decide, plan_check};
+pub use apply::{DesiredQuota, QuotaPlan};
+pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use fold::Fold;
-pub use ids::{ApiKeyId, EventId, IdError, ProjectId, QuotaId, ReservationId};
+pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId};
 pub use ports::*;
 pub use quota::{FieldError, Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
 pub use usage::{Counter, CounterKey, Dimension, EventKind, Outcome, Totals, UsageFact};

@@ -14,7 +14,9 @@ use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 
 use crate::admission::{CheckOutcome, CheckPlan};
-use crate::ids::{ApiKeyId, EventId, ProjectId, QuotaId, ReservationId};
+use crate::apply::QuotaPlan;
+use crate::audit::AuditEntry;
+use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId};
 use crate::quota::{Quota, QuotaPatch};
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
 
@@ -140,12 +142,28 @@ pub trait Store: Send + Sync {
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
+    /// Soft-deletes a key (`deleted_at`): it no longer authenticates or
+    /// reads back, and quotas naming it go inert. False if there was no
+    /// live key with this id.
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool>;
     /// Fails with [`PortError::Conflict`] on a duplicate identity.
     async fn create_quota(&self, quota: &Quota) -> PortResult<()>;
     async fn quota(&self, id: &QuotaId) -> PortResult<Option<Quota>>;
     async fn quotas(&self, project: &ProjectId) -> PortResult<Vec<Quota>>;
     async fn update_quota(&self, id: &QuotaId, patch: &QuotaPatch, at: DateTime<Utc>) -> PortResult<Option<Quota>>;
     async fn delete_quota(&self, id: &QuotaId) -> PortResult<bool>;
+    /// Carries out a plan and writes its audit entries in **one
+    /// transaction**: all of it or none. Fails, changing nothing, with
+    /// [`PortError::Fenced`] if the plan has `based_on` and the project's
+    /// quotas are no longer exactly those; with [`PortError::Conflict`] on a
+    /// duplicate identity, or when a quota to update or delete is gone.
+    async fn apply_quotas(&self, plan: &QuotaPlan, audit: &[AuditEntry]) -> PortResult<()>;
+    /// Appends an audit entry. An entry with a
+    /// [`once_key`](AuditEntry::once_key) (a monitor breach: its quota and
+    /// window) is written at most once: returns whether this call wrote it.
+    async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool>;
+    /// A project's audit entries in id (time) order, after the cursor, at most `limit`.
+    async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>>;
     /// Durable totals of the given counters (missing ones are zero).
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.

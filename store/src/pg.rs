@@ -22,9 +22,10 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, Counter, CounterKey, Dimension, EventId, Fold, FoldBatch, FoldReport, Grants,
-    Metric, Mode, OnUnpriced, PortError, PortResult, Project, ProjectId, Quota, QuotaId,
-    QuotaPatch, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Counter, CounterKey, Dimension,
+    EventId, Fold, FoldBatch, FoldReport, Grants, Metric, Mode, OnUnpriced, PortError, PortResult,
+    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store,
+    Totals, UsageFact, WindowKind,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
@@ -227,6 +228,86 @@ fn quota_from_row(row: &PgRow) -> PortResult<Quota> {
     })
 }
 
+macro_rules! audit_columns {
+    () => {
+        "id, project_id, action, principal_type, principal_id, resource, detail, created_at"
+    };
+}
+
+fn audit_from_row(row: &PgRow) -> PortResult<AuditEntry> {
+    let id: String = get(row, "id")?;
+    let project: String = get(row, "project_id")?;
+    let action: String = get(row, "action")?;
+    let principal_type: Option<String> = get(row, "principal_type")?;
+    let principal_id: Option<String> = get(row, "principal_id")?;
+    let detail: Json<AuditDetail> = get(row, "detail")?;
+    Ok(AuditEntry {
+        id: AuditId::parse(&id).map_err(|_| corrupt("audit id", &id))?,
+        project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
+        action: parse::<AuditAction>("audit action", &action)?,
+        principal: match (principal_type, principal_id) {
+            (Some(kind), Some(id)) => Some(Principal { kind, id }),
+            _ => None,
+        },
+        resource: get(row, "resource")?,
+        detail: detail.0,
+        created_at: get(row, "created_at")?,
+    })
+}
+
+/// Inserts an entry; one whose once-key is already there is skipped.
+async fn insert_audit<'e, E>(ex: E, entry: &AuditEntry) -> PortResult<bool>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let done = sqlx::query(
+        "INSERT INTO audit_log (id, project_id, action, principal_type, principal_id, resource, detail, \
+                                once_key, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (once_key) DO NOTHING",
+    )
+    .bind(entry.id.as_str())
+    .bind(entry.project_id.as_str())
+    .bind(entry.action.as_str())
+    .bind(entry.principal.as_ref().map(|p| p.kind.as_str()))
+    .bind(entry.principal.as_ref().map(|p| p.id.as_str()))
+    .bind(&entry.resource)
+    .bind(Json(&entry.detail))
+    .bind(entry.once_key())
+    .bind(entry.created_at)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(done.rows_affected() == 1)
+}
+
+async fn insert_quota<'e, E>(ex: E, quota: &Quota) -> PortResult<()>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let s = &quota.spec;
+    sqlx::query(
+        r#"INSERT INTO quotas (id, project_id, scope, scope_ref, metric, "window", "limit", mode,
+                               meter_type, on_unpriced, created_at, updated_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#,
+    )
+    .bind(quota.id.as_str())
+    .bind(s.project_id.as_str())
+    .bind(s.scope.as_str())
+    .bind(s.scope_ref.as_deref())
+    .bind(s.metric.as_str())
+    .bind(s.window.as_str())
+    .bind(to_i64("limit", s.limit)?)
+    .bind(s.mode.as_str())
+    .bind(s.meter_type.as_deref())
+    .bind(s.on_unpriced.map(on_unpriced_str))
+    .bind(quota.created_at)
+    .bind(quota.updated_at)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
 fn totals_from_row(row: &PgRow) -> PortResult<Totals> {
     Ok(Totals {
         requests: to_u64("requests", get(row, "requests")?)?,
@@ -366,28 +447,7 @@ impl Store for PgStore {
         fields(db = "postgres", op = "create_quota")
     )]
     async fn create_quota(&self, quota: &Quota) -> PortResult<()> {
-        let s = &quota.spec;
-        sqlx::query(
-            r#"INSERT INTO quotas (id, project_id, scope, scope_ref, metric, "window", "limit", mode,
-                                   meter_type, on_unpriced, created_at, updated_at)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#,
-        )
-        .bind(quota.id.as_str())
-        .bind(s.project_id.as_str())
-        .bind(s.scope.as_str())
-        .bind(s.scope_ref.as_deref())
-        .bind(s.metric.as_str())
-        .bind(s.window.as_str())
-        .bind(to_i64("limit", s.limit)?)
-        .bind(s.mode.as_str())
-        .bind(s.meter_type.as_deref())
-        .bind(s.on_unpriced.map(on_unpriced_str))
-        .bind(quota.created_at)
-        .bind(quota.updated_at)
-        .execute(&self.pool)
-        .await
-        .map_err(db_err)?;
-        Ok(())
+        insert_quota(&self.pool, quota).await
     }
 
     #[tracing::instrument(
@@ -475,6 +535,159 @@ impl Store for PgStore {
             .await
             .map_err(db_err)?;
         Ok(done.rows_affected() > 0)
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "delete_api_key")
+    )]
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
+        let done = sqlx::query(
+            "UPDATE api_keys SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL",
+        )
+        .bind(id.as_str())
+        .bind(at)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "apply_quotas", creates = plan.creates.len(),
+               updates = plan.updates.len(), deletes = plan.deletes.len())
+    )]
+    async fn apply_quotas(&self, plan: &QuotaPlan, audit: &[AuditEntry]) -> PortResult<()> {
+        // Dropping `tx` without committing rolls everything back, so every
+        // early return below changes nothing.
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let project = plan.project_id.as_str();
+
+        // The project's row lock serialises every plan of one project, so
+        // the set read below cannot move before the commit.
+        let locked = sqlx::query("SELECT id FROM projects WHERE id = $1 FOR UPDATE")
+            .bind(project)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        if locked.is_none() {
+            return Err(PortError::Permanent(format!("project {project} does not exist")));
+        }
+        if let Some(expected) = &plan.based_on {
+            let mut now: Vec<Quota> = sqlx::query(concat!(
+                "SELECT ",
+                quota_columns!(),
+                " FROM quotas WHERE project_id = $1"
+            ))
+            .bind(project)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db_err)?
+            .iter()
+            .map(quota_from_row)
+            .collect::<PortResult<_>>()?;
+            let mut expected = expected.clone();
+            now.sort_by(|a, b| a.id.cmp(&b.id));
+            expected.sort_by(|a, b| a.id.cmp(&b.id));
+            if now != expected {
+                return Err(PortError::Fenced(format!(
+                    "the quotas of project {project} changed since the plan was made"
+                )));
+            }
+        }
+
+        if !plan.deletes.is_empty() {
+            let ids: Vec<&str> = plan.deletes.iter().map(|q| q.id.as_str()).collect();
+            let gone = sqlx::query("DELETE FROM quotas WHERE project_id = $1 AND id = ANY($2::text[])")
+                .bind(project)
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?
+                .rows_affected();
+            if gone != ids.len() as u64 {
+                return Err(PortError::Conflict(format!(
+                    "{} of {} quotas to delete no longer exist",
+                    ids.len() as u64 - gone,
+                    ids.len()
+                )));
+            }
+        }
+        for u in &plan.updates {
+            let moved = sqlx::query(
+                r#"UPDATE quotas SET "limit" = $3, mode = $4, updated_at = $5 WHERE id = $1 AND project_id = $2"#,
+            )
+            .bind(u.before.id.as_str())
+            .bind(project)
+            .bind(to_i64("limit", u.after.spec.limit)?)
+            .bind(u.after.spec.mode.as_str())
+            .bind(u.after.updated_at)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?
+            .rows_affected();
+            if moved != 1 {
+                return Err(PortError::Conflict(format!("quota {} no longer exists", u.before.id)));
+            }
+        }
+        for c in &plan.creates {
+            if c.quota.spec.project_id != plan.project_id {
+                return Err(PortError::Permanent(format!(
+                    "quota {} is not of project {project}",
+                    c.quota.id
+                )));
+            }
+            insert_quota(&mut *tx, &c.quota).await?;
+        }
+        for entry in audit {
+            insert_audit(&mut *tx, entry).await?;
+        }
+        tx.commit().await.map_err(db_err)?;
+        Ok(())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "record_audit")
+    )]
+    async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool> {
+        insert_audit(&self.pool, entry).await
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "audit")
+    )]
+    async fn audit(
+        &self,
+        project: &ProjectId,
+        after: Option<&AuditId>,
+        limit: usize,
+    ) -> PortResult<Vec<AuditEntry>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        sqlx::query(concat!(
+            "SELECT ",
+            audit_columns!(),
+            " FROM audit_log WHERE project_id = $1 AND ($2::text IS NULL OR id > $2) ORDER BY id LIMIT $3"
+        ))
+        .bind(project.as_str())
+        .bind(after.map(AuditId::as_str))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?
+        .iter()
+        .map(audit_from_row)
+        .collect()
     }
 
     #[tracing::instrument(

@@ -14,9 +14,10 @@ use std::path::PathBuf;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, CounterKey, Dimension, EventId, EventKind, FoldBatch, Grants, Metric, Mode,
-    OffsetMove, OnUnpriced, Outcome, PortError, Project, ProjectId, Quota, QuotaId, QuotaPatch,
-    QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, CounterKey, DesiredQuota,
+    Dimension, EventId, EventKind, FoldBatch, Grants, Metric, MonitorBreach, Mode, OffsetMove,
+    OnUnpriced, Outcome, PortError, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch,
+    QuotaPlan, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
 };
 use sqlx::{Connection, PgConnection};
 use store::{PgStore, SqliteStore};
@@ -39,6 +40,11 @@ macro_rules! conformance {
             a_calendar_month_in_kathmandu_lands_in_the_local_month,
             an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing,
             a_large_batch_folds_in_one_go,
+            a_deleted_api_key_no_longer_reads_back,
+            audit_entries_page_by_cursor_in_id_order,
+            a_monitor_breach_is_written_once_per_quota_and_window,
+            apply_quotas_carries_out_a_plan_with_its_audit_entries,
+            a_failing_plan_changes_nothing,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -1356,4 +1362,358 @@ pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
     assert_eq!(report.duplicates.len(), 5_000);
     assert!(report.totals.is_empty());
     assert_eq!(total(s, "proj_1", minute).await, expected);
+}
+
+fn api_key(id: &str, project: &str) -> ApiKey {
+    ApiKey {
+        id: ApiKeyId::parse(id).expect("key id"),
+        project_id: pid(project),
+        name: id.into(),
+        prefix: "tg_abc".into(),
+        grants: Grants::default(),
+        created_at: utc("2026-01-02T00:00:00Z"),
+    }
+}
+
+pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let k = api_key("key_1", "proj_1");
+    s.create_api_key(&k, "hash-1").await.expect("create key");
+    let q = quota("q_key", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day);
+    s.create_quota(&q).await.expect("quota on the key");
+
+    let at = utc("2026-03-01T00:00:00Z");
+    assert!(s.delete_api_key(&k.id, at).await.expect("delete"));
+    assert_eq!(s.api_key(&k.id).await.expect("read"), None);
+    assert_eq!(
+        s.api_key_by_secret_hash("hash-1").await.expect("by hash"),
+        None,
+        "a deleted key cannot authenticate"
+    );
+    assert!(
+        !s.delete_api_key(&k.id, at).await.expect("delete again"),
+        "already deleted"
+    );
+    assert!(
+        !s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at)
+            .await
+            .expect("delete unknown")
+    );
+    // The quota naming it stays (inert), and can be deleted.
+    assert_eq!(s.quota(&q.id).await.expect("quota"), Some(q.clone()));
+    assert!(s.delete_quota(&q.id).await.expect("delete quota"));
+    // A deleted key's secret hash is still taken.
+    assert!(matches!(
+        s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await,
+        Err(PortError::Conflict(_))
+    ));
+}
+
+fn breach(quota: &str, window_key: &str, observed: u64) -> MonitorBreach {
+    MonitorBreach {
+        quota_id: QuotaId::parse(quota).expect("quota id"),
+        project_id: pid("proj_1"),
+        metric: Metric::Calls,
+        meter_type: None,
+        window: WindowKind::Rolling1m,
+        window_key: window_key.into(),
+        limit: 5,
+        observed_value: observed,
+    }
+}
+
+fn aid(s: &str) -> AuditId {
+    AuditId::parse(s).expect("audit id")
+}
+
+pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC))
+        .await
+        .expect("create project");
+    let at = utc("2026-07-07T12:31:10.123456Z");
+    // Written out of order; read back in id order.
+    for (i, n) in [3, 1, 4, 0, 2].into_iter().enumerate() {
+        let e = breach("q_1", &format!("w{n}"), 6 + n).entry(aid(&format!("aud_{n:04}")), at);
+        assert!(s.record_audit(&e).await.expect("record"), "entry {i}");
+    }
+    let mut other = breach("q_9", "w0", 6).entry(aid("aud_0005"), at);
+    other.project_id = pid("proj_2");
+    s.record_audit(&other).await.expect("other project");
+
+    let all = s.audit(&pid("proj_1"), None, 100).await.expect("all");
+    let ids: Vec<&str> = all.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["aud_0000", "aud_0001", "aud_0002", "aud_0003", "aud_0004"]);
+    assert_eq!(all[1], breach("q_1", "w1", 7).entry(aid("aud_0001"), at), "round trip");
+
+    let first = s.audit(&pid("proj_1"), None, 2).await.expect("page 1");
+    assert_eq!(first.len(), 2);
+    let second = s
+        .audit(&pid("proj_1"), Some(&first[1].id), 2)
+        .await
+        .expect("page 2");
+    assert_eq!(
+        second.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(),
+        ["aud_0002", "aud_0003"]
+    );
+    let last = s
+        .audit(&pid("proj_1"), Some(&second[1].id), 2)
+        .await
+        .expect("page 3");
+    assert_eq!(last.len(), 1);
+    assert!(
+        s.audit(&pid("proj_1"), Some(&last[0].id), 2)
+            .await
+            .expect("past the end")
+            .is_empty()
+    );
+    assert_eq!(
+        s.audit(&pid("proj_2"), None, 100)
+            .await
+            .expect("other project"),
+        vec![other]
+    );
+
+    // A change entry with a principal round-trips too.
+    let q = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
+    let change = AuditEntry {
+        id: aid("aud_0010"),
+        project_id: pid("proj_1"),
+        action: AuditAction::CreateQuota,
+        principal: Some(Principal::new("admin", "api")),
+        resource: "q_a".into(),
+        detail: AuditDetail::QuotaChange {
+            before: None,
+            after: Some(Box::new(q)),
+        },
+        created_at: at,
+    };
+    assert!(s.record_audit(&change).await.expect("change"));
+    let got = s
+        .audit(&pid("proj_1"), Some(&aid("aud_0004")), 10)
+        .await
+        .expect("after");
+    assert_eq!(got, vec![change]);
+}
+
+pub async fn a_monitor_breach_is_written_once_per_quota_and_window(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let at = utc("2026-07-07T12:31:10Z");
+    let first = breach("q_1", "2026-07-07T12:31Z", 6).entry(aid("aud_1"), at);
+    assert!(s.record_audit(&first).await.expect("first"));
+    // The same quota and window again (a later check, another gateway): skipped.
+    let again = breach("q_1", "2026-07-07T12:31Z", 9).entry(aid("aud_2"), at);
+    assert!(!s.record_audit(&again).await.expect("again"));
+    // Another window, another quota: written.
+    assert!(
+        s.record_audit(&breach("q_1", "2026-07-07T12:32Z", 6).entry(aid("aud_3"), at))
+            .await
+            .expect("next window")
+    );
+    assert!(
+        s.record_audit(&breach("q_2", "2026-07-07T12:31Z", 6).entry(aid("aud_4"), at))
+            .await
+            .expect("other quota")
+    );
+    // Many writers racing on one breach write one entry.
+    let racers: Vec<_> = (0..8)
+        .map(|i| {
+            let e = breach("q_3", "2026-07-07T12:31Z", 6).entry(aid(&format!("aud_r{i}")), at);
+            async move { s.record_audit(&e).await.expect("race") }
+        })
+        .collect();
+    let written = futures::future::join_all(racers).await;
+    assert_eq!(written.iter().filter(|w| **w).count(), 1, "{written:?}");
+
+    let all = s.audit(&pid("proj_1"), None, 100).await.expect("read");
+    let kept: Vec<(&str, &str)> = all
+        .iter()
+        .map(|e| (e.resource.as_str(), e.id.as_str()))
+        .filter(|(r, _)| *r != "q_3")
+        .collect();
+    assert_eq!(kept, [("q_1", "aud_1"), ("q_1", "aud_3"), ("q_2", "aud_4")]);
+    assert_eq!(all.len(), 4);
+    match &all[0].detail {
+        AuditDetail::QuotaMonitorBreach { observed_value, .. } => {
+            assert_eq!(*observed_value, 6, "the first one is kept")
+        }
+        other => panic!("unexpected detail {other:?}"),
+    }
+}
+
+fn desired(scope: &str, scope_ref: Option<&str>, metric: &str, window: &str, limit: i64) -> DesiredQuota {
+    DesiredQuota {
+        scope: Some(scope.into()),
+        scope_ref: scope_ref.map(|r| Some(r.to_owned())),
+        metric: Some(metric.into()),
+        window: Some(window.into()),
+        limit: Some(limit),
+        ..Default::default()
+    }
+}
+
+/// Plans `want` against what `s` holds now, with ids `q_new<n>` and audit ids from `aud_<tag><n>`.
+async fn plan_for(s: &dyn Store, want: &[DesiredQuota], at: &str, tag: &str) -> (QuotaPlan, Vec<AuditEntry>) {
+    let current = s.quotas(&pid("proj_1")).await.expect("current");
+    let mut n = 0;
+    let plan = meter::apply::plan(&pid("proj_1"), want, &current, utc(at), &mut || {
+        n += 1;
+        QuotaId::parse(format!("q_{tag}{n}")).expect("id")
+    })
+    .expect("a valid plan");
+    let mut m = 0;
+    let audit = plan.audit(&Principal::new("admin", "test"), utc(at), &mut || {
+        m += 1;
+        aid(&format!("aud_{tag}{m:03}"))
+    });
+    (plan, audit)
+}
+
+pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let want = vec![
+        desired("project", None, "calls", "day", 100),
+        desired("api_key", Some("key_1"), "requests", "rolling_1m", 60),
+        desired("actor", None, "rows", "calendar_month", 5000),
+    ];
+    let (plan, audit) = plan_for(s, &want, "2026-03-01T00:00:00Z", "a").await;
+    assert_eq!((plan.creates.len(), plan.updates.len(), plan.deletes.len()), (3, 0, 0));
+    s.apply_quotas(&plan, &audit).await.expect("apply");
+    let stored = s.quotas(&pid("proj_1")).await.expect("list");
+    let created: Vec<Quota> = plan.creates.iter().map(|c| c.quota.clone()).collect();
+    assert_eq!(stored, created);
+    let log = s.audit(&pid("proj_1"), None, 100).await.expect("audit");
+    assert_eq!(log, audit);
+    assert!(log.iter().all(|e| e.action == AuditAction::CreateQuota));
+
+    // The same set again plans nothing.
+    let (again, audit) = plan_for(s, &want, "2026-03-02T00:00:00Z", "b").await;
+    assert!(again.is_empty() && audit.is_empty());
+    assert_eq!(again.unchanged, 3);
+
+    // A new limit, a new mode, one removed, one added.
+    let mut next = want.clone();
+    next[0].limit = Some(200);
+    next[1].mode = Some("monitor".into());
+    next.remove(2);
+    next.push(desired("project", None, "requests", "rolling_24h", 9));
+    let (plan, audit) = plan_for(s, &next, "2026-03-03T00:00:00Z", "c").await;
+    assert_eq!((plan.creates.len(), plan.updates.len(), plan.deletes.len()), (1, 2, 1));
+    s.apply_quotas(&plan, &audit).await.expect("apply changes");
+    let stored = s.quotas(&pid("proj_1")).await.expect("list");
+    assert_eq!(stored.len(), 3);
+    let day = stored
+        .iter()
+        .find(|q| q.spec.window == WindowKind::Day)
+        .expect("day quota");
+    assert_eq!((day.spec.limit, day.updated_at), (200, utc("2026-03-03T00:00:00Z")));
+    assert_eq!(day.created_at, utc("2026-03-01T00:00:00Z"));
+    let key = stored
+        .iter()
+        .find(|q| q.spec.scope == Scope::ApiKey)
+        .expect("key quota");
+    assert_eq!(key.spec.mode, Mode::Monitor);
+    assert!(stored.iter().all(|q| q.spec.scope != Scope::Actor), "removed");
+    let actions: Vec<&str> = s
+        .audit(&pid("proj_1"), Some(&aid("aud_a003")), 100)
+        .await
+        .expect("audit")
+        .iter()
+        .map(|e| e.action.as_str())
+        .collect();
+    assert_eq!(
+        actions,
+        ["quotas:DeleteQuota", "quotas:UpdateQuota", "quotas:UpdateQuota", "quotas:CreateQuota"]
+    );
+    let (again, _) = plan_for(s, &next, "2026-03-04T00:00:00Z", "d").await;
+    assert!(again.is_empty(), "a fixed point");
+
+    // Single changes (the REST routes) have no precondition on the set.
+    let q = stored[0].clone();
+    let patch = QuotaPatch {
+        limit: Some(1),
+        mode: None,
+    };
+    s.apply_quotas(&QuotaPlan::update(q.clone(), &patch, utc("2026-03-05T00:00:00Z")), &[])
+        .await
+        .expect("single update");
+    assert_eq!(s.quota(&q.id).await.expect("read").map(|q| q.spec.limit), Some(1));
+    s.apply_quotas(&QuotaPlan::delete(q.clone()), &[])
+        .await
+        .expect("single delete");
+    assert_eq!(s.quota(&q.id).await.expect("read"), None);
+    let e = s.apply_quotas(&QuotaPlan::delete(q.clone()), &[]).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "already gone: {e:?}");
+    let e = s.apply_quotas(&QuotaPlan::update(q, &patch, utc("2026-03-05T00:00:00Z")), &[]).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "already gone: {e:?}");
+}
+
+pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let want = vec![
+        desired("project", None, "calls", "day", 100),
+        desired("api_key", Some("key_1"), "requests", "rolling_1m", 60),
+    ];
+    let (plan, audit) = plan_for(s, &want, "2026-03-01T00:00:00Z", "a").await;
+    s.apply_quotas(&plan, &audit).await.expect("apply");
+    let before = s.quotas(&pid("proj_1")).await.expect("list");
+    let log_before = s.audit(&pid("proj_1"), None, 100).await.expect("audit");
+
+    // (1) A plan whose last step fails (a create colliding with a stored
+    // identity): the delete, the update and the audit entries before it are
+    // rolled back.
+    let mut next = want.clone();
+    next[0].limit = Some(1);
+    next.remove(1);
+    next.push(desired("project", None, "rows", "day", 3));
+    let (mut bad, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "b").await;
+    assert_eq!((bad.creates.len(), bad.updates.len(), bad.deletes.len()), (1, 1, 1));
+    let mut clash = bad.creates[0].clone();
+    clash.quota.id = QuotaId::parse("q_clash").expect("id");
+    clash.quota.spec = before[0].spec.clone();
+    bad.creates.push(clash);
+    let e = s.apply_quotas(&bad, &audit).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "{e:?}");
+    assert_eq!(s.quotas(&pid("proj_1")).await.expect("list"), before, "nothing changed");
+    assert_eq!(s.audit(&pid("proj_1"), None, 100).await.expect("audit"), log_before);
+
+    // (2) A plan made from a set that has moved since: fenced, nothing changed.
+    let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "c").await;
+    s.update_quota(
+        &before[1].id,
+        &QuotaPatch {
+            limit: Some(61),
+            mode: None,
+        },
+        utc("2026-03-02T00:00:01Z"),
+    )
+    .await
+    .expect("a concurrent change");
+    let moved = s.quotas(&pid("proj_1")).await.expect("list");
+    let e = s.apply_quotas(&stale, &audit).await;
+    assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
+    assert_eq!(s.quotas(&pid("proj_1")).await.expect("list"), moved);
+    assert_eq!(s.audit(&pid("proj_1"), None, 100).await.expect("audit"), log_before);
+    // A quota created behind the plan's back fences it too.
+    let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "d").await;
+    s.create_quota(&quota("q_sneak", "proj_1", Scope::Project, None, WindowKind::Rolling1h))
+        .await
+        .expect("a concurrent create");
+    assert!(matches!(s.apply_quotas(&stale, &audit).await, Err(PortError::Fenced(_))));
+
+    // Re-planned from what is there now, it goes through.
+    let (fresh, audit) = plan_for(s, &next, "2026-03-03T00:00:00Z", "e").await;
+    s.apply_quotas(&fresh, &audit).await.expect("re-planned");
+    let (again, _) = plan_for(s, &next, "2026-03-04T00:00:00Z", "f").await;
+    assert!(again.is_empty());
 }

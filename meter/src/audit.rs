@@ -1,0 +1,282 @@
+//! The audit log: what an admin changed, and what a monitor quota saw.
+//!
+//! A monitor quota never refuses, so the call its breach rode in on returns
+//! success and leaves no trace; the breach is therefore written down as a
+//! durable entry — action `quotas:MonitorBreach`, no principal (nobody
+//! authorised it), the quota as its resource — **once per quota and
+//! window**. The "once" is the entry's [`AuditEntry::once_key`], unique in
+//! the store, so any number of gateways racing on the same breach write one
+//! entry. Admin changes to quotas (`quotas:CreateQuota`, `quotas:UpdateQuota`,
+//! `quotas:DeleteQuota`) are written in the same transaction as the change.
+//!
+//! Entry ids are time-ordered, so a project's log reads in id order and the
+//! id of the last entry read is the cursor of the next page.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::admission::{CheckOutcome, CheckPlan};
+use crate::ids::{AuditId, ProjectId, QuotaId};
+use crate::quota::{Metric, Quota};
+use crate::window::WindowKind;
+
+/// What an entry records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuditAction {
+    MonitorBreach,
+    CreateQuota,
+    UpdateQuota,
+    DeleteQuota,
+}
+
+impl AuditAction {
+    pub const ALL: [AuditAction; 4] =
+        [AuditAction::MonitorBreach, AuditAction::CreateQuota, AuditAction::UpdateQuota, AuditAction::DeleteQuota];
+
+    /// The IAM-style action string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuditAction::MonitorBreach => "quotas:MonitorBreach",
+            AuditAction::CreateQuota => "quotas:CreateQuota",
+            AuditAction::UpdateQuota => "quotas:UpdateQuota",
+            AuditAction::DeleteQuota => "quotas:DeleteQuota",
+        }
+    }
+}
+
+impl fmt::Display for AuditAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AuditAction {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        AuditAction::ALL.into_iter().find(|a| a.as_str() == s).ok_or(())
+    }
+}
+
+/// Who did it: `("admin", "api")` for the admin API, `("admin", "cli")` for
+/// `tollgate apply`. A monitor breach has none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub kind: String,
+    pub id: String,
+}
+
+impl Principal {
+    pub fn new(kind: impl Into<String>, id: impl Into<String>) -> Self {
+        Principal { kind: kind.into(), id: id.into() }
+    }
+}
+
+/// What happened, stored as JSON tagged by `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AuditDetail {
+    /// A monitor quota found over its limit.
+    QuotaMonitorBreach {
+        metric: Metric,
+        meter_type: Option<String>,
+        window: WindowKind,
+        window_key: String,
+        limit: u64,
+        observed_value: u64,
+    },
+    /// A quota created (`before` null), changed, or deleted (`after` null).
+    QuotaChange { before: Option<Box<Quota>>, after: Option<Box<Quota>> },
+}
+
+/// One entry of a project's audit log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub id: AuditId,
+    pub project_id: ProjectId,
+    pub action: AuditAction,
+    pub principal: Option<Principal>,
+    /// The quota the entry is about.
+    pub resource: String,
+    pub detail: AuditDetail,
+    pub created_at: DateTime<Utc>,
+}
+
+impl AuditEntry {
+    /// The key that makes an entry written at most once, if it has one: a
+    /// monitor breach's quota and window key.
+    pub fn once_key(&self) -> Option<String> {
+        match &self.detail {
+            AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
+            AuditDetail::QuotaChange { .. } => None,
+        }
+    }
+}
+
+/// A monitor quota over its limit in one check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MonitorBreach {
+    pub quota_id: QuotaId,
+    pub project_id: ProjectId,
+    pub metric: Metric,
+    pub meter_type: Option<String>,
+    pub window: WindowKind,
+    pub window_key: String,
+    pub limit: u64,
+    /// The usage the check saw, this call included for `requests` and `calls`.
+    pub observed_value: u64,
+}
+
+impl MonitorBreach {
+    /// The audit entry that records it.
+    pub fn entry(&self, id: AuditId, at: DateTime<Utc>) -> AuditEntry {
+        AuditEntry {
+            id,
+            project_id: self.project_id.clone(),
+            action: AuditAction::MonitorBreach,
+            principal: None,
+            resource: self.quota_id.to_string(),
+            detail: AuditDetail::QuotaMonitorBreach {
+                metric: self.metric,
+                meter_type: self.meter_type.clone(),
+                window: self.window,
+                window_key: self.window_key.clone(),
+                limit: self.limit,
+                observed_value: self.observed_value,
+            },
+            created_at: at,
+        }
+    }
+}
+
+/// The monitor quotas a check found over their limit (the same rule as
+/// [`decide`](crate::admission::decide): `used + need > limit`), with what
+/// their audit entries carry.
+pub fn monitor_breaches(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome) -> Vec<MonitorBreach> {
+    let mut out = Vec::new();
+    for (li, l) in plan.limits.iter().enumerate() {
+        let used = outcome.used.get(li).copied().unwrap_or(0);
+        if l.enforce || used.saturating_add(l.need) <= l.limit {
+            continue;
+        }
+        let (Some(q), Some(w)) = (quotas.get(l.quota), plan.windows.get(li)) else { continue };
+        // Rows are known only after the call: `need` is a threshold there,
+        // not a quantity this call adds.
+        let observed_value = if l.metric == Metric::Rows { used } else { used.saturating_add(l.need) };
+        out.push(MonitorBreach {
+            quota_id: q.id.clone(),
+            project_id: q.spec.project_id.clone(),
+            metric: l.metric,
+            meter_type: q.spec.meter_type.clone(),
+            window: w.kind,
+            window_key: w.key.clone(),
+            limit: l.limit,
+            observed_value,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::{decide, plan_check};
+    use crate::ids::ApiKeyId;
+    use crate::quota::{Mode, QuotaSpec, Scope};
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
+    }
+
+    fn quota(id: &str, metric: Metric, mode: Mode, limit: u64) -> Quota {
+        let t0 = utc("2026-01-01T00:00:00Z");
+        Quota {
+            id: QuotaId::parse(id).expect("quota id"),
+            spec: QuotaSpec {
+                project_id: ProjectId::parse("p1").expect("project id"),
+                scope: Scope::Project,
+                scope_ref: None,
+                metric,
+                window: WindowKind::Day,
+                limit,
+                mode,
+                meter_type: None,
+                on_unpriced: None,
+            },
+            created_at: t0,
+            updated_at: t0,
+        }
+    }
+
+    #[test]
+    fn monitor_breaches_agree_with_the_verdict_and_carry_the_window() {
+        let at = utc("2026-07-07T12:00:00Z");
+        let quotas = [
+            quota("q_req", Metric::Requests, Mode::Monitor, 3),
+            quota("q_calls", Metric::Calls, Mode::Monitor, 2),
+            quota("q_rows", Metric::Rows, Mode::Monitor, 10),
+            quota("q_enforced", Metric::Calls, Mode::Enforce, 100),
+        ];
+        let plan = plan_check(&quotas, chrono_tz::Tz::UTC, &ApiKeyId::parse("k1").expect("key"), None, at);
+        // (used, over?) per quota: requests 4 > 3; calls 2 + 1 > 2; rows 9 < 10.
+        let outcome = CheckOutcome { admitted: true, used: vec![4, 2, 9, 2] };
+        let verdict = decide(&quotas, &plan, &outcome, at);
+        let got = monitor_breaches(&quotas, &plan, &outcome);
+        let ids: Vec<QuotaId> = got.iter().map(|b| b.quota_id.clone()).collect();
+        assert_eq!(ids, verdict.monitor_breaches);
+        assert_eq!(
+            got.iter().map(|b| (b.quota_id.as_str(), b.observed_value)).collect::<Vec<_>>(),
+            [("q_req", 4), ("q_calls", 3)]
+        );
+        assert!(got.iter().all(|b| b.window == WindowKind::Day && b.window_key == "2026-07-07"));
+
+        // Rows at the limit: over, observed as they are.
+        let outcome = CheckOutcome { admitted: true, used: vec![0, 0, 10, 0] };
+        let got = monitor_breaches(&quotas, &plan, &outcome);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].quota_id.as_str(), got[0].observed_value, got[0].limit), ("q_rows", 10, 10));
+    }
+
+    #[test]
+    fn a_breach_entry_is_once_per_quota_and_window_and_round_trips_as_json() {
+        let b = MonitorBreach {
+            quota_id: QuotaId::parse("q1").expect("id"),
+            project_id: ProjectId::parse("p1").expect("id"),
+            metric: Metric::Calls,
+            meter_type: None,
+            window: WindowKind::Rolling1m,
+            window_key: "2026-07-07T12:31Z".into(),
+            limit: 5,
+            observed_value: 6,
+        };
+        let at = utc("2026-07-07T12:31:10Z");
+        let e = b.entry(AuditId::parse("aud_1").expect("id"), at);
+        assert_eq!(e.action.as_str(), "quotas:MonitorBreach");
+        assert_eq!(e.principal, None);
+        assert_eq!(e.once_key().as_deref(), Some("q1/2026-07-07T12:31Z"));
+        let again = b.entry(AuditId::parse("aud_2").expect("id"), at + chrono::Duration::seconds(5));
+        assert_eq!(again.once_key(), e.once_key(), "same quota, same window");
+
+        let json = serde_json::to_value(&e.detail).expect("encode");
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "kind": "quota_monitor_breach", "metric": "calls", "meter_type": null, "window": "rolling_1m",
+                "window_key": "2026-07-07T12:31Z", "limit": 5, "observed_value": 6,
+            })
+        );
+        assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), e.detail);
+
+        let q = quota("q_calls", Metric::Calls, Mode::Enforce, 2);
+        let change = AuditDetail::QuotaChange { before: None, after: Some(Box::new(q)) };
+        let json = serde_json::to_value(&change).expect("encode");
+        assert_eq!(json["kind"], "quota_change");
+        assert_eq!(json["after"]["window"], "day");
+        assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), change);
+        for a in AuditAction::ALL {
+            assert_eq!(a.as_str().parse::<AuditAction>(), Ok(a));
+        }
+    }
+}
