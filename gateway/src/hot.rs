@@ -26,7 +26,7 @@ use tracing::warn;
 use crate::auth;
 use crate::error::{ApiError, ApiResult};
 use crate::fields;
-use crate::state::{AppState, ViewDownPolicy, new_id};
+use crate::state::{AppState, ViewDownPolicy, new_audit_id, new_id};
 
 fn remaining_headers(v: &Verdict, headers: &mut HeaderMap) {
     let mut set = |name: &'static str, value: String| {
@@ -111,6 +111,9 @@ pub async fn admit(s: &AppState, key: ApiKey, agent: Option<String>, actor: Opti
         return Ok(Admission { reservation: hold.reservation, key, headers: HeaderMap::new(), degraded: true });
     };
     let verdict = meter::decide(&cfg.quotas, &plan, &outcome, now);
+    if !verdict.monitor_breaches.is_empty() {
+        record_monitor_breaches(s, &cfg.quotas, &plan, &outcome, now);
+    }
     let mut headers = HeaderMap::new();
     remaining_headers(&verdict, &mut headers);
     match &verdict.breach {
@@ -182,6 +185,40 @@ async fn run_check(
         .check(project, plan, hold, now)
         .await?
         .ok_or_else(|| PortError::Transient("view not seeded after seeding".into()))
+}
+
+/// Writes the audit entry of each monitor breach, once per quota and window,
+/// in the background: the answer never waits for it. The memo skips the
+/// store for a breach this instance already wrote; the store's unique key
+/// skips it across instances. A failed write is forgotten, so a later
+/// check of the same window tries again.
+fn record_monitor_breaches(
+    s: &AppState,
+    quotas: &[meter::Quota],
+    plan: &meter::CheckPlan,
+    outcome: &CheckOutcome,
+    now: DateTime<Utc>,
+) {
+    for breach in meter::audit::monitor_breaches(quotas, plan, outcome) {
+        if !s.breaches.first_sighting(&breach.quota_id, &breach.window_key) {
+            continue;
+        }
+        let entry = breach.entry(new_audit_id(), now);
+        let s = s.clone();
+        tokio::spawn(async move {
+            match s.store.record_audit(&entry).await {
+                Ok(written) => {
+                    if written {
+                        metrics::counter!("tollgate_monitor_breaches_total").increment(1);
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, quota = %breach.quota_id, "monitor breach not audited; retried on a later check");
+                    s.breaches.forget(&breach.quota_id, &breach.window_key);
+                }
+            }
+        });
+    }
 }
 
 /// Publishes the check's request event in the background; if it never

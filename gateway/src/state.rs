@@ -2,11 +2,11 @@
 //! configuration (projects, quotas, keys) so the hot path does not read
 //! PostgreSQL on every check.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use meter::{ApiKey, ApiKeyId, Clock, Log, PortResult, Project, ProjectId, Quota, Store, View};
+use meter::{ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, Project, ProjectId, Quota, QuotaId, Store, View};
 use rand::Rng;
 use rand::distr::Alphanumeric;
 use sha2::{Digest, Sha256};
@@ -93,6 +93,40 @@ fn put<T>(m: &Cached<T>, k: String, v: T) {
     g.insert(k, (Instant::now(), v));
 }
 
+/// The monitor breaches this instance has already written (or is writing),
+/// by quota and window key, so a quota that stays over its limit does not
+/// reach the store on every check. Only a shortcut: the store's unique key
+/// is what makes the entry once per window across instances.
+#[derive(Default)]
+pub struct BreachMemo {
+    seen: Mutex<HashSet<(QuotaId, String)>>,
+}
+
+impl BreachMemo {
+    /// Most remembered breaches; past it the memo starts afresh (old window
+    /// keys never come back, and a forgotten one costs one store round trip).
+    const MAX: usize = 10_000;
+
+    /// True the first time a (quota, window key) is seen.
+    pub fn first_sighting(&self, quota: &QuotaId, window_key: &str) -> bool {
+        let mut g = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let k = (quota.clone(), window_key.to_owned());
+        if g.contains(&k) {
+            return false;
+        }
+        if g.len() >= Self::MAX {
+            g.clear();
+        }
+        g.insert(k)
+    }
+
+    /// Forgets a sighting whose entry could not be written, so a later check retries.
+    pub fn forget(&self, quota: &QuotaId, window_key: &str) {
+        let mut g = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        g.remove(&(quota.clone(), window_key.to_owned()));
+    }
+}
+
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -102,6 +136,7 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
     pub settings: Arc<Settings>,
     pub cache: Arc<ConfigCache>,
+    pub breaches: Arc<BreachMemo>,
 }
 
 impl AppState {
@@ -112,7 +147,15 @@ impl AppState {
         clock: Arc<dyn Clock>,
         settings: Settings,
     ) -> Self {
-        AppState { store, view, log, clock, settings: Arc::new(settings), cache: Arc::default() }
+        AppState {
+            store,
+            view,
+            log,
+            clock,
+            settings: Arc::new(settings),
+            cache: Arc::default(),
+            breaches: Arc::default(),
+        }
     }
 
     /// A project and its quotas (cached).
@@ -135,6 +178,12 @@ impl AppState {
     pub fn invalidate_project(&self, id: &ProjectId) {
         let mut g = self.cache.projects.lock().unwrap_or_else(|e| e.into_inner());
         g.remove(id.as_str());
+    }
+
+    /// Forgets a key's cached lookups after it was deleted.
+    pub fn invalidate_key(&self, id: &ApiKeyId) {
+        let mut g = self.cache.keys.lock().unwrap_or_else(|e| e.into_inner());
+        g.retain(|k, (_, v)| k != &format!("id:{id}") && v.as_ref().is_none_or(|key| &key.id != id));
     }
 
     /// An API key by its secret (cached by the secret's hash).
@@ -174,6 +223,17 @@ pub fn random_token(len: usize) -> String {
 /// A new public id with a type prefix, time-ordered.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
+}
+
+/// A new quota id. Invariant: [`new_id`] gives `<prefix>_<32 hex digits>`,
+/// always inside the id alphabet, so parsing cannot fail.
+pub fn new_quota_id() -> QuotaId {
+    QuotaId::parse(new_id("quota")).expect("a new id is in the id alphabet")
+}
+
+/// A new audit-entry id, time-ordered (same invariant as [`new_quota_id`]).
+pub fn new_audit_id() -> AuditId {
+    AuditId::parse(new_id("aud")).expect("a new id is in the id alphabet")
 }
 
 /// Compares two secrets in time independent of where they differ.
