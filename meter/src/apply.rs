@@ -106,7 +106,14 @@ pub struct QuotaPlan {
 
 impl QuotaPlan {
     fn empty(project_id: ProjectId) -> QuotaPlan {
-        QuotaPlan { project_id, based_on: None, deletes: Vec::new(), updates: Vec::new(), creates: Vec::new(), unchanged: 0 }
+        QuotaPlan {
+            project_id,
+            based_on: None,
+            deletes: Vec::new(),
+            updates: Vec::new(),
+            creates: Vec::new(),
+            unchanged: 0,
+        }
     }
 
     /// Creates one quota (`POST /v1/quotas`).
@@ -243,11 +250,11 @@ pub fn plan(
         let stored = match &d.id {
             None => None,
             Some(raw) => {
-                let id = QuotaId::parse(raw.clone()).map_err(|e| FieldError::new(format!("{prefix}id"), e.to_string()))?;
-                let q = by_id
-                    .get(&id)
-                    .copied()
-                    .ok_or_else(|| FieldError::new(format!("{prefix}id"), format!("no quota {id} in project {project}")))?;
+                let id =
+                    QuotaId::parse(raw.clone()).map_err(|e| FieldError::new(format!("{prefix}id"), e.to_string()))?;
+                let q = by_id.get(&id).copied().ok_or_else(|| {
+                    FieldError::new(format!("{prefix}id"), format!("no quota {id} in project {project}"))
+                })?;
                 if let Some(j) = seen_ids.insert(id, i) {
                     return Err(FieldError::new(format!("{prefix}id"), format!("is also the id of quotas[{j}]")));
                 }
@@ -294,10 +301,9 @@ pub fn plan(
             ));
         }
         match stored.or_else(|| by_identity.get(&identity).copied()) {
-            None => plan.creates.push(Create {
-                entry: i,
-                quota: Quota { id: new_id(), spec, created_at: at, updated_at: at },
-            }),
+            None => plan
+                .creates
+                .push(Create { entry: i, quota: Quota { id: new_id(), spec, created_at: at, updated_at: at } }),
             Some(q) => {
                 if spec.on_unpriced != q.spec.on_unpriced {
                     return Err(immutable(
@@ -337,7 +343,14 @@ mod tests {
         ProjectId::parse("p1").expect("project id")
     }
 
-    fn stored(id: &str, scope: Scope, scope_ref: Option<&str>, metric: Metric, window: WindowKind, limit: u64) -> Quota {
+    fn stored(
+        id: &str,
+        scope: Scope,
+        scope_ref: Option<&str>,
+        metric: Metric,
+        window: WindowKind,
+        limit: u64,
+    ) -> Quota {
         let t0 = utc("2026-01-01T00:00:00Z");
         Quota {
             id: QuotaId::parse(id).expect("quota id"),
@@ -420,11 +433,7 @@ mod tests {
         let cases: Vec<(&str, Vec<DesiredQuota>, Summary)> = vec![
             ("the same set changes nothing", same(), (s(&[]), s(&[]), s(&[]), 3)),
             ("order does not matter", with(same(), |v| v.reverse()), (s(&[]), s(&[]), s(&[]), 3)),
-            (
-                "a new limit updates",
-                with(same(), |v| v[0].limit = Some(200)),
-                (s(&[]), s(&["q_day"]), s(&[]), 2),
-            ),
+            ("a new limit updates", with(same(), |v| v[0].limit = Some(200)), (s(&[]), s(&["q_day"]), s(&[]), 2)),
             (
                 "a new mode updates",
                 with(same(), |v| v[1].mode = Some("monitor".into())),
@@ -446,11 +455,7 @@ mod tests {
                 with(same(), |v| v[0].window = Some("rolling_24h".into())),
                 (s(&["calls/rolling_24h"]), s(&[]), s(&["q_day"]), 2),
             ),
-            (
-                "an empty set deletes everything",
-                vec![],
-                (s(&[]), s(&[]), s(&["q_day", "q_key", "q_actor"]), 0),
-            ),
+            ("an empty set deletes everything", vec![], (s(&[]), s(&[]), s(&["q_day", "q_key", "q_actor"]), 0)),
             (
                 "an id matches its quota and may restate everything",
                 with(same(), |v| {
@@ -587,7 +592,10 @@ mod tests {
         });
         let e = run(&desired, &current()).expect_err("immutable");
         assert_eq!(e.field, "quotas[0].window");
-        assert!(e.message.contains("immutable") && e.message.contains("\"day\"") && e.message.contains("\"rolling_1h\""), "{e}");
+        assert!(
+            e.message.contains("immutable") && e.message.contains("\"day\"") && e.message.contains("\"rolling_1h\""),
+            "{e}"
+        );
     }
 
     #[test]
@@ -654,7 +662,9 @@ mod tests {
         let p = run(&desired, &current()).expect("plan");
         let actions: Vec<&str> = p.audit(&principal, at, &mut ids).iter().map(|e| e.action.as_str()).collect();
         assert_eq!(actions, ["quotas:DeleteQuota", "quotas:UpdateQuota", "quotas:CreateQuota"]);
-        assert!(QuotaPlan::delete(q.clone()).audit(&principal, at, &mut ids)[0].detail
-            == AuditDetail::QuotaChange { before: Some(Box::new(q)), after: None });
+        assert!(
+            QuotaPlan::delete(q.clone()).audit(&principal, at, &mut ids)[0].detail
+                == AuditDetail::QuotaChange { before: Some(Box::new(q)), after: None }
+        );
     }
 }

@@ -569,8 +569,10 @@ impl Store for PgStore {
         let project = plan.project_id.as_str();
 
         // The project's row lock serialises every plan of one project, so
-        // the set read below cannot move before the commit.
-        let locked = sqlx::query("SELECT id FROM projects WHERE id = $1 FOR UPDATE")
+        // the set read below cannot move before the commit. (NO KEY UPDATE
+        // leaves foreign-key checks of other tables — a new key, an audit
+        // entry — unblocked.)
+        let locked = sqlx::query("SELECT id FROM projects WHERE id = $1 FOR NO KEY UPDATE")
             .bind(project)
             .fetch_optional(&mut *tx)
             .await

@@ -35,8 +35,8 @@ use chrono::{DateTime, Datelike, Utc};
 use chrono_tz::Tz;
 use meter::{
     ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Counter, CounterKey, Dimension, EventId, Fold,
-    FoldBatch, FoldReport, Grants, Metric, Mode, OnUnpriced, PortError, PortResult, Principal, Project, ProjectId, Quota,
-    QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+    FoldBatch, FoldReport, Grants, Metric, Mode, OnUnpriced, PortError, PortResult, Principal, Project, ProjectId,
+    Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
 };
 use sqlx::Row;
 use sqlx::error::ErrorKind;
@@ -556,31 +556,35 @@ impl Store for SqliteStore {
             return Err(PortError::Permanent(format!("project {project} does not exist")));
         }
         if let Some(expected) = &plan.based_on {
-            let mut now: Vec<Quota> = sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE project_id = ?1"))
-                .bind(project)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(db_err)?
-                .iter()
-                .map(quota_from_row)
-                .collect::<PortResult<_>>()?;
+            let mut now: Vec<Quota> =
+                sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE project_id = ?1"))
+                    .bind(project)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db_err)?
+                    .iter()
+                    .map(quota_from_row)
+                    .collect::<PortResult<_>>()?;
             let mut expected = expected.clone();
             now.sort_by(|a, b| a.id.cmp(&b.id));
             expected.sort_by(|a, b| a.id.cmp(&b.id));
             if now != expected {
-                return Err(PortError::Fenced(format!("the quotas of project {project} changed since the plan was made")));
+                return Err(PortError::Fenced(format!(
+                    "the quotas of project {project} changed since the plan was made"
+                )));
             }
         }
 
         if !plan.deletes.is_empty() {
             let ids: Vec<&str> = plan.deletes.iter().map(|q| q.id.as_str()).collect();
-            let gone = sqlx::query("DELETE FROM quotas WHERE project_id = ?1 AND id IN (SELECT value FROM json_each(?2))")
-                .bind(project)
-                .bind(json_list(&ids)?)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_err)?
-                .rows_affected();
+            let gone =
+                sqlx::query("DELETE FROM quotas WHERE project_id = ?1 AND id IN (SELECT value FROM json_each(?2))")
+                    .bind(project)
+                    .bind(json_list(&ids)?)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_err)?
+                    .rows_affected();
             if gone != ids.len() as u64 {
                 return Err(PortError::Conflict(format!(
                     "{} of {} quotas to delete no longer exist",

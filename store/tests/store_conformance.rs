@@ -45,6 +45,7 @@ macro_rules! conformance {
             a_monitor_breach_is_written_once_per_quota_and_window,
             apply_quotas_carries_out_a_plan_with_its_audit_entries,
             a_failing_plan_changes_nothing,
+            two_applies_racing_from_the_same_set_one_wins,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -1716,4 +1717,31 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
     s.apply_quotas(&fresh, &audit).await.expect("re-planned");
     let (again, _) = plan_for(s, &next, "2026-03-04T00:00:00Z", "f").await;
     assert!(again.is_empty());
+}
+
+pub async fn two_applies_racing_from_the_same_set_one_wins(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC))
+        .await
+        .expect("create project");
+    let base = vec![desired("project", None, "calls", "day", 100)];
+    let (plan, audit) = plan_for(s, &base, "2026-03-01T00:00:00Z", "a").await;
+    s.apply_quotas(&plan, &audit).await.expect("apply");
+    // Two appliers read the same set and plan different outcomes.
+    let (left, left_audit) =
+        plan_for(s, &[desired("project", None, "calls", "day", 1)], "2026-03-02T00:00:00Z", "l").await;
+    let (right, right_audit) =
+        plan_for(s, &[desired("project", None, "rows", "day", 2)], "2026-03-02T00:00:00Z", "r").await;
+    let (l, r) = tokio::join!(s.apply_quotas(&left, &left_audit), s.apply_quotas(&right, &right_audit));
+    let fenced = [&l, &r].iter().filter(|x| matches!(x, Err(PortError::Fenced(_)))).count();
+    assert_eq!((l.is_ok() as u8 + r.is_ok() as u8, fenced), (1, 1), "{l:?} {r:?}");
+    let stored = s.quotas(&pid("proj_1")).await.expect("list");
+    if l.is_ok() {
+        assert_eq!(stored.iter().map(|q| (q.spec.metric, q.spec.limit)).collect::<Vec<_>>(), [(Metric::Calls, 1)]);
+    } else {
+        assert_eq!(stored.iter().map(|q| (q.spec.metric, q.spec.limit)).collect::<Vec<_>>(), [(Metric::Rows, 2)]);
+    }
+    // Only the winner's audit entries were written.
+    let log = s.audit(&pid("proj_1"), Some(&aid("aud_a999")), 100).await.expect("audit");
+    let winner = if l.is_ok() { &left_audit } else { &right_audit };
+    assert_eq!(&log, winner);
 }
