@@ -1,5 +1,6 @@
 //! `tollgate`: the one binary. `serve` runs the HTTP gateway, `project` the
-//! projector, `migrate` the PostgreSQL migrations.
+//! projector, `migrate` the PostgreSQL migrations, `dev` everything in one
+//! process, `apply` a file of quotas.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +14,7 @@ use projector::{Projector, ProjectorConfig};
 use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, RedisView};
 use tracing::info;
 
+mod apply;
 mod dev;
 
 #[derive(Parser)]
@@ -33,6 +35,9 @@ enum Command {
     /// Run everything in one process with no external service: an embedded
     /// log and store in one SQLite file, and the in-memory view.
     Dev(dev::DevArgs),
+    /// Make a project's quotas match a file (`-f quotas.yaml`): create,
+    /// update and delete them, all or nothing.
+    Apply(apply::ApplyArgs),
 }
 
 #[derive(Args, Clone)]
@@ -224,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(a) => serve(a).await,
         Command::Project(a) => project(a).await,
         Command::Dev(a) => dev::run(a).await,
+        Command::Apply(a) => apply::run(a).await,
         Command::Migrate(a) => {
             let store = PgStore::connect(&a.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating")?;

@@ -1,15 +1,18 @@
-//! Admin routes: projects, API keys and quotas.
+//! Admin routes: projects, API keys, quotas (one by one, or a project's
+//! whole set declaratively) and the audit log.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
+use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, Counter, CounterKey, Dimension, Grants, Metric, Mode, Project, ProjectId, Quota, QuotaDraft,
-    QuotaId, QuotaPatch, Scope, WindowKind, window_at,
+    ApiKey, ApiKeyId, AuditEntry, AuditId, Clock, Counter, CounterKey, Dimension, Grants, Metric, Mode, PortError,
+    Principal, Project, ProjectId, Quota, QuotaDraft, QuotaPatch, QuotaPlan, Scope, WindowKind, window_at,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -17,7 +20,26 @@ use serde_json::{Value, json};
 use crate::auth;
 use crate::error::{ApiError, ApiResult};
 use crate::fields;
-use crate::state::{AppState, hash_secret, new_id, random_token};
+use crate::state::{AppState, hash_secret, new_audit_id, new_id, new_quota_id, random_token};
+
+/// The time, at the store's precision (the microsecond), so what a route
+/// answers is what a later read gives back.
+pub fn now_micros(clock: &dyn Clock) -> DateTime<Utc> {
+    clock.now().trunc_subsecs(6)
+}
+
+/// Who the admin API's changes are audited as.
+pub fn api_principal() -> Principal {
+    Principal::new("admin", "admin_token")
+}
+
+/// Carries out a one-quota plan with its audit entry, in one transaction.
+async fn change_quotas(s: &AppState, plan: &QuotaPlan, at: DateTime<Utc>) -> Result<(), PortError> {
+    let audit = plan.audit(&api_principal(), at, &mut new_audit_id);
+    s.store.apply_quotas(plan, &audit).await?;
+    s.invalidate_project(&plan.project_id);
+    Ok(())
+}
 
 fn project_json(p: &Project) -> Value {
     json!({ "id": p.id, "name": p.name, "timezone": p.timezone.name(), "created_at": p.created_at })
@@ -163,7 +185,8 @@ async fn counter_count(s: &AppState, project: &ProjectId, key: &CounterKey, at: 
     Ok((totals.into_iter().next().map(|(_, t)| t).unwrap_or_default(), 0))
 }
 
-fn quota_json(q: &Quota) -> Value {
+/// A quota as the API shows it.
+pub fn quota_json(q: &Quota) -> Value {
     let sp = &q.spec;
     json!({
         "id": q.id, "project_id": sp.project_id, "scope": sp.scope.as_str(), "scope_ref": sp.scope_ref,
@@ -218,16 +241,11 @@ pub async fn create_quota(State(s): State<AppState>, headers: HeaderMap, body: B
             return Err(ApiError::invalid("scope_ref", format!("no api key {r} in project {}", spec.project_id)));
         }
     }
-    let now = s.clock.now();
-    let quota = Quota {
-        id: QuotaId::parse(new_id("quota")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
-        spec,
-        created_at: now,
-        updated_at: now,
-    };
-    match s.store.create_quota(&quota).await {
+    let now = now_micros(s.clock.as_ref());
+    let quota = Quota { id: new_quota_id(), spec, created_at: now, updated_at: now };
+    match change_quotas(&s, &QuotaPlan::create(quota.clone()), now).await {
         Ok(()) => {}
-        Err(meter::PortError::Conflict(_)) => {
+        Err(PortError::Conflict(_)) => {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
                 "QUOTA_CONFLICT",
@@ -236,8 +254,9 @@ pub async fn create_quota(State(s): State<AppState>, headers: HeaderMap, body: B
         }
         Err(e) => return Err(e.into()),
     }
-    s.invalidate_project(&quota.spec.project_id);
-    Ok((StatusCode::CREATED, Json(quota_json(&quota))))
+    let mut body = quota_json(&quota);
+    body["inert"] = json!(false);
+    Ok((StatusCode::CREATED, Json(body)))
 }
 
 #[derive(Deserialize)]
@@ -252,19 +271,35 @@ pub async fn list_quotas(State(s): State<AppState>, headers: HeaderMap, Query(q)
     let raw = q.project_id.ok_or_else(|| ApiError::invalid("project_id", "is required"))?;
     let pid = ProjectId::parse(raw).map_err(|e| ApiError::invalid("project_id", e.to_string()))?;
     let quotas = s.store.quotas(&pid).await?;
-    let data: Vec<Value> = quotas
-        .iter()
-        .map(|q| {
-            let mut v = quota_json(q);
-            v["current_usage"] = Value::Null;
-            v
-        })
-        .collect();
+    let mut live_keys: HashMap<String, bool> = HashMap::new();
+    let mut data = Vec::with_capacity(quotas.len());
+    for q in &quotas {
+        let mut v = quota_json(q);
+        v["current_usage"] = Value::Null;
+        v["inert"] = json!(is_inert(&s, q, &mut live_keys).await?);
+        data.push(v);
+    }
     Ok(Json(json!({ "data": data, "next": null })))
 }
 
+/// Whether a quota can no longer match anything: its `scope_ref` names an
+/// API key that was deleted (a deleted key cannot authenticate). It stays
+/// visible and deletable. `live` caches key lookups across a list.
+async fn is_inert(s: &AppState, q: &Quota, live: &mut HashMap<String, bool>) -> ApiResult<bool> {
+    let (Scope::ApiKey, Some(r)) = (q.spec.scope, &q.spec.scope_ref) else { return Ok(false) };
+    if let Some(alive) = live.get(r) {
+        return Ok(!alive);
+    }
+    let alive = match ApiKeyId::parse(r.clone()) {
+        Ok(k) => s.store.api_key(&k).await?.is_some_and(|k| k.project_id == q.spec.project_id),
+        Err(_) => false,
+    };
+    live.insert(r.clone(), alive);
+    Ok(!alive)
+}
+
 async fn load_quota(s: &AppState, id: &str) -> ApiResult<Quota> {
-    let qid = QuotaId::parse(id.to_owned()).map_err(|_| ApiError::not_found("quota", id))?;
+    let qid = meter::QuotaId::parse(id.to_owned()).map_err(|_| ApiError::not_found("quota", id))?;
     s.store.quota(&qid).await?.ok_or_else(|| ApiError::not_found("quota", id))
 }
 
@@ -275,7 +310,11 @@ pub async fn get_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): 
     let q = load_quota(&s, &id).await?;
     let project = s.store.project(&q.spec.project_id).await?.ok_or_else(|| ApiError::not_found("project", q.spec.project_id.as_str()))?;
     let mut body = quota_json(&q);
+    let inert = is_inert(&s, &q, &mut HashMap::new()).await?;
+    body["inert"] = json!(inert);
     let dimension = match (q.spec.scope, &q.spec.scope_ref) {
+        // A deleted key's quota counts nothing any more.
+        _ if inert => None,
         (Scope::Project, _) => Some(Dimension::Project),
         (Scope::ApiKey, None) => Some(Dimension::AllApiKeys),
         (Scope::ApiKey, Some(r)) => ApiKeyId::parse(r.clone()).ok().map(Dimension::ApiKey),
@@ -329,16 +368,154 @@ pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id)
         Some(m) => Some(Mode::from_str(&m).map_err(|_| ApiError::invalid("mode", "must be enforce or monitor"))?),
     };
     let patch = QuotaPatch { limit, mode };
-    let updated = s.store.update_quota(&q.id, &patch, s.clock.now()).await?.ok_or_else(|| ApiError::not_found("quota", &id))?;
-    s.invalidate_project(&updated.spec.project_id);
-    Ok(Json(quota_json(&updated)))
+    let now = now_micros(s.clock.as_ref());
+    let plan = QuotaPlan::update(q, &patch, now);
+    match change_quotas(&s, &plan, now).await {
+        Ok(()) => {}
+        // Deleted between our read and our write.
+        Err(PortError::Conflict(_)) => return Err(ApiError::not_found("quota", &id)),
+        Err(e) => return Err(e.into()),
+    }
+    let updated = plan.updates.first().map(|u| &u.after).ok_or_else(|| ApiError::not_found("quota", &id))?;
+    let mut body = quota_json(updated);
+    body["inert"] = json!(is_inert(&s, updated, &mut HashMap::new()).await?);
+    Ok(Json(body))
 }
 
 #[utoipa::path(delete, path = "/v1/quotas/{id}", tag = "admin", responses((status = 204, description = "Deleted")))]
 pub async fn delete_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<StatusCode> {
     auth::admin(&s, &headers)?;
     let q = load_quota(&s, &id).await?;
-    s.store.delete_quota(&q.id).await?;
-    s.invalidate_project(&q.spec.project_id);
+    let now = now_micros(s.clock.as_ref());
+    match change_quotas(&s, &QuotaPlan::delete(q), now).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT),
+        // Deleted between our read and our write.
+        Err(PortError::Conflict(_)) => Err(ApiError::not_found("quota", &id)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/api-keys/{id}", tag = "admin",
+    responses((status = 204, description = "Deleted: the key no longer authenticates; quotas naming it go inert"),
+              (status = 404, description = "NOT_FOUND (never existed, or already deleted)")))]
+pub async fn delete_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    auth::admin(&s, &headers)?;
+    let kid = ApiKeyId::parse(id.clone()).map_err(|_| ApiError::not_found("api key", &id))?;
+    if !s.store.delete_api_key(&kid, now_micros(s.clock.as_ref())).await? {
+        return Err(ApiError::not_found("api key", &id));
+    }
+    s.invalidate_key(&kid);
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Reads query parameters by name, refusing unknown ones.
+fn query_params(raw: &HashMap<String, String>, allowed: &[&str]) -> ApiResult<()> {
+    match raw.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(k.clone(), "is not a known parameter")),
+        None => Ok(()),
+    }
+}
+
+fn whole(raw: &HashMap<String, String>, name: &str) -> ApiResult<Option<u64>> {
+    raw.get(name)
+        .map(|v| v.parse::<u64>().map_err(|_| ApiError::invalid(name, format!("must be a whole number; got {v:?}"))))
+        .transpose()
+}
+
+/// The most rows a page number may reach; past it, page by cursor.
+pub const MAX_PAGED_ROWS: u64 = 10_000;
+/// The largest page.
+pub const MAX_PAGE: u64 = 1000;
+
+fn audit_json(e: &AuditEntry) -> Value {
+    json!({
+        "id": e.id, "project_id": e.project_id, "action": e.action.as_str(),
+        "principal_type": e.principal.as_ref().map(|p| p.kind.as_str()),
+        "principal_id": e.principal.as_ref().map(|p| p.id.as_str()),
+        "resource": e.resource, "detail": serde_json::to_value(&e.detail).unwrap_or(Value::Null),
+        "created_at": e.created_at,
+    })
+}
+
+#[utoipa::path(get, path = "/v1/audit", tag = "admin",
+    params(("project_id" = String, Query, description = "The project"),
+           ("after" = Option<String>, Query, description = "Cursor: the `next` of the previous page"),
+           ("limit" = Option<u64>, Query, description = "Entries per page, 1–1000 (default 100)"),
+           ("page" = Option<u64>, Query, description = "Page number from 1, only while page × limit ≤ 10,000; use `after` beyond")),
+    responses((status = 200, description = "{data: [entries in time order], next: cursor or null}"),
+              (status = 400, description = "INVALID_REQUEST naming the parameter")))]
+pub async fn audit(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(raw): Query<HashMap<String, String>>,
+) -> ApiResult<Json<Value>> {
+    auth::admin(&s, &headers)?;
+    query_params(&raw, &["project_id", "after", "limit", "page"])?;
+    let project = raw.get("project_id").ok_or_else(|| ApiError::invalid("project_id", "is required"))?;
+    let pid = ProjectId::parse(project.clone()).map_err(|e| ApiError::invalid("project_id", e.to_string()))?;
+    let limit = whole(&raw, "limit")?.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+    }
+    let after = raw
+        .get("after")
+        .map(|a| AuditId::parse(a.clone()).map_err(|e| ApiError::invalid("after", e.to_string())))
+        .transpose()?;
+    let skip = match whole(&raw, "page")? {
+        None => 0,
+        Some(_) if after.is_some() => {
+            return Err(ApiError::invalid("page", "cannot be combined with after; page by cursor with after alone"));
+        }
+        Some(0) => return Err(ApiError::invalid("page", "must be 1 or more")),
+        Some(p) if p.saturating_mul(limit) > MAX_PAGED_ROWS => {
+            return Err(ApiError::invalid(
+                "page",
+"page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>",
+            ));
+        }
+        Some(p) => (p - 1) * limit,
+    };
+    if s.store.project(&pid).await?.is_none() {
+        return Err(ApiError::not_found("project", pid.as_str()));
+    }
+    // One more than a page, to know whether another follows.
+    let want = usize::try_from(skip + limit + 1).unwrap_or(usize::MAX);
+    let rows = s.store.audit(&pid, after.as_ref(), want).await?;
+    let more = rows.len() == want;
+    let (skip, limit) = (usize::try_from(skip).unwrap_or(usize::MAX), usize::try_from(limit).unwrap_or(usize::MAX));
+    let page: Vec<AuditEntry> = rows.into_iter().skip(skip).take(limit).collect();
+    let next = if more { page.last().map(|e| json!(e.id)) } else { None };
+    Ok(Json(json!({ "data": page.iter().map(audit_json).collect::<Vec<_>>(), "next": next.unwrap_or(Value::Null) })))
+}
+
+#[utoipa::path(put, path = "/v1/projects/{id}/quotas", tag = "admin",
+    params(("dry_run" = Option<bool>, Query, description = "Plan only; change nothing")),
+    responses((status = 200, description = "What changed: created, updated, deleted, unchanged and each change"),
+              (status = 400, description = "INVALID_REQUEST naming the entry and field (quotas[2].window); nothing changed"),
+              (status = 404, description = "NOT_FOUND")))]
+pub async fn put_project_quotas(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(raw): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    auth::admin(&s, &headers)?;
+    query_params(&raw, &["dry_run"])?;
+    let dry_run = match raw.get("dry_run").map(String::as_str) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => return Err(ApiError::invalid("dry_run", "must be true or false")),
+    };
+    let pid = ProjectId::parse(id.clone()).map_err(|_| ApiError::not_found("project", &id))?;
+    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", format!("is not valid JSON: {e}")))?;
+    let doc = crate::apply::parse_document(&value)?;
+    if doc.project_id.as_ref().is_some_and(|p| p != pid.as_str()) {
+        return Err(ApiError::invalid("project_id", "is not the project of the path"));
+    }
+    let plan = crate::apply::apply(s.store.as_ref(), s.clock.as_ref(), &pid, &doc.quotas, &api_principal(), dry_run).await?;
+    if !dry_run && !plan.is_empty() {
+        s.invalidate_project(&pid);
+    }
+    Ok(Json(crate::apply::plan_json(&plan, dry_run)))
 }

@@ -1,11 +1,13 @@
 //! # gateway — Tollgate's HTTP service
 //!
 //! The hot path (`/v1/check`, `/v1/events`), the admin API (projects, API
-//! keys, quotas), `/healthz` and `/openapi.json`. Handlers parse the body
+//! keys, quotas, the declarative quota set, the audit log), `/healthz` and
+//! `/openapi.json`. Handlers parse the body
 //! field by field (a wrong field is a 400 naming it), call the rules in
 //! `meter` and the ports in [`AppState`], and map the result.
 
 pub mod admin;
+pub mod apply;
 pub mod auth;
 pub mod embedded;
 pub mod error;
@@ -15,7 +17,7 @@ pub mod layer;
 pub mod state;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use utoipa::OpenApi;
 
 pub use error::{ApiError, ApiResult};
@@ -27,8 +29,9 @@ pub use state::{AppState, Settings, ViewDownPolicy};
     info(title = "Tollgate", description = "Usage metering and exact quota enforcement on an event log"),
     paths(
         hot::check, hot::events,
-        admin::create_project, admin::get_project, admin::create_api_key, admin::get_api_key,
+        admin::create_project, admin::get_project, admin::create_api_key, admin::get_api_key, admin::delete_api_key,
         admin::create_quota, admin::list_quotas, admin::get_quota, admin::patch_quota, admin::delete_quota,
+        admin::put_project_quotas, admin::audit,
     )
 )]
 pub struct ApiDoc;
@@ -51,8 +54,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/projects", post(admin::create_project))
         .route("/v1/projects/{id}", get(admin::get_project))
         .route("/v1/projects/{id}/api-keys", post(admin::create_api_key))
-        .route("/v1/api-keys/{id}", get(admin::get_api_key))
+        .route("/v1/projects/{id}/quotas", put(admin::put_project_quotas))
+        .route("/v1/api-keys/{id}", get(admin::get_api_key).delete(admin::delete_api_key))
         .route("/v1/quotas", post(admin::create_quota).get(admin::list_quotas))
         .route("/v1/quotas/{id}", get(admin::get_quota).patch(admin::patch_quota).delete(admin::delete_quota))
+        .route("/v1/audit", get(admin::audit))
         .with_state(state)
 }

@@ -73,7 +73,10 @@ impl Env {
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let db = format!("tg_e2e_{id}");
         let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&pool).await.expect("create test database");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&pool)
+            .await
+            .expect("create test database");
         pool.close().await;
         let base = base_db();
         let db_url = match base.rfind('/') {
@@ -222,6 +225,35 @@ impl Env {
         let r = self.http.get(format!("{}{path}", self.gw())).bearer_auth(ADMIN).send().await.expect("admin get");
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Any admin request; the body is sent as JSON when given.
+    pub async fn admin_req(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut r = self.http.request(method, format!("{}{path}", self.gw())).bearer_auth(ADMIN);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let r = r.send().await.expect("admin request");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Runs `tollgate apply -f <file> <extra…>` against this environment's
+    /// store (PostgreSQL, or the dev data directory); returns whether it
+    /// succeeded, its stdout and its stderr.
+    pub fn apply(&self, file: &std::path::Path, extra: &[&str]) -> (bool, String, String) {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        c.arg("apply").arg("-f").arg(file).args(extra).env_remove("TOLLGATE_DATA_DIR").env("TOLLGATE_LOG", "warn");
+        match self.mode {
+            Mode::Distributed => c.env("TOLLGATE_DATABASE_URL", &self.db_url),
+            Mode::Dev => c.arg("--data-dir").arg(&self.data_dir),
+        };
+        let out = c.output().expect("run tollgate apply");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 
     /// A project, one key (id, secret) in it.

@@ -86,8 +86,10 @@ async fn exact_admission(mode: Mode) {
     assert_eq!(refused.load(Ordering::SeqCst), 64 * 25 - 1000);
 
     // The durable fold agrees, and the quota reads the same count.
-    env.eventually(60, "1,000 calls folded", || async { env.durable(&pid, &format!("k:{kid}"), "day").await.1 == 1000 })
-        .await;
+    env.eventually(60, "1,000 calls folded", || async {
+        env.durable(&pid, &format!("k:{kid}"), "day").await.1 == 1000
+    })
+    .await;
     assert_eq!(env.durable(&pid, &format!("k:{kid}"), "day").await.2, 3000, "rows folded");
     let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
     assert_eq!(q["current_usage"]["count"], 1000, "{q}");
@@ -138,10 +140,8 @@ async fn projector_killed_five_times_loses_and_doubles_nothing() {
     let calls = acked_calls.load(Ordering::SeqCst) as i64;
     let rows = acked_rows.load(Ordering::SeqCst) as i64;
     assert_eq!(calls, 50_000);
-    env.eventually(240, "all acknowledged events folded", || async {
-        env.durable(&pid, "p", "day").await.1 >= calls
-    })
-    .await;
+    env.eventually(240, "all acknowledged events folded", || async { env.durable(&pid, "p", "day").await.1 >= calls })
+        .await;
     // Settle a little longer: nothing more may arrive.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (_, c, r) = env.durable(&pid, "p", "day").await;
@@ -201,10 +201,8 @@ async fn malformed_message_goes_to_the_dlq() {
     env.start_gateway().await;
     env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
-    let producer: FutureProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", kafka())
-        .create()
-        .expect("producer");
+    let producer: FutureProducer =
+        rdkafka::ClientConfig::new().set("bootstrap.servers", kafka()).create().expect("producer");
     let topic = format!("{}usage", env.topic_prefix);
     producer
         .send(FutureRecord::to(&topic).key(&pid).payload(b"not avro at all".as_slice()), Duration::from_secs(10))
@@ -287,7 +285,8 @@ async fn redis_flush_during_traffic_recovers() {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..8 {
-        let (http, gw, secret, pid, kid) = (env.http.clone(), env.gw().to_owned(), secret.clone(), pid.clone(), kid.clone());
+        let (http, gw, secret, pid, kid) =
+            (env.http.clone(), env.gw().to_owned(), secret.clone(), pid.clone(), kid.clone());
         let (settled, stop) = (settled.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut i = 0;
@@ -296,7 +295,9 @@ async fn redis_flush_during_traffic_recovers() {
                 if r.status().as_u16() == 200 {
                     let body: Value = r.json().await.expect("body");
                     let rid = body["reservation_id"].as_str().expect("rid").to_owned();
-                    let (s, _) = post_events(&http, &gw, vec![call_event(&format!("f{c}-{i}"), &pid, &kid, Some(&rid), 0)]).await;
+                    let (s, _) =
+                        post_events(&http, &gw, vec![call_event(&format!("f{c}-{i}"), &pid, &kid, Some(&rid), 0)])
+                            .await;
                     assert_eq!(s, 202);
                     settled.fetch_add(1, Ordering::SeqCst);
                 }
@@ -406,11 +407,26 @@ async fn validity(mode: Mode) {
         (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": "5"}), "limit"),
         (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day"}), "limit"),
         (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "week", "limit": 5}), "window"),
-        (json!({"project_id": pid, "scope": "api_key", "scope_ref": "key_nope", "metric": "calls", "window": "day", "limit": 5}), "scope_ref"),
-        (json!({"project_id": "proj_nope", "scope": "project", "metric": "calls", "window": "day", "limit": 5}), "project_id"),
-        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "mode": "loud"}), "mode"),
-        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "meter_type": "llm_tokens"}), "meter_type"),
-        (json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "colour": "red"}), "colour"),
+        (
+            json!({"project_id": pid, "scope": "api_key", "scope_ref": "key_nope", "metric": "calls", "window": "day", "limit": 5}),
+            "scope_ref",
+        ),
+        (
+            json!({"project_id": "proj_nope", "scope": "project", "metric": "calls", "window": "day", "limit": 5}),
+            "project_id",
+        ),
+        (
+            json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "mode": "loud"}),
+            "mode",
+        ),
+        (
+            json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "meter_type": "llm_tokens"}),
+            "meter_type",
+        ),
+        (
+            json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 5, "colour": "red"}),
+            "colour",
+        ),
     ] {
         let (s, b) = env.admin_post("/v1/quotas", body.clone()).await;
         assert_eq!(s, 400, "{body}: {b}");
@@ -419,13 +435,25 @@ async fn validity(mode: Mode) {
     // PATCH changes only limit and mode.
     let (_, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
     let id = list["data"][0]["id"].as_str().expect("a quota").to_owned();
-    let r = env.http.patch(format!("{}/v1/quotas/{id}", env.gw())).bearer_auth(ADMIN)
-        .json(&json!({"window": "rolling_1h"})).send().await.expect("patch");
+    let r = env
+        .http
+        .patch(format!("{}/v1/quotas/{id}", env.gw()))
+        .bearer_auth(ADMIN)
+        .json(&json!({"window": "rolling_1h"}))
+        .send()
+        .await
+        .expect("patch");
     assert_eq!(r.status().as_u16(), 400);
     let b: Value = r.json().await.expect("body");
     assert_eq!(b["error"]["meta"]["field"], "window");
-    let r = env.http.patch(format!("{}/v1/quotas/{id}", env.gw())).bearer_auth(ADMIN)
-        .json(&json!({"limit": 77, "mode": "monitor"})).send().await.expect("patch");
+    let r = env
+        .http
+        .patch(format!("{}/v1/quotas/{id}", env.gw()))
+        .bearer_auth(ADMIN)
+        .json(&json!({"limit": 77, "mode": "monitor"}))
+        .send()
+        .await
+        .expect("patch");
     assert_eq!(r.status().as_u16(), 200);
     let b: Value = r.json().await.expect("body");
     assert_eq!((b["limit"].clone(), b["mode"].clone()), (json!(77), json!("monitor")));
@@ -437,7 +465,14 @@ async fn validity(mode: Mode) {
     assert_eq!(s, 400);
     assert_eq!(b["error"]["meta"]["field"], "events[1].rows", "{b}");
     // Without the right token nothing is allowed.
-    let r = env.http.post(format!("{}/v1/quotas", env.gw())).bearer_auth(GATEWAY).json(&json!({})).send().await.expect("req");
+    let r = env
+        .http
+        .post(format!("{}/v1/quotas", env.gw()))
+        .bearer_auth(GATEWAY)
+        .json(&json!({}))
+        .send()
+        .await
+        .expect("req");
     assert_eq!(r.status().as_u16(), 401);
 }
 
@@ -474,7 +509,8 @@ async fn dev_state_survives_a_restart() {
         assert_eq!(r.status().as_u16(), 200);
         let body: Value = r.json().await.expect("body");
         let rid = body["reservation_id"].as_str().expect("rid").to_owned();
-        let (s, _) = post_events(&env.http, env.gw(), vec![call_event(&format!("r{i}"), &pid, &kid, Some(&rid), 2)]).await;
+        let (s, _) =
+            post_events(&env.http, env.gw(), vec![call_event(&format!("r{i}"), &pid, &kid, Some(&rid), 2)]).await;
         assert_eq!(s, 202);
     }
     env.eventually(30, "three calls folded", || async { env.durable(&pid, "p", "day").await.1 == 3 }).await;
@@ -488,4 +524,332 @@ async fn dev_state_survives_a_restart() {
         assert!(admitted <= 5, "runaway admission after restart");
     }
     assert_eq!(admitted, 2, "the restarted process continues from 3 of 5");
+}
+
+/// `tollgate apply -f quotas.yaml` (and `PUT /v1/projects/{id}/quotas`):
+/// applied twice the second run changes nothing; a new limit updates, a
+/// missing entry deletes; an immutable change fails the whole apply naming
+/// the field, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declarative_apply() {
+    declarative(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declarative_apply_dev() {
+    declarative(Mode::Dev).await;
+}
+
+/// The project's quotas, by "metric/window", as (id, limit, mode, updated_at).
+async fn quota_set(env: &Env, pid: &str) -> std::collections::BTreeMap<String, (String, u64, String, String)> {
+    let (s, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
+    assert_eq!(s, 200, "{list}");
+    list["data"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|q| {
+            (
+                format!("{}/{}", q["metric"].as_str().expect("metric"), q["window"].as_str().expect("window")),
+                (
+                    q["id"].as_str().expect("id").to_owned(),
+                    q["limit"].as_u64().expect("limit"),
+                    q["mode"].as_str().expect("mode").to_owned(),
+                    q["updated_at"].as_str().expect("updated_at").to_owned(),
+                ),
+            )
+        })
+        .collect()
+}
+
+async fn declarative(mode: Mode) {
+    let mut env = Env::of(mode).await;
+    env.start_gateway().await;
+    let (pid, kid, secret) = env.project_with_key("UTC").await;
+    let dir = std::env::temp_dir().join(format!("tg-apply-{}", env.id));
+    std::fs::create_dir_all(&dir).expect("a directory for the file");
+    let file = dir.join("quotas.yaml");
+    let write = |day_limit: u64, with_actor: bool, extra: &str| {
+        let mut y = format!(
+            "# the quotas of project {pid}\nproject_id: {pid}\nquotas:\n{extra}  - scope: project\n    metric: calls\n    window: day\n    limit: {day_limit}\n  - scope: api_key\n    scope_ref: {kid}\n    metric: requests\n    window: rolling_1m\n    limit: 60\n    mode: monitor\n"
+        );
+        if with_actor {
+            y.push_str("  - scope: actor\n    metric: rows\n    window: calendar_month\n    limit: 5000\n");
+        }
+        std::fs::write(&file, y).expect("write the file");
+    };
+
+    // First apply: three creates.
+    write(100, true, "");
+    let (ok, out, err) = env.apply(&file, &[]);
+    assert!(ok, "apply failed: {err}");
+    assert!(out.contains(&format!("applied to project {pid}: 3 created, 0 updated, 0 deleted, 0 unchanged")), "{out}");
+    let first = quota_set(&env, &pid).await;
+    assert_eq!(first.keys().collect::<Vec<_>>(), ["calls/day", "requests/rolling_1m", "rows/calendar_month"]);
+    assert_eq!(first["requests/rolling_1m"].2, "monitor");
+
+    // The gateway enforces what the file created (within its config cache).
+    env.eventually(10, "the applied calls quota in the check headers", || async {
+        let r = check(&env.http, env.gw(), &secret, json!({})).await;
+        r.status().as_u16() == 200 && r.headers().get("x-quota-remaining-calls").is_some_and(|v| v == "99")
+    })
+    .await;
+
+    // The same file again: nothing changes, not even a timestamp.
+    let (ok, out, err) = env.apply(&file, &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains("0 created, 0 updated, 0 deleted, 3 unchanged"), "{out}");
+    assert_eq!(quota_set(&env, &pid).await, first);
+
+    // A dry run of a change reports it and changes nothing.
+    write(250, false, "");
+    let (ok, out, err) = env.apply(&file, &["--dry-run"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("dry run") && out.contains("0 created, 1 updated, 1 deleted, 1 unchanged"), "{out}");
+    assert_eq!(quota_set(&env, &pid).await, first);
+
+    // A new limit and a removed entry.
+    let (ok, out, err) = env.apply(&file, &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains("0 created, 1 updated, 1 deleted, 1 unchanged"), "{out}");
+    assert!(out.contains("limit 100 -> 250"), "{out}");
+    let second = quota_set(&env, &pid).await;
+    assert_eq!(second.keys().collect::<Vec<_>>(), ["calls/day", "requests/rolling_1m"]);
+    assert_eq!(
+        (second["calls/day"].0.as_str(), second["calls/day"].1),
+        (first["calls/day"].0.as_str(), 250),
+        "updated in place"
+    );
+    assert_eq!(second["requests/rolling_1m"], first["requests/rolling_1m"]);
+
+    // An immutable change, beside a valid one: the whole apply fails naming
+    // the field, and neither change is made.
+    let day_id = second["calls/day"].0.clone();
+    write(
+        250,
+        false,
+        &format!("  - id: {day_id}\n    scope: project\n    metric: calls\n    window: rolling_1h\n    limit: 7\n"),
+    );
+    let y = std::fs::read_to_string(&file).expect("read back");
+    // Drop the entry without an id for the same quota, so the only problem is the window.
+    let y = y.replacen("  - scope: project\n    metric: calls\n    window: day\n    limit: 250\n", "", 1);
+    let y = y.replace("limit: 60\n    mode: monitor", "limit: 61\n    mode: monitor");
+    std::fs::write(&file, &y).expect("write");
+    let (ok, out, err) = env.apply(&file, &[]);
+    assert!(!ok, "an immutable change must fail: {out}");
+    assert!(err.contains("quotas[0].window") && err.contains("immutable"), "{err}");
+    assert_eq!(quota_set(&env, &pid).await, second, "nothing changed");
+
+    // Unknown fields and bad values are refused by entry and field.
+    std::fs::write(&file, format!("project_id: {pid}\nquotas:\n  - scope: project\n    metric: calls\n    window: day\n    limit: 5\n    colour: red\n")).expect("write");
+    let (ok, _, err) = env.apply(&file, &[]);
+    assert!(!ok && err.contains("quotas[0].colour"), "{err}");
+    std::fs::write(&file, format!("project_id: {pid}\nquotas:\n  - scope: project\n    metric: calls\n    window: day\n    limit: 5\n  - scope: project\n    metric: calls\n    window: week\n    limit: 5\n")).expect("write");
+    let (ok, _, err) = env.apply(&file, &[]);
+    assert!(!ok && err.contains("quotas[1].window"), "{err}");
+    assert_eq!(quota_set(&env, &pid).await, second, "nothing changed");
+
+    // The same through the API, as JSON.
+    let body = |limit: u64, window: &str, id: Option<&str>| {
+        json!({"project_id": pid, "quotas": [
+            {"id": id, "scope": "project", "metric": "calls", "window": window, "limit": limit},
+            {"scope": "api_key", "scope_ref": kid, "metric": "requests", "window": "rolling_1m", "limit": 60, "mode": "monitor"},
+        ]})
+    };
+    let put = format!("/v1/projects/{pid}/quotas");
+    let (s, b) = env.admin_req(reqwest::Method::PUT, &put, Some(body(300, "day", None))).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(
+        (b["created"].clone(), b["updated"].clone(), b["deleted"].clone(), b["unchanged"].clone()),
+        (json!(0), json!(1), json!(0), json!(1)),
+        "{b}"
+    );
+    let (s, b) = env.admin_req(reqwest::Method::PUT, &put, Some(body(300, "day", Some(&day_id)))).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(
+        (b["created"].clone(), b["updated"].clone(), b["deleted"].clone()),
+        (json!(0), json!(0), json!(0)),
+        "a no-op: {b}"
+    );
+    let third = quota_set(&env, &pid).await;
+    let (s, b) = env.admin_req(reqwest::Method::PUT, &put, Some(body(1, "rolling_1h", Some(&day_id)))).await;
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(b["error"]["code"], "INVALID_REQUEST");
+    assert_eq!(b["error"]["meta"]["field"], "quotas[0].window", "{b}");
+    let (s, b) =
+        env.admin_req(reqwest::Method::PUT, &put, Some(json!({"quotas": [{"scope": "project", "colour": 1}]}))).await;
+    assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!("quotas[0].colour")), "{b}");
+    let (s, b) =
+        env.admin_req(reqwest::Method::PUT, &put, Some(json!({"project_id": "proj_other", "quotas": []}))).await;
+    assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!("project_id")), "{b}");
+    let (s, _) =
+        env.admin_req(reqwest::Method::PUT, "/v1/projects/proj_nope/quotas", Some(json!({"quotas": []}))).await;
+    assert_eq!(s, 404);
+    assert_eq!(quota_set(&env, &pid).await, third, "refusals changed nothing");
+
+    // Every change is in the audit log, with who made it.
+    let (s, log) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1000")).await;
+    assert_eq!(s, 200, "{log}");
+    let actions: Vec<(String, String)> = log["data"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| {
+            (e["action"].as_str().expect("action").to_owned(), e["principal_id"].as_str().unwrap_or("").to_owned())
+        })
+        .collect();
+    let count = |a: &str, who: &str| actions.iter().filter(|(x, p)| x == a && p == who).count();
+    assert_eq!(count("quotas:CreateQuota", "cli"), 3, "{actions:?}");
+    assert_eq!(count("quotas:UpdateQuota", "cli"), 1, "{actions:?}");
+    assert_eq!(count("quotas:DeleteQuota", "cli"), 1, "{actions:?}");
+    assert_eq!(count("quotas:UpdateQuota", "admin_token"), 1, "{actions:?}");
+    assert_eq!(actions.len(), 6, "{actions:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A monitor quota never refuses; its breach writes one audit entry per
+/// window, read back through `GET /v1/audit` paged by cursor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monitor_breach_is_audited_once_per_window() {
+    monitor_audit(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monitor_breach_is_audited_once_per_window_dev() {
+    monitor_audit(Mode::Dev).await;
+}
+
+async fn monitor_audit(mode: Mode) {
+    let mut env = Env::of(mode).await;
+    env.start_gateway().await;
+    let (pid, _, secret) = env.project_with_key(safe_timezone()).await;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "project", "metric": "requests", "window": "day", "limit": 2, "mode": "monitor"}))
+        .await;
+    for i in 0..8 {
+        let r = check(&env.http, env.gw(), &secret, json!({})).await;
+        assert_eq!(r.status().as_u16(), 200, "monitor never refuses (check {i})");
+    }
+    let breaches = || async {
+        let (s, log) = env.admin_get(&format!("/v1/audit?project_id={pid}")).await;
+        assert_eq!(s, 200, "{log}");
+        log["data"]
+            .as_array()
+            .expect("entries")
+            .iter()
+            .filter(|e| e["action"] == "quotas:MonitorBreach")
+            .cloned()
+            .collect::<Vec<Value>>()
+    };
+    env.eventually(10, "the monitor breach in the audit log", || async { !breaches().await.is_empty() }).await;
+    // More breaching checks in the same window add nothing.
+    for _ in 0..5 {
+        assert_eq!(check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16(), 200);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let found = breaches().await;
+    assert_eq!(found.len(), 1, "once per window: {found:?}");
+    let e = &found[0];
+    assert_eq!(e["resource"], qid.as_str());
+    assert_eq!((e["principal_type"].clone(), e["principal_id"].clone()), (Value::Null, Value::Null));
+    let d = &e["detail"];
+    assert_eq!(d["kind"], "quota_monitor_breach");
+    assert_eq!(
+        (d["metric"].clone(), d["window"].clone(), d["limit"].clone()),
+        (json!("requests"), json!("day"), json!(2))
+    );
+    assert_eq!(d["observed_value"], 3, "the third request breached: {d}");
+    assert_eq!(d["meter_type"], Value::Null);
+    assert!(d["window_key"].as_str().is_some_and(|k| k.len() == 10), "a day key: {d}");
+
+    // Paging: the quota's creation, then the breach; by cursor and by page.
+    let (_, p1) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1")).await;
+    assert_eq!(p1["data"][0]["action"], "quotas:CreateQuota", "{p1}");
+    assert_eq!(p1["data"][0]["principal_type"], "admin");
+    let next = p1["next"].as_str().expect("a cursor").to_owned();
+    let (_, p2) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&after={next}")).await;
+    assert_eq!(p2["data"][0]["action"], "quotas:MonitorBreach", "{p2}");
+    assert_eq!(p2["next"], Value::Null, "the last page: {p2}");
+    let (_, by_page) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&page=2")).await;
+    assert_eq!(by_page["data"], p2["data"]);
+    for (q, field) in [
+        ("limit=1000&page=11", "page"),
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=ten", "limit"),
+        ("page=0", "page"),
+        ("page=1&after=aud_1", "page"),
+        ("after=a%20b", "after"),
+        ("colour=red", "colour"),
+    ] {
+        let (s, b) = env.admin_get(&format!("/v1/audit?project_id={pid}&{q}")).await;
+        assert_eq!(s, 400, "{q}: {b}");
+        assert_eq!(b["error"]["code"], "INVALID_REQUEST");
+        assert_eq!(b["error"]["meta"]["field"], field, "{q}: {b}");
+    }
+    let (_, b) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1000&page=11")).await;
+    assert!(b["error"]["message"].as_str().is_some_and(|m| m.contains("after")), "names the cursor: {b}");
+    let (s, _) = env.admin_get("/v1/audit").await;
+    assert_eq!(s, 400);
+    let r =
+        env.http.get(format!("{}/v1/audit?project_id={pid}", env.gw())).bearer_auth(GATEWAY).send().await.expect("req");
+    assert_eq!(r.status().as_u16(), 401, "admin only");
+}
+
+/// `DELETE /v1/api-keys/{id}`: the key stops authenticating; a quota naming
+/// it goes inert but stays visible and deletable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_key_leaves_an_inert_quota() {
+    inert_quota(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_key_leaves_an_inert_quota_dev() {
+    inert_quota(Mode::Dev).await;
+}
+
+async fn inert_quota(mode: Mode) {
+    let mut env = Env::of(mode).await;
+    env.start_gateway().await;
+    let (pid, kid, secret) = env.project_with_key("UTC").await;
+    let qid = env
+        .quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 5}))
+        .await;
+    let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(q["inert"], false, "{q}");
+    assert_eq!(check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16(), 200);
+
+    let (s, b) = env.admin_req(reqwest::Method::DELETE, &format!("/v1/api-keys/{kid}"), None).await;
+    assert_eq!(s, 204, "{b}");
+    let (s, _) = env.admin_req(reqwest::Method::DELETE, &format!("/v1/api-keys/{kid}"), None).await;
+    assert_eq!(s, 404, "already deleted");
+    let (s, _) = env.admin_req(reqwest::Method::DELETE, "/v1/api-keys/key_nope", None).await;
+    assert_eq!(s, 404);
+    let (s, _) = env.admin_get(&format!("/v1/api-keys/{kid}")).await;
+    assert_eq!(s, 404);
+    env.eventually(5, "the deleted key refused", || async {
+        check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16() == 401
+    })
+    .await;
+
+    let (s, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(s, 200, "still visible: {q}");
+    assert_eq!(q["inert"], true, "{q}");
+    assert_eq!(q["current_usage"], Value::Null, "{q}");
+    let (_, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
+    assert_eq!(list["data"][0]["inert"], true, "{list}");
+    // A new quota cannot name the deleted key.
+    let (s, b) = env
+        .admin_post("/v1/quotas", json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "requests", "window": "day", "limit": 5}))
+        .await;
+    assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!("scope_ref")), "{b}");
+    // Still deletable.
+    let (s, _) = env.admin_req(reqwest::Method::DELETE, &format!("/v1/quotas/{qid}"), None).await;
+    assert_eq!(s, 204);
+    let (s, _) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
+    assert_eq!(s, 404);
+    let (_, log) = env.admin_get(&format!("/v1/audit?project_id={pid}")).await;
+    let actions: Vec<&str> =
+        log["data"].as_array().expect("entries").iter().filter_map(|e| e["action"].as_str()).collect();
+    assert_eq!(actions, ["quotas:CreateQuota", "quotas:DeleteQuota"], "{log}");
 }
