@@ -81,6 +81,7 @@ async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Resul
         name: "demo key".into(),
         prefix: secret[..10].to_owned(),
         grants: Grants::default(),
+        role_id: None,
         created_at: now,
     };
     store.create_api_key(&key, &hash_secret(&secret)).await?;

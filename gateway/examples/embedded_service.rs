@@ -70,6 +70,7 @@ async fn demo(store: &dyn Store) -> Result<String, Box<dyn Error>> {
         name: "example".into(),
         prefix: secret.chars().take(10).collect(),
         grants: Grants { max_rows: Some(50), ..Grants::default() },
+        role_id: None,
         created_at: now,
     };
     store.create_api_key(&key, &hash_secret(&secret)).await?;

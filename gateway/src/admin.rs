@@ -11,8 +11,8 @@ use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, AuditEntry, AuditId, Clock, Counter, CounterKey, Dimension, Grants, Metric, Mode, PortError,
-    Principal, Project, ProjectId, Quota, QuotaDraft, QuotaPatch, QuotaPlan, Scope, WindowKind, window_at,
+    ApiKey, ApiKeyId, AuditEntry, AuditId, Clock, CounterKey, Dimension, Grants, Metric, Mode, PortError,
+    Principal, Project, ProjectId, Quota, QuotaDraft, QuotaPatch, QuotaPlan, RoleId, Scope, WindowKind, window_at,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -77,7 +77,7 @@ pub async fn get_project(State(s): State<AppState>, headers: HeaderMap, Path(id)
     Ok(Json(project_json(&p)))
 }
 
-fn parse_grants(v: Option<&Value>) -> ApiResult<Grants> {
+pub fn parse_grants(v: Option<&Value>) -> ApiResult<Grants> {
     let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(Grants::default()) };
     let Value::Object(o) = v else { return Err(ApiError::invalid("grants", "must be an object")) };
     fields::only(o, "grants.", &["max_concurrent", "query_timeout", "max_rows"])?;
@@ -114,9 +114,16 @@ pub async fn create_api_key(
     if name.trim().is_empty() || name.len() > 200 {
         return Err(ApiError::invalid("name", "must be 1–200 characters"));
     }
-    if fields::opt_str(&obj, "", "role_id")?.is_some() {
-        return Err(ApiError::invalid("role_id", "roles are not available in this release"));
-    }
+    let role_id = match fields::opt_str(&obj, "", "role_id")? {
+        None => None,
+        Some(r) => {
+            let rid = RoleId::parse(r.clone()).map_err(|e| ApiError::invalid("role_id", e.to_string()))?;
+            match s.store.role(&rid).await? {
+                Some(role) if role.project_id == pid => Some(rid),
+                _ => return Err(ApiError::invalid("role_id", format!("no role {r} in project {pid}"))),
+            }
+        }
+    };
     let grants = parse_grants(obj.get("grants"))?;
     let secret = format!("tg_{}", random_token(40));
     let key = ApiKey {
@@ -125,6 +132,7 @@ pub async fn create_api_key(
         name,
         prefix: secret[..10].to_owned(),
         grants,
+        role_id,
         created_at: s.clock.now(),
     };
     s.store.create_api_key(&key, &hash_secret(&secret)).await?;
@@ -136,7 +144,7 @@ pub async fn create_api_key(
 fn key_json(k: &ApiKey) -> Value {
     json!({
         "id": k.id, "project_id": k.project_id, "name": k.name, "prefix": k.prefix,
-        "grants": k.grants, "created_at": k.created_at,
+        "grants": k.grants, "role_id": k.role_id, "created_at": k.created_at,
     })
 }
 
@@ -148,17 +156,28 @@ pub async fn get_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id)
     let key = s.store.api_key(&kid).await?.ok_or_else(|| ApiError::not_found("api key", &id))?;
     let project = s.store.project(&key.project_id).await?.ok_or_else(|| ApiError::not_found("project", key.project_id.as_str()))?;
     let now = s.clock.now();
-    let month = window_at(WindowKind::CalendarMonth, project.timezone, now);
+    let role = match &key.role_id {
+        Some(r) => s.store.role(r).await?,
+        None => None,
+    };
+    // The period is the role quota's when the key has one, else the month.
+    let period = role.as_ref().and_then(|r| r.quota).map_or(WindowKind::CalendarMonth, |q| q.per.window());
+    let month = window_at(period, project.timezone, now);
     let counter = CounterKey { dimension: Dimension::ApiKey(kid.clone()), window: month.kind, window_key: month.key.clone() };
     let (calls, rows) = match counter_count(&s, &project.id, &counter, now).await? {
         (u, reserved) => (u.calls + reserved, u.rows),
     };
+    let effective = meter::role::effective_grants(&key.grants, role.as_ref());
     let mut body = key_json(&key);
     body["effective_limits"] = json!({
-        "max_concurrent": key.grants.max_concurrent,
-        "query_timeout": key.grants.query_timeout,
-        "max_rows": key.grants.max_rows,
+        "max_concurrent": effective.max_concurrent,
+        "query_timeout": effective.query_timeout,
+        "max_rows": effective.max_rows,
     });
+    body["quota"] = match role.as_ref().and_then(|r| r.quota) {
+        Some(q) => json!({ "calls": q.calls, "rows": q.rows, "per": q.per.as_str(), "from_role": key.role_id }),
+        None => Value::Null,
+    };
     body["usage_this_period"] = json!({
         "calls": calls, "rows": rows, "period_start": month.start, "resets_at": month.resets_at,
     });
@@ -190,7 +209,8 @@ pub fn quota_json(q: &Quota) -> Value {
     let sp = &q.spec;
     json!({
         "id": q.id, "project_id": sp.project_id, "scope": sp.scope.as_str(), "scope_ref": sp.scope_ref,
-        "metric": sp.metric.as_str(), "window": sp.window.as_str(), "limit": sp.limit, "mode": sp.mode.as_str(),
+        "metric": sp.metric.as_str(), "window": sp.window.as_str(),
+        "limit": meter::quota::limit_json(sp.metric, sp.limit), "mode": sp.mode.as_str(),
         "meter_type": sp.meter_type, "on_unpriced": sp.on_unpriced,
         "created_at": q.created_at, "updated_at": q.updated_at,
     })
@@ -199,17 +219,6 @@ pub fn quota_json(q: &Quota) -> Value {
 const QUOTA_FIELDS: [&str; 9] =
     ["project_id", "scope", "scope_ref", "metric", "window", "limit", "mode", "meter_type", "on_unpriced"];
 
-fn limit_field(obj: &serde_json::Map<String, Value>) -> ApiResult<Option<i64>> {
-    match obj.get("limit") {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) => Ok(Some(v)),
-            None => Err(ApiError::invalid("limit", "must be a whole number greater than 0")),
-        },
-        Some(_) => Err(ApiError::invalid("limit", "must be a number")),
-    }
-}
-
 #[utoipa::path(post, path = "/v1/quotas", tag = "admin",
     responses((status = 201, description = "The quota"), (status = 400, description = "INVALID_REQUEST naming the field"),
               (status = 409, description = "QUOTA_CONFLICT")))]
@@ -217,13 +226,15 @@ pub async fn create_quota(State(s): State<AppState>, headers: HeaderMap, body: B
     auth::admin(&s, &headers)?;
     let obj = fields::object(&body)?;
     fields::only(&obj, "", &QUOTA_FIELDS)?;
+    let (limit, limit_decimal) = fields::limit(&obj, "")?;
     let draft = QuotaDraft {
         project_id: fields::opt_str(&obj, "", "project_id")?,
         scope: fields::opt_str(&obj, "", "scope")?,
         scope_ref: fields::opt_str(&obj, "", "scope_ref")?,
         metric: fields::opt_str(&obj, "", "metric")?,
         window: fields::opt_str(&obj, "", "window")?,
-        limit: limit_field(&obj)?,
+        limit,
+        limit_decimal,
         mode: fields::opt_str(&obj, "", "mode")?,
         meter_type: fields::opt_str(&obj, "", "meter_type")?,
         on_unpriced: fields::opt_str(&obj, "", "on_unpriced")?,
@@ -315,26 +326,31 @@ pub async fn get_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): 
     let dimension = match (q.spec.scope, &q.spec.scope_ref) {
         // A deleted key's quota counts nothing any more.
         _ if inert => None,
-        (Scope::Project, _) => Some(Dimension::Project),
+        (Scope::Project, _) | (Scope::Agent, None) => Some(Dimension::Project),
         (Scope::ApiKey, None) => Some(Dimension::AllApiKeys),
         (Scope::ApiKey, Some(r)) => ApiKeyId::parse(r.clone()).ok().map(Dimension::ApiKey),
+        (Scope::Agent, Some(r)) => Some(Dimension::Agent(r.clone())),
         (Scope::Actor, Some(r)) => Some(Dimension::Actor(r.clone())),
-        // One budget per actor, or a metric this release does not meter: no single counter.
-        _ => None,
+        // One budget per actor: no single counter. (User scope is a role's, never stored.)
+        (Scope::Actor, None) | (Scope::User, _) => None,
     };
     body["current_usage"] = match dimension {
-        Some(d) if q.spec.metric.is_metered() => {
+        Some(d) => {
             let now = s.clock.now();
             let w = window_at(q.spec.window, project.timezone, now);
-            let counter = Counter {
-                key: CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() },
-                resets_at: w.resets_at,
+            let key = if q.spec.metric == Metric::StorageBytes {
+                CounterKey::footprint()
+            } else {
+                CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() }
             };
-            let (t, reserved) = counter_count(&s, &project.id, &counter.key, now).await?;
+            let (t, reserved) = counter_count(&s, &project.id, &key, now).await?;
             let count = match q.spec.metric {
-                Metric::Requests => t.requests,
-                Metric::Calls => t.calls + reserved,
-                _ => t.rows,
+                Metric::Requests => json!(t.requests),
+                Metric::Calls => json!(t.calls + reserved),
+                Metric::Rows => json!(t.rows),
+                Metric::Tokens => json!(t.tokens),
+                Metric::CostUsd => meter::quota::limit_json(Metric::CostUsd, t.cost(q.spec.meter())),
+                Metric::StorageBytes => json!(t.storage.max(0)),
             };
             json!({ "window_key": w.key, "count": count, "resets_at": w.resets_at })
         }
@@ -359,9 +375,9 @@ pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id)
             }
         }
     }
-    let limit = match limit_field(&obj)? {
-        Some(l) if l <= 0 => return Err(ApiError::invalid("limit", "must be a whole number greater than 0")),
-        l => l.map(|l| l as u64),
+    let limit = match fields::limit(&obj, "")? {
+        (None, None) => None,
+        (whole, decimal) => Some(meter::quota::parse_limit(q.spec.metric, whole, decimal.as_deref())?),
     };
     let mode = match fields::opt_str(&obj, "", "mode")? {
         None => None,

@@ -46,17 +46,6 @@ fn nullable(obj: &Map<String, Value>, prefix: &str, field: &str) -> ApiResult<Op
     }
 }
 
-fn limit(obj: &Map<String, Value>, prefix: &str) -> ApiResult<Option<i64>> {
-    match obj.get("limit") {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) => Ok(Some(v)),
-            None => Err(ApiError::invalid(format!("{prefix}limit"), "must be a whole number greater than 0")),
-        },
-        Some(_) => Err(ApiError::invalid(format!("{prefix}limit"), "must be a number")),
-    }
-}
-
 /// Reads a document. Unknown fields are refused, at the top and in entries.
 pub fn parse_document(v: &Value) -> ApiResult<Document> {
     let Value::Object(top) = v else { return Err(ApiError::invalid("body", "must be an object")) };
@@ -77,13 +66,15 @@ pub fn parse_document(v: &Value) -> ApiResult<Document> {
         let prefix = format!("quotas[{i}].");
         let Value::Object(o) = e else { return Err(ApiError::invalid(format!("quotas[{i}]"), "must be an object")) };
         fields::only(o, &prefix, &ENTRY_FIELDS)?;
+        let lim = fields::limit(o, &prefix)?;
         quotas.push(DesiredQuota {
             id: fields::opt_str(o, &prefix, "id")?,
             scope: fields::opt_str(o, &prefix, "scope")?,
             scope_ref: nullable(o, &prefix, "scope_ref")?,
             metric: fields::opt_str(o, &prefix, "metric")?,
             window: fields::opt_str(o, &prefix, "window")?,
-            limit: limit(o, &prefix)?,
+            limit: lim.0,
+            limit_decimal: lim.1,
             mode: fields::opt_str(o, &prefix, "mode")?,
             meter_type: nullable(o, &prefix, "meter_type")?,
             on_unpriced: nullable(o, &prefix, "on_unpriced")?,
@@ -154,7 +145,7 @@ pub fn plan_json(plan: &QuotaPlan, dry_run: bool) -> Value {
     for u in &plan.updates {
         changes.push(json!({
             "action": "update", "quota": crate::admin::quota_json(&u.after),
-            "before": { "limit": u.before.spec.limit, "mode": u.before.spec.mode.as_str() },
+            "before": { "limit": meter::quota::limit_json(u.before.spec.metric, u.before.spec.limit), "mode": u.before.spec.mode.as_str() },
         }));
     }
     for c in &plan.creates {
@@ -202,8 +193,8 @@ mod tests {
         assert_eq!(field(json!({"quotas": [1]})), "quotas[0]");
         assert_eq!(field(json!({"quotas": [{"scope": "project", "window": "day", "colour": 1}]})), "quotas[0].colour");
         assert_eq!(field(json!({"quotas": [{}, {"window": 5}]})), "quotas[1].window");
-        assert_eq!(field(json!({"quotas": [{"limit": 1.5}]})), "quotas[0].limit");
-        assert_eq!(field(json!({"quotas": [{"limit": "5"}]})), "quotas[0].limit");
+        assert_eq!(field(json!({"quotas": [{"limit": true}]})), "quotas[0].limit");
+        assert_eq!(field(json!({"quotas": [{"limit": [5]}]})), "quotas[0].limit");
         assert_eq!(field(json!({"quotas": [{"scope_ref": 7}]})), "quotas[0].scope_ref");
         assert_eq!(field(json!([])), "body");
     }

@@ -54,3 +54,19 @@ pub fn opt_id(obj: &Map<String, Value>, prefix: &str, field: &str) -> ApiResult<
     }
     Ok(v)
 }
+
+/// A quota limit as written: a whole number, or a decimal (a string, or a
+/// JSON number with a fraction, taken as its shortest decimal form; only
+/// `cost_usd` accepts one, and it is never computed with as a float).
+pub fn limit(obj: &Map<String, Value>, prefix: &str) -> ApiResult<(Option<i64>, Option<String>)> {
+    match obj.get("limit") {
+        None | Some(Value::Null) => Ok((None, None)),
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(v) => Ok((Some(v), None)),
+            None if n.is_f64() => Ok((None, Some(n.to_string()))),
+            None => Err(ApiError::invalid(format!("{prefix}limit"), "is too large")),
+        },
+        Some(Value::String(s)) => Ok((None, Some(s.clone()))),
+        Some(_) => Err(ApiError::invalid(format!("{prefix}limit"), "must be a number")),
+    }
+}

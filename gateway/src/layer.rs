@@ -193,10 +193,18 @@ where
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let admission = match hot::admit(&state, key, None, actor.clone()).await {
+    let admission = match hot::admit(&state, key, None, actor.clone(), None).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
+    if admission.exempt {
+        // An administrator or break-glass caller: never limited or counted.
+        req.extensions_mut().insert(admission);
+        return match inner.call(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        };
+    }
     let guard = ReleaseGuard {
         state: state.clone(),
         project: admission.key.project_id.clone(),
@@ -325,17 +333,13 @@ fn call_fact(
 ) -> ApiResult<UsageFact> {
     let id = EventId::parse(new_id("evt")).map_err(|e| ApiError::invalid("id", e.to_string()))?;
     Ok(UsageFact {
-        id,
-        project_id: admission.key.project_id.clone(),
         api_key_id: Some(admission.key.id.clone()),
-        agent_id: None,
         actor_id: actor,
-        occurred_at: state.clock.now(),
-        kind: EventKind::Call,
         outcome: if success { Outcome::Success } else { Outcome::Failure },
         rows,
         reservation_id: Some(admission.reservation.clone()),
         gateway: state.settings.instance.clone(),
+        ..UsageFact::new(id, admission.key.project_id.clone(), EventKind::Call, state.clock.now())
     })
 }
 

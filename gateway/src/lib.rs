@@ -1,7 +1,8 @@
 //! # gateway — Tollgate's HTTP service
 //!
 //! The hot path (`/v1/check`, `/v1/events`), the admin API (projects, API
-//! keys, quotas, the declarative quota set, the audit log), `/healthz` and
+//! keys, quotas, the declarative quota set, the audit log, prices and
+//! exceptions), `/healthz` and
 //! `/openapi.json`. Handlers parse the body
 //! field by field (a wrong field is a 400 naming it), call the rules in
 //! `meter` and the ports in [`AppState`], and map the result.
@@ -14,6 +15,8 @@ pub mod error;
 pub mod fields;
 pub mod hot;
 pub mod layer;
+pub mod pricing;
+pub mod roles;
 pub mod state;
 
 use axum::Router;
@@ -31,7 +34,8 @@ pub use state::{AppState, Settings, ViewDownPolicy};
         hot::check, hot::events,
         admin::create_project, admin::get_project, admin::create_api_key, admin::get_api_key, admin::delete_api_key,
         admin::create_quota, admin::list_quotas, admin::get_quota, admin::patch_quota, admin::delete_quota,
-        admin::put_project_quotas, admin::audit,
+        admin::put_project_quotas, admin::audit, pricing::put_prices, pricing::get_prices, pricing::exceptions,
+        roles::create_role, roles::get_role,
     )
 )]
 pub struct ApiDoc;
@@ -59,5 +63,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/quotas", post(admin::create_quota).get(admin::list_quotas))
         .route("/v1/quotas/{id}", get(admin::get_quota).patch(admin::patch_quota).delete(admin::delete_quota))
         .route("/v1/audit", get(admin::audit))
+        .route("/v1/prices", put(pricing::put_prices).get(pricing::get_prices))
+        .route("/v1/exceptions", get(pricing::exceptions))
+        .route("/v1/projects/{id}/roles", post(roles::create_role))
+        .route("/v1/roles/{id}", get(roles::get_role))
         .with_state(state)
 }

@@ -6,7 +6,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use meter::{ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, Project, ProjectId, Quota, QuotaId, Store, View};
+use meter::{
+    ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, PriceBook, Project, ProjectId, Quota, QuotaId, Role, RoleId, Store,
+    View,
+};
 use rand::Rng;
 use rand::distr::Alphanumeric;
 use sha2::{Digest, Sha256};
@@ -78,6 +81,8 @@ type Cached<T> = Mutex<HashMap<String, (Instant, T)>>;
 pub struct ConfigCache {
     projects: Cached<Option<ProjectConfig>>,
     keys: Cached<Option<ApiKey>>,
+    prices: Cached<Arc<PriceBook>>,
+    roles: Cached<Option<Role>>,
 }
 
 fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration) -> Option<T> {
@@ -172,6 +177,34 @@ impl AppState {
         };
         put(&self.cache.projects, id.as_str().to_owned(), cfg.clone());
         Ok(cfg)
+    }
+
+    /// The price book (cached). The gateway prices tokens events with it to
+    /// settle their cost into the view; the projector prices them again,
+    /// durably, from the store's book.
+    pub async fn price_book(&self) -> PortResult<Arc<PriceBook>> {
+        if let Some(b) = get(&self.cache.prices, "", self.settings.config_ttl) {
+            return Ok(b);
+        }
+        let book = Arc::new(PriceBook::new(self.store.prices().await?));
+        put(&self.cache.prices, String::new(), book.clone());
+        Ok(book)
+    }
+
+    /// A role by its id (cached).
+    pub async fn role_by_id(&self, id: &RoleId) -> PortResult<Option<Role>> {
+        if let Some(r) = get(&self.cache.roles, id.as_str(), self.settings.config_ttl) {
+            return Ok(r);
+        }
+        let r = self.store.role(id).await?;
+        put(&self.cache.roles, id.as_str().to_owned(), r.clone());
+        Ok(r)
+    }
+
+    /// Forgets the cached price book after a change.
+    pub fn invalidate_prices(&self) {
+        let mut g = self.cache.prices.lock().unwrap_or_else(|e| e.into_inner());
+        g.clear();
     }
 
     /// Forgets a project's cached configuration after an admin change.

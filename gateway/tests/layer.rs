@@ -97,6 +97,7 @@ async fn env() -> Env {
         name: "k".into(),
         prefix: secret[..10].to_owned(),
         grants: Grants::default(),
+        role_id: None,
         created_at: now,
     };
     store.create_api_key(&key, &hash_secret(&secret)).await.expect("create key");

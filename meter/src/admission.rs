@@ -18,9 +18,23 @@ use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 
 use crate::ids::{ApiKeyId, QuotaId};
-use crate::quota::{Metric, Mode, Quota, Scope};
-use crate::usage::{Counter, CounterKey, Dimension};
+use crate::price::{BLACKOUT_EVENTS, MeterType};
+use crate::quota::{Metric, Mode, OnUnpriced, Quota, Scope};
+use crate::usage::{Counter, CounterKey, Dimension, Field};
 use crate::window::{Window, WindowKind, window_at};
+
+/// How a planned limit reads its counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    /// `used` = the sum of `fields`; refuses when `used + need > limit`.
+    Cap,
+    /// A pricing blackout: `used` = the window's LLM events when none of
+    /// them is priced, else 0; planned with `need` 1 and `limit` 3, so it
+    /// refuses once three LLM events are in and nothing is priced.
+    Blackout,
+    /// Read only, never refuses: what the check found, for exceptions.
+    Probe,
+}
 
 /// One limit the view must compare.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +44,10 @@ pub struct PlannedLimit {
     /// Index into [`CheckPlan::counters`].
     pub counter: usize,
     pub metric: Metric,
+    pub kind: LimitKind,
+    /// The counter fields summed into `used` (with live reservations when
+    /// `calls` is among them).
+    pub fields: Vec<Field>,
     pub limit: u64,
     /// What this check adds before comparing: refuse when `used + need > limit`.
     pub need: u64,
@@ -69,79 +87,152 @@ pub struct CheckOutcome {
     pub used: Vec<u64>,
 }
 
-/// The dimension a quota counts for this caller, if it applies at all.
-pub fn dimension_for(quota: &Quota, api_key: &ApiKeyId, actor: Option<&str>) -> Option<Dimension> {
-    let s = &quota.spec;
-    match (s.scope, s.scope_ref.as_deref()) {
-        (Scope::Project, _) => Some(Dimension::Project),
-        (Scope::ApiKey, None) => Some(Dimension::AllApiKeys),
-        (Scope::ApiKey, Some(r)) => (r == api_key.as_str()).then(|| Dimension::ApiKey(api_key.clone())),
-        (Scope::Actor, None) => actor.map(|a| Dimension::Actor(a.to_owned())),
-        (Scope::Actor, Some(r)) => (Some(r) == actor).then(|| Dimension::Actor(r.to_owned())),
-        (Scope::Agent, _) => None,
+/// Who is asking, as the gateway identified them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Caller {
+    pub api_key: Option<ApiKeyId>,
+    pub agent: Option<String>,
+    pub actor: Option<String>,
+    /// A signed-in user (`user:<subject>`).
+    pub user: Option<String>,
+}
+
+impl Caller {
+    pub fn key(api_key: &ApiKeyId, actor: Option<&str>) -> Caller {
+        Caller { api_key: Some(api_key.clone()), actor: actor.map(str::to_owned), ..Caller::default() }
     }
 }
 
+/// The dimension a quota counts for this caller, if it applies at all.
+pub fn dimension_for(quota: &Quota, caller: &Caller) -> Option<Dimension> {
+    let s = &quota.spec;
+    match (s.scope, s.scope_ref.as_deref()) {
+        (Scope::Project, _) => Some(Dimension::Project),
+        (Scope::ApiKey, None) => caller.api_key.as_ref().map(|_| Dimension::AllApiKeys),
+        (Scope::ApiKey, Some(r)) => caller
+            .api_key
+            .as_ref()
+            .filter(|k| k.as_str() == r)
+            .map(|k| Dimension::ApiKey(k.clone())),
+        // A null agent ref is the whole project.
+        (Scope::Agent, None) => Some(Dimension::Project),
+        (Scope::Agent, Some(r)) => (caller.agent.as_deref() == Some(r)).then(|| Dimension::Agent(r.to_owned())),
+        (Scope::User, Some(r)) => (caller.user.as_deref() == Some(r)).then(|| Dimension::User(r.to_owned())),
+        (Scope::User, None) => None,
+        (Scope::Actor, None) => caller.actor.as_ref().map(|a| Dimension::Actor(a.clone())),
+        (Scope::Actor, Some(r)) => (caller.actor.as_deref() == Some(r)).then(|| Dimension::Actor(r.to_owned())),
+    }
+}
+
+/// What one check is: who asks, when, and the bytes the write adds (storage
+/// quotas apply only to a write that adds bytes; deletes are never refused).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckInput {
+    pub caller: Caller,
+    pub storage_delta: Option<i64>,
+}
+
 /// Plans a check of `quotas` (the project's) for one caller at `at`.
-pub fn plan_check(
-    quotas: &[Quota],
-    tz: Tz,
-    api_key: &ApiKeyId,
-    actor: Option<&str>,
-    at: DateTime<Utc>,
-) -> CheckPlan {
+pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc>) -> CheckPlan {
+    let caller = &input.caller;
     let mut plan = CheckPlan::default();
     let mut index: BTreeMap<(Dimension, WindowKind), usize> = BTreeMap::new();
     for (qi, q) in quotas.iter().enumerate() {
-        if !q.spec.metric.is_metered() {
+        let metric = q.spec.metric;
+        // Requests are key-authenticated traffic only.
+        if metric == Metric::Requests && caller.api_key.is_none() {
             continue;
         }
-        let Some(dimension) = dimension_for(q, api_key, actor) else {
+        let need = match metric {
+            Metric::StorageBytes => match input.storage_delta {
+                Some(d) if d > 0 => d as u64,
+                _ => continue,
+            },
+            Metric::Requests => 0,
+            _ => 1,
+        };
+        let Some(dimension) = dimension_for(q, caller) else {
             continue;
         };
         let window = window_at(q.spec.window, tz, at);
-        let counter = *index.entry((dimension.clone(), q.spec.window)).or_insert_with(|| {
-            plan.counters.push(Counter {
-                key: CounterKey { dimension, window: window.kind, window_key: window.key.clone() },
-                resets_at: window.resets_at,
-            });
+        let key = CounterKey { dimension, window: window.kind, window_key: window.key.clone() };
+        let counter = *index.entry((key.dimension.clone(), key.window)).or_insert_with(|| {
+            plan.counters.push(Counter { key, resets_at: window.resets_at });
             plan.counters.len() - 1
         });
-        let (need, reserve) = match q.spec.metric {
-            Metric::Requests => (0, false),
-            Metric::Calls => (1, true),
-            _ => (1, false),
-        };
         let enforce = q.spec.mode == Mode::Enforce;
-        if q.spec.metric == Metric::Requests && !plan.count_request.contains(&counter) {
+        if metric == Metric::Requests && !plan.count_request.contains(&counter) {
             plan.count_request.push(counter);
         }
-        plan.limits.push(PlannedLimit {
-            quota: qi,
-            counter,
-            metric: q.spec.metric,
-            limit: q.spec.limit,
-            need,
-            enforce,
-            reserve: reserve && enforce,
-        });
-        plan.windows.push(window);
+        let fields = match metric {
+            Metric::Requests => vec![Field::Requests],
+            Metric::Calls => vec![Field::Calls],
+            Metric::Rows => vec![Field::Rows],
+            Metric::Tokens => vec![Field::Tokens],
+            Metric::CostUsd => match q.spec.meter() {
+                Some(m) => vec![Field::cost_of(m)],
+                None => Field::COSTS.to_vec(),
+            },
+            Metric::StorageBytes => vec![Field::Storage],
+        };
+        let mut push = |kind, fields, limit, need, enforce, reserve| {
+            plan.limits.push(PlannedLimit { quota: qi, counter, metric, kind, fields, limit, need, enforce, reserve });
+            plan.windows.push(window.clone());
+        };
+        push(LimitKind::Cap, fields, q.spec.limit, need, enforce, metric == Metric::Calls && enforce);
+        // The unpriced verdict reads the AI meter: a quota naming a
+        // platform meter has none.
+        if metric == Metric::CostUsd && matches!(q.spec.meter(), None | Some(MeterType::LlmTokens)) {
+            let blocks = enforce && q.spec.on_unpriced.unwrap_or(OnUnpriced::Block) == OnUnpriced::Block;
+            if blocks {
+                push(LimitKind::Blackout, vec![Field::LlmEvents], BLACKOUT_EVENTS, 1, true, false);
+            }
+            push(LimitKind::Probe, vec![Field::LlmUnpriced], 0, 0, false, false);
+            push(LimitKind::Probe, vec![Field::LlmEvents], 0, 0, false, false);
+        }
     }
     plan
+}
+
+/// Why a check was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreachKind {
+    /// 429 `QUOTA_EXCEEDED`, with `Retry-After`.
+    Exceeded,
+    /// 409 `QUOTA_STORAGE_EXCEEDED`: waiting is no remedy.
+    Storage,
+    /// 409 `QUOTA_UNENFORCEABLE`: a cost cap over a pricing blackout.
+    Unenforceable,
 }
 
 /// The quota that refused a check, as reported to the caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Breach {
+    pub kind: BreachKind,
     pub quota_id: QuotaId,
+    /// Index into the quotas the plan was made from.
+    pub quota: usize,
     pub scope: Scope,
     pub scope_ref: Option<String>,
     pub metric: Metric,
     pub limit: u64,
     pub used: u64,
     pub window: WindowKind,
+    /// The counter it was read from (for the unpriced rows of a blackout).
+    pub counter: CounterKey,
     pub resets_at: Option<DateTime<Utc>>,
     pub retry_after_secs: Option<u64>,
+}
+
+/// Unpriced usage a `cost_usd` check found in its window: one
+/// `quota_unpriced` exception to file (or count again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnpricedFinding {
+    pub quota: usize,
+    pub quota_id: QuotaId,
+    pub counter: CounterKey,
+    pub llm_events: u64,
+    pub unpriced_events: u64,
 }
 
 /// The decision on one check, with what the caller's headers report.
@@ -155,6 +246,8 @@ pub struct Verdict {
     pub reset: Option<DateTime<Utc>>,
     /// Monitor quotas this check found over their limit.
     pub monitor_breaches: Vec<QuotaId>,
+    /// Cost quotas whose window holds unpriced AI usage.
+    pub unpriced: Vec<UnpricedFinding>,
 }
 
 impl Verdict {
@@ -169,12 +262,31 @@ impl Verdict {
 pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: DateTime<Utc>) -> Verdict {
     let mut breach: Option<(usize, &PlannedLimit)> = None;
     let mut monitor_breaches = Vec::new();
+    let mut unpriced: Vec<UnpricedFinding> = Vec::new();
     let mut remaining: BTreeMap<Metric, (u64, Option<DateTime<Utc>>)> = BTreeMap::new();
     for (li, l) in plan.limits.iter().enumerate() {
         let used = outcome.used.get(li).copied().unwrap_or(0);
-        let over = used.saturating_add(l.need) > l.limit;
         let q = &quotas[l.quota];
-        if over && !l.enforce {
+        if l.kind == LimitKind::Probe {
+            match l.fields.first() {
+                Some(Field::LlmUnpriced) if used > 0 => unpriced.push(UnpricedFinding {
+                    quota: l.quota,
+                    quota_id: q.id.clone(),
+                    counter: plan.counters[l.counter].key.clone(),
+                    llm_events: 0,
+                    unpriced_events: used,
+                }),
+                Some(Field::LlmEvents) => {
+                    if let Some(f) = unpriced.iter_mut().find(|f| f.quota == l.quota) {
+                        f.llm_events = used;
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        let over = used.saturating_add(l.need) > l.limit;
+        if over && !l.enforce && l.kind == LimitKind::Cap && !monitor_breaches.contains(&q.id) {
             monitor_breaches.push(q.id.clone());
         }
         if over && l.enforce {
@@ -182,15 +294,14 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
                 None => true,
                 Some((bi, b)) => {
                     let bq = &quotas[b.quota];
-                    (q.spec.scope, plan.windows[li].resets_at)
-                        > (bq.spec.scope, plan.windows[bi].resets_at)
+                    (q.spec.scope, plan.windows[li].resets_at) > (bq.spec.scope, plan.windows[bi].resets_at)
                 }
             };
             if better {
                 breach = Some((li, l));
             }
         }
-        if l.enforce && matches!(l.metric, Metric::Calls | Metric::Rows) {
+        if l.enforce && l.kind == LimitKind::Cap && matches!(l.metric, Metric::Calls | Metric::Rows) {
             let held = u64::from(outcome.admitted && l.reserve);
             let left = l.limit.saturating_sub(used.saturating_add(held));
             let entry = remaining.entry(l.metric).or_insert((u64::MAX, None));
@@ -202,22 +313,36 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
     let breach = breach.map(|(li, l)| {
         let q = &quotas[l.quota];
         let w = &plan.windows[li];
+        let kind = match (l.kind, l.metric) {
+            (LimitKind::Blackout, _) => BreachKind::Unenforceable,
+            (_, Metric::StorageBytes) => BreachKind::Storage,
+            _ => BreachKind::Exceeded,
+        };
         Breach {
+            kind,
             quota_id: q.id.clone(),
+            quota: l.quota,
             scope: q.spec.scope,
             scope_ref: q.spec.scope_ref.clone(),
             metric: l.metric,
-            limit: l.limit,
+            limit: q.spec.limit,
             used: outcome.used.get(li).copied().unwrap_or(0),
             window: w.kind,
+            counter: plan.counters[l.counter].key.clone(),
             resets_at: w.resets_at,
-            retry_after_secs: w.retry_after_secs(at),
+            retry_after_secs: if kind == BreachKind::Exceeded { w.retry_after_secs(at) } else { None },
         }
     });
     let calls = remaining.get(&Metric::Calls).copied();
     let rows = remaining.get(&Metric::Rows).copied();
     let reset = match (calls, rows) {
-        (Some((c, rc)), Some((r, rr))) => if c <= r { rc } else { rr },
+        (Some((c, rc)), Some((r, rr))) => {
+            if c <= r {
+                rc
+            } else {
+                rr
+            }
+        }
         (Some((_, rc)), None) => rc,
         (None, Some((_, rr))) => rr,
         (None, None) => None,
@@ -228,6 +353,7 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
         remaining_rows: rows.map(|r| r.0),
         reset,
         monitor_breaches,
+        unpriced,
     }
 }
 
@@ -272,7 +398,7 @@ mod tests {
 
     /// Plans for key `k1` and actor `u1` at `at`, and decides with `used`.
     fn check(quotas: &[Quota], used: &[u64], at: DateTime<Utc>) -> (CheckPlan, Verdict) {
-        let plan = plan_check(quotas, Tz::UTC, &key("k1"), Some("u1"), at);
+        let plan = plan_check(quotas, Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None }, at);
         assert_eq!(plan.limits.len(), used.len(), "one usage per planned limit");
         let admitted = plan.limits.iter().zip(used).all(|(l, u)| !l.enforce || u + l.need <= l.limit);
         let verdict = decide(quotas, &plan, &CheckOutcome { admitted, used: used.to_vec() }, at);
@@ -374,7 +500,7 @@ mod tests {
         // A day in the project's zone: Kathmandu's day ends at 18:15 UTC.
         let day = quota("q_day", Scope::Project, None, Metric::Requests, WindowKind::Day, 3);
         let at = utc("2026-07-07T18:00:00Z");
-        let plan = plan_check(std::slice::from_ref(&day), chrono_tz::Asia::Kathmandu, &key("k1"), None, at);
+        let plan = plan_check(std::slice::from_ref(&day), chrono_tz::Asia::Kathmandu, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, at);
         let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome { admitted: false, used: vec![4] }, at);
         let b = v.breach.expect("refused");
         assert_eq!(b.resets_at, Some(utc("2026-07-07T18:15:00Z")));
@@ -387,7 +513,7 @@ mod tests {
         let calls = quota("q_calls", Scope::Project, None, Metric::Calls, WindowKind::Day, 3);
         let rows = quota("q_rows", Scope::Project, None, Metric::Rows, WindowKind::Day, 3);
         let quotas = [requests, calls, rows];
-        let plan = plan_check(&quotas, Tz::UTC, &key("k1"), None, utc(AT));
+        let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, utc(AT));
         // One counter (project, day) carries all three limits.
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.count_request, vec![0]);
@@ -405,40 +531,40 @@ mod tests {
     #[test]
     fn a_null_actor_ref_gives_each_actor_a_budget() {
         let q = quota("q_actor", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
-        let plan = plan_check(std::slice::from_ref(&q), Tz::UTC, &key("k1"), Some("u7"), utc(AT));
+        let plan = plan_check(std::slice::from_ref(&q), Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u7")), storage_delta: None }, utc(AT));
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.counters[0].key.dimension, Dimension::Actor("u7".into()));
         assert_eq!(plan.counters[0].key.window_key, "2026-07-07");
-        assert_eq!(dimension_for(&q, &key("k1"), Some("u8")), Some(Dimension::Actor("u8".into())));
+        assert_eq!(dimension_for(&q, &Caller::key(&key("k1"), Some("u8"))), Some(Dimension::Actor("u8".into())));
         // No actor named: an actor quota does not apply at all.
-        assert!(plan_check(std::slice::from_ref(&q), Tz::UTC, &key("k1"), None, utc(AT)).limits.is_empty());
+        assert!(plan_check(std::slice::from_ref(&q), Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, utc(AT)).limits.is_empty());
 
         // A named actor matches only itself.
         let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 5);
-        assert_eq!(dimension_for(&one, &key("k1"), Some("u1")), Some(Dimension::Actor("u1".into())));
-        assert_eq!(dimension_for(&one, &key("k1"), Some("u2")), None);
-        assert_eq!(dimension_for(&one, &key("k1"), None), None);
+        assert_eq!(dimension_for(&one, &Caller::key(&key("k1"), Some("u1"))), Some(Dimension::Actor("u1".into())));
+        assert_eq!(dimension_for(&one, &Caller::key(&key("k1"), Some("u2"))), None);
+        assert_eq!(dimension_for(&one, &Caller::key(&key("k1"), None)), None);
     }
 
     #[test]
     fn an_api_key_quota_matches_only_its_key() {
         let other = quota("q_k2", Scope::ApiKey, Some("k2"), Metric::Calls, WindowKind::Day, 1);
-        assert_eq!(dimension_for(&other, &key("k1"), None), None);
+        assert_eq!(dimension_for(&other, &Caller::key(&key("k1"), None)), None);
         let (plan, v) = check(std::slice::from_ref(&other), &[], utc(AT));
         assert!(plan.limits.is_empty() && v.admitted());
 
         let mine = quota("q_k1", Scope::ApiKey, Some("k1"), Metric::Calls, WindowKind::Day, 1);
-        assert_eq!(dimension_for(&mine, &key("k1"), None), Some(Dimension::ApiKey(key("k1"))));
+        assert_eq!(dimension_for(&mine, &Caller::key(&key("k1"), None)), Some(Dimension::ApiKey(key("k1"))));
         let every = quota("q_keys", Scope::ApiKey, None, Metric::Calls, WindowKind::Day, 1);
-        assert_eq!(dimension_for(&every, &key("k1"), None), Some(Dimension::AllApiKeys));
-        assert_eq!(dimension_for(&every, &key("k2"), None), Some(Dimension::AllApiKeys));
+        assert_eq!(dimension_for(&every, &Caller::key(&key("k1"), None)), Some(Dimension::AllApiKeys));
+        assert_eq!(dimension_for(&every, &Caller::key(&key("k2"), None)), Some(Dimension::AllApiKeys));
     }
 
     #[test]
     fn quotas_that_share_a_counter_reserve_once() {
         let every = quota("q_actors", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
         let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 2);
-        let plan = plan_check(&[every, one], Tz::UTC, &key("k1"), Some("u1"), utc(AT));
+        let plan = plan_check(&[every, one], Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None }, utc(AT));
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.limits.len(), 2);
         assert_eq!(plan.reserved_counters(), vec![0]);

@@ -47,6 +47,8 @@ pub struct DesiredQuota {
     pub metric: Option<String>,
     pub window: Option<String>,
     pub limit: Option<i64>,
+    /// A decimal limit (`cost_usd` only), as written.
+    pub limit_decimal: Option<String>,
     pub mode: Option<String>,
     pub meter_type: Option<Option<String>>,
     pub on_unpriced: Option<Option<String>>,
@@ -288,6 +290,7 @@ pub fn plan(
             metric: d.metric.clone(),
             window: d.window.clone(),
             limit: d.limit,
+            limit_decimal: d.limit_decimal.clone(),
             mode: d.mode.clone(),
             meter_type,
             on_unpriced,

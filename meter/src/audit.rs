@@ -219,7 +219,12 @@ mod tests {
             quota("q_rows", Metric::Rows, Mode::Monitor, 10),
             quota("q_enforced", Metric::Calls, Mode::Enforce, 100),
         ];
-        let plan = plan_check(&quotas, chrono_tz::Tz::UTC, &ApiKeyId::parse("k1").expect("key"), None, at);
+        let plan = plan_check(
+            &quotas,
+            chrono_tz::Tz::UTC,
+            &crate::CheckInput { caller: crate::Caller::key(&ApiKeyId::parse("k1").expect("key"), None), storage_delta: None },
+            at,
+        );
         // (used, over?) per quota: requests 4 > 3; calls 2 + 1 > 2; rows 9 < 10.
         let outcome = CheckOutcome { admitted: true, used: vec![4, 2, 9, 2] };
         let verdict = decide(&quotas, &plan, &outcome, at);

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashSet};
 use chrono_tz::Tz;
 
 use crate::ids::{EventId, ProjectId};
+use crate::price::PriceBook;
 use crate::usage::{Counter, CounterKey, Totals, UsageFact, counters_for};
 
 /// Totals folded so far, by project and counter.
@@ -25,12 +26,15 @@ impl Fold {
         Self::default()
     }
 
-    /// Adds one fact; returns false (and adds nothing) for an id already applied.
-    pub fn apply(&mut self, fact: &UsageFact, tz: Tz) -> bool {
+    /// Adds one fact, priced against `book`; returns false (and adds
+    /// nothing) for an id already applied. On the footprint counter the
+    /// `storage` sum is of deltas only: the store turns it into the footprint
+    /// ([`crate::usage::Footprint`]).
+    pub fn apply(&mut self, fact: &UsageFact, tz: Tz, book: &PriceBook) -> bool {
         if !self.seen.insert((fact.project_id.clone(), fact.id.clone())) {
             return false;
         }
-        for (counter, delta) in counters_for(fact, tz) {
+        for (counter, delta) in counters_for(fact, tz, book) {
             let Counter { key, resets_at } = counter;
             let entry = self
                 .totals
@@ -69,17 +73,17 @@ mod tests {
 
     fn fact(project: &str, id: &str, kind: EventKind, outcome: Outcome, rows: u64) -> UsageFact {
         UsageFact {
-            id: EventId::parse(id).expect("event id"),
-            project_id: ProjectId::parse(project).expect("project id"),
             api_key_id: Some(ApiKeyId::parse("k1").expect("key id")),
-            agent_id: None,
             actor_id: Some("u1".into()),
-            occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00Z").expect("ts").with_timezone(&Utc),
-            kind,
             outcome,
             rows,
-            reservation_id: None,
             gateway: "g1".into(),
+            ..UsageFact::new(
+                EventId::parse(id).expect("event id"),
+                ProjectId::parse(project).expect("project id"),
+                kind,
+                DateTime::parse_from_rfc3339("2026-07-07T12:31:00Z").expect("ts").with_timezone(&Utc),
+            )
         }
     }
 
@@ -95,32 +99,32 @@ mod tests {
     fn an_event_id_counts_once_per_project() {
         let mut fold = Fold::new();
         let call = fact("p1", "e1", EventKind::Call, Outcome::Success, 7);
-        assert!(fold.apply(&call, Tz::UTC));
-        assert!(!fold.apply(&call, Tz::UTC), "a resend adds nothing");
+        assert!(fold.apply(&call, Tz::UTC, &PriceBook::default()));
+        assert!(!fold.apply(&call, Tz::UTC, &PriceBook::default()), "a resend adds nothing");
         // Even with other content: the id decides.
-        assert!(!fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Success, 99), Tz::UTC));
-        assert_eq!(project_day(&fold, "p1"), Some(Totals { requests: 0, calls: 1, rows: 7 }));
+        assert!(!fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Success, 99), Tz::UTC, &PriceBook::default()));
+        assert_eq!(project_day(&fold, "p1"), Some(Totals { calls: 1, rows: 7, ..Totals::default() }));
         // The same id in another project is another event.
-        assert!(fold.apply(&fact("p2", "e1", EventKind::Request, Outcome::Success, 0), Tz::UTC));
-        assert_eq!(project_day(&fold, "p2"), Some(Totals { requests: 1, calls: 0, rows: 0 }));
+        assert!(fold.apply(&fact("p2", "e1", EventKind::Request, Outcome::Success, 0), Tz::UTC, &PriceBook::default()));
+        assert_eq!(project_day(&fold, "p2"), Some(Totals { requests: 1, ..Totals::default() }));
         assert_eq!(fold.events(), 2);
     }
 
     #[test]
     fn a_failed_call_is_seen_but_adds_no_counter() {
         let mut fold = Fold::new();
-        assert!(fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Failure, 5), Tz::UTC));
+        assert!(fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Failure, 5), Tz::UTC, &PriceBook::default()));
         assert!(fold.is_empty());
         assert_eq!(fold.events(), 1);
-        assert!(!fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Success, 5), Tz::UTC));
+        assert!(!fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Success, 5), Tz::UTC, &PriceBook::default()));
         assert!(fold.is_empty());
     }
 
     #[test]
     fn totals_are_ordered_and_carry_their_reset() {
         let mut fold = Fold::new();
-        fold.apply(&fact("p2", "e1", EventKind::Call, Outcome::Success, 1), Tz::UTC);
-        fold.apply(&fact("p1", "e2", EventKind::Call, Outcome::Success, 1), Tz::UTC);
+        fold.apply(&fact("p2", "e1", EventKind::Call, Outcome::Success, 1), Tz::UTC, &PriceBook::default());
+        fold.apply(&fact("p1", "e2", EventKind::Call, Outcome::Success, 1), Tz::UTC, &PriceBook::default());
         let rows: Vec<_> = fold.totals().map(|(p, c, _)| (p.clone(), c)).collect();
         assert_eq!(rows.len(), 2 * 4 * 5, "two projects, four dimensions, five windows");
         assert!(rows.windows(2).all(|w| (&w[0].0, &w[0].1.key) < (&w[1].0, &w[1].1.key)));

@@ -96,6 +96,10 @@ id_type!(
     ReservationId
 );
 id_type!(
+    /// A role: grants and a quota a key or a signed-in user takes.
+    RoleId
+);
+id_type!(
     /// An audit-log entry; time-ordered, so ordering by id orders by time
     /// and the id of the last entry read is the cursor of the next page.
     AuditId

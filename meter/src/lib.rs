@@ -30,16 +30,23 @@ pub mod audit;
 pub mod fold;
 pub mod ids;
 pub mod ports;
+pub mod price;
 pub mod quota;
+pub mod role;
 pub mod usage;
 pub mod window;
 
-pub use admission::{Breach, CheckOutcome, CheckPlan, PlannedLimit, Verdict, decide, plan_check};
+pub use admission::{
+    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, LimitKind, PlannedLimit, UnpricedFinding, Verdict, decide,
+    plan_check,
+};
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use fold::Fold;
-pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId};
+pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
+pub use role::{Per, Role, RoleQuota};
 pub use ports::*;
+pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
 pub use quota::{FieldError, Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
-pub use usage::{Counter, CounterKey, Dimension, EventKind, Outcome, Totals, UsageFact};
+pub use usage::{Counter, CounterKey, Dimension, EventKind, Field, Footprint, Outcome, Totals, UsageFact};
 pub use window::{Window, WindowKind, window_at};

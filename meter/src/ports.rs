@@ -16,7 +16,9 @@ use serde::{Deserialize, Serialize};
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::AuditEntry;
-use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId};
+use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId, RoleId};
+use crate::role::Role;
+use crate::price::{Price, PriceKey};
 use crate::quota::{Quota, QuotaPatch};
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
 
@@ -103,6 +105,8 @@ pub struct ApiKey {
     /// The first characters of the secret, to recognise it in a list.
     pub prefix: String,
     pub grants: Grants,
+    /// The role it takes grants and a quota from, if any.
+    pub role_id: Option<RoleId>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -134,12 +138,41 @@ pub struct FoldReport {
     pub totals: Vec<(ProjectId, Counter, Totals)>,
 }
 
+/// One `quota_unpriced` exception: a cost cap whose window held AI usage no
+/// price covered. Deduplicated on the quota; `occurrence_count` is how many
+/// checks ran under it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnpricedException {
+    pub project_id: ProjectId,
+    pub quota_id: QuotaId,
+    /// The quota's limit when last filed (picodollars).
+    pub limit: u64,
+    pub window_key: String,
+    /// LLM events the window metered, and how many had an unpriced component.
+    pub llm_events: u64,
+    pub unpriced_events: u64,
+    /// At most [`crate::price::MAX_UNPRICED_ROWS`].
+    pub unpriced_rows: Vec<PriceKey>,
+    pub occurrence_count: u64,
+    pub first_seen: DateTime<Utc>,
+    pub last_seen: DateTime<Utc>,
+}
+
+/// An unpriced (provider, model, component) seen in a counter's window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnpricedRow {
+    pub counter: Counter,
+    pub key: PriceKey,
+}
+
 /// The durable store: configuration, aggregates and offsets.
 #[async_trait]
 pub trait Store: Send + Sync {
     async fn create_project(&self, project: &Project) -> PortResult<()>;
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>>;
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()>;
+    async fn create_role(&self, role: &Role) -> PortResult<()>;
+    async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
     /// Soft-deletes a key (`deleted_at`): it no longer authenticates or
@@ -164,6 +197,22 @@ pub trait Store: Send + Sync {
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool>;
     /// A project's audit entries in id (time) order, after the cursor, at most `limit`.
     async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>>;
+    /// Adds price rows; a row with the same (provider, model, component,
+    /// effective_from) is replaced. All or nothing.
+    async fn put_prices(&self, prices: &[Price]) -> PortResult<()>;
+    /// The whole price book, ordered by key then `effective_from`.
+    async fn prices(&self) -> PortResult<Vec<Price>>;
+    /// Remembers unpriced rows of counters (idempotent). The gateway writes
+    /// them when it accepts an event, the fold again from the log.
+    async fn record_unpriced(&self, project: &ProjectId, rows: &[UnpricedRow]) -> PortResult<()>;
+    /// The distinct unpriced rows of one counter, ordered, at most `limit`.
+    async fn unpriced_rows(&self, project: &ProjectId, counter: &CounterKey, limit: usize) -> PortResult<Vec<PriceKey>>;
+    /// Files a `quota_unpriced` exception, or counts one more occurrence of
+    /// the quota's (replacing its counts and rows, keeping `first_seen`).
+    /// `occurrence_count` of the argument is ignored. Returns the stored one.
+    async fn file_exception(&self, exception: &UnpricedException) -> PortResult<UnpricedException>;
+    /// A project's exceptions ordered by quota id, after the cursor, at most `limit`.
+    async fn exceptions(&self, project: &ProjectId, after: Option<&QuotaId>, limit: usize) -> PortResult<Vec<UnpricedException>>;
     /// Durable totals of the given counters (missing ones are zero).
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.
@@ -171,7 +220,10 @@ pub trait Store: Send + Sync {
     /// The next offset to read, per partition, for a consumer.
     async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>>;
     /// Folds a batch: skips ids already folded, adds the rest to the
-    /// aggregates and moves the offsets, all in one transaction. Fails with
+    /// aggregates (tokens events priced against the store's price book at
+    /// their event time, their unpriced rows recorded; storage facts turned
+    /// into the project's footprint, see [`crate::usage::Footprint`]) and
+    /// moves the offsets, all in one transaction. Fails with
     /// [`PortError::Fenced`] (changing nothing) if the offsets moved.
     async fn fold_batch(&self, batch: &FoldBatch) -> PortResult<FoldReport>;
 }

@@ -12,6 +12,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{ProjectId, QuotaId, check_id};
+use crate::price::{MeterType, Usd};
 use crate::window::WindowKind;
 
 /// What a quota counts.
@@ -62,11 +63,15 @@ impl Metric {
         self == Metric::StorageBytes
     }
 
-    /// Whether this release meters it. Tokens, cost and storage are part of
-    /// the model but not yet folded; a quota on them would enforce nothing,
-    /// so it is refused rather than stored.
+    /// Whether this release meters it (every metric of the model is).
     pub fn is_metered(self) -> bool {
-        matches!(self, Metric::Requests | Metric::Calls | Metric::Rows)
+        true
+    }
+
+    /// Whether limits and usage of this metric are money (picodollars
+    /// inside, decimal dollars at the API).
+    pub fn is_money(self) -> bool {
+        self == Metric::CostUsd
     }
 }
 
@@ -90,6 +95,9 @@ impl FromStr for Metric {
 pub enum Scope {
     Project,
     ApiKey,
+    /// A signed-in user's own allowance from its role. Internal: only role
+    /// quotas have it; the API neither accepts nor lists it.
+    User,
     Agent,
     Actor,
 }
@@ -101,6 +109,7 @@ impl Scope {
         match self {
             Scope::Project => "project",
             Scope::ApiKey => "api_key",
+            Scope::User => "user",
             Scope::Agent => "agent",
             Scope::Actor => "actor",
         }
@@ -138,6 +147,26 @@ impl Mode {
     }
 }
 
+impl OnUnpriced {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnUnpriced::Block => "block",
+            OnUnpriced::Allow => "allow",
+        }
+    }
+}
+
+impl FromStr for OnUnpriced {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "block" => Ok(OnUnpriced::Block),
+            "allow" => Ok(OnUnpriced::Allow),
+            _ => Err(()),
+        }
+    }
+}
+
 impl FromStr for Mode {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {
@@ -157,9 +186,6 @@ pub enum OnUnpriced {
     Allow,
 }
 
-/// The meters a `cost_usd` quota can name.
-pub const METER_TYPES: [&str; 4] = ["llm_tokens", "compute_execution", "api_request", "storage"];
-
 /// A quota as a caller asked for it: every field still a string, as it came.
 #[derive(Debug, Clone, Default)]
 pub struct QuotaDraft {
@@ -169,6 +195,9 @@ pub struct QuotaDraft {
     pub metric: Option<String>,
     pub window: Option<String>,
     pub limit: Option<i64>,
+    /// A limit given as a decimal (a string, or a JSON number with a
+    /// fraction, as written): only `cost_usd` takes one.
+    pub limit_decimal: Option<String>,
     pub mode: Option<String>,
     pub meter_type: Option<String>,
     pub on_unpriced: Option<String>,
@@ -182,10 +211,18 @@ pub struct QuotaSpec {
     pub scope_ref: Option<String>,
     pub metric: Metric,
     pub window: WindowKind,
+    /// In the metric's unit: picodollars for `cost_usd` (see [`Metric::is_money`]).
     pub limit: u64,
     pub mode: Mode,
     pub meter_type: Option<String>,
     pub on_unpriced: Option<OnUnpriced>,
+}
+
+impl QuotaSpec {
+    /// The meter a `cost_usd` quota answers for (`None`: every priced meter).
+    pub fn meter(&self) -> Option<MeterType> {
+        self.meter_type.as_deref().and_then(|m| m.parse().ok())
+    }
 }
 
 /// A stored quota.
@@ -251,10 +288,7 @@ pub fn validate(draft: &QuotaDraft) -> Result<QuotaSpec, FieldError> {
         }
         check_id(r).map_err(|e| FieldError::new("scope_ref", e.to_string()))?;
     }
-    let limit = draft.limit.ok_or_else(|| FieldError::new("limit", "is required"))?;
-    if limit <= 0 {
-        return Err(FieldError::new("limit", "must be a whole number greater than 0"));
-    }
+    let limit = parse_limit(metric, draft.limit, draft.limit_decimal.as_deref())?;
     let mode = match &draft.mode {
         None => Mode::Enforce,
         Some(m) => one_of(m, "mode", &["enforce", "monitor"])?,
@@ -265,27 +299,61 @@ pub fn validate(draft: &QuotaDraft) -> Result<QuotaSpec, FieldError> {
     if draft.on_unpriced.is_some() && metric != Metric::CostUsd {
         return Err(FieldError::new("on_unpriced", "is only allowed on cost_usd quotas"));
     }
+    let meter_type = match &draft.meter_type {
+        None => None,
+        Some(m) => {
+            let t: MeterType = one_of(m, "meter_type", &MeterType::ALL.map(MeterType::as_str))?;
+            Some(t.as_str().to_owned())
+        }
+    };
+    let on_unpriced = match (&draft.on_unpriced, metric) {
+        (Some(o), _) => Some(one_of(o, "on_unpriced", &["block", "allow"])?),
+        (None, Metric::CostUsd) => Some(OnUnpriced::Block),
+        (None, _) => None,
+    };
     Ok(QuotaSpec {
         project_id,
         scope,
         scope_ref: draft.scope_ref.clone(),
         metric,
         window,
-        limit: limit as u64,
+        limit,
         mode,
-        meter_type: None,
-        on_unpriced: None,
+        meter_type,
+        on_unpriced,
     })
+}
+
+/// A limit in the metric's unit: a whole number > 0, or for `cost_usd`
+/// dollars (whole, or a decimal with up to 12 places) turned into picodollars.
+pub fn parse_limit(metric: Metric, whole: Option<i64>, decimal: Option<&str>) -> Result<u64, FieldError> {
+    let bad = |m: &str| FieldError::new("limit", m.to_owned());
+    let v = match (metric.is_money(), whole, decimal) {
+        (_, None, None) => return Err(bad("is required")),
+        (false, Some(n), _) => n,
+        (false, None, Some(_)) => return Err(bad("must be a whole number greater than 0")),
+        (true, Some(n), _) => {
+            Usd::from_dollars(n).ok_or_else(|| bad("is too large"))?.picos()
+        }
+        (true, None, Some(d)) => Usd::parse(d).map_err(|e| bad(&format!("must be dollars as a decimal: {e}")))?.picos(),
+    };
+    if v <= 0 {
+        return Err(bad(if metric.is_money() { "must be greater than 0" } else { "must be a whole number greater than 0" }));
+    }
+    Ok(v as u64)
+}
+
+/// A limit as the API shows it: a number, or for money a decimal string of dollars.
+pub fn limit_json(metric: Metric, v: u64) -> serde_json::Value {
+    if metric.is_money() {
+        serde_json::Value::String(Usd(i64::try_from(v).unwrap_or(i64::MAX)).to_string())
+    } else {
+        serde_json::Value::from(v)
+    }
 }
 
 /// The scope × metric and window rules, in both directions.
 pub fn check_combination(metric: Metric, scope: Scope, window: WindowKind) -> Result<(), FieldError> {
-    if !metric.is_metered() {
-        return Err(FieldError::new(
-            "metric",
-            format!("{metric} is not metered by this release; use requests, calls or rows"),
-        ));
-    }
     if !metric.valid_scopes().contains(&scope) {
         let valid: Vec<&str> = metric.valid_scopes().iter().map(|s| s.as_str()).collect();
         return Err(FieldError::new(
@@ -356,8 +424,8 @@ mod tests {
             ("calls", "agent", "rolling_1h", Some("scope")),
             ("rows", "actor", "calendar_month", None),
             ("rows", "project", "current", Some("window")),
-            ("tokens", "project", "day", Some("metric")),
-            ("storage_bytes", "project", "current", Some("metric")),
+            ("tokens", "project", "day", None),
+            ("storage_bytes", "project", "current", None),
             ("bogus", "project", "day", Some("metric")),
             ("calls", "bogus", "day", Some("scope")),
             ("calls", "project", "week", Some("window")),

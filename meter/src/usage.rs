@@ -13,6 +13,7 @@ use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{ApiKeyId, EventId, ProjectId, ReservationId};
+use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens};
 use crate::quota::FieldError;
 use crate::window::{WindowKind, window_at};
 
@@ -49,11 +50,11 @@ impl EventKind {
             EventKind::Correction => "correction",
         }
     }
-    /// Whether this release folds this kind. The others are part of the
-    /// schema; an event of such a kind is refused at the API and dead-lettered
-    /// by the projector rather than silently ignored.
+    /// Whether this release folds this kind. `correction` is part of the
+    /// schema but not folded yet; such an event is refused at the API and
+    /// dead-lettered by the projector rather than silently ignored.
     pub fn is_folded(self) -> bool {
-        matches!(self, EventKind::Request | EventKind::Call)
+        self != EventKind::Correction
     }
 }
 
@@ -107,13 +108,54 @@ pub struct UsageFact {
     pub api_key_id: Option<ApiKeyId>,
     pub agent_id: Option<String>,
     pub actor_id: Option<String>,
+    /// A signed-in user, as the gateway names it (`user:<subject>`).
+    #[serde(default)]
+    pub user_id: Option<String>,
     pub occurred_at: DateTime<Utc>,
     pub kind: EventKind,
     pub outcome: Outcome,
     pub rows: u64,
+    /// Token components by provider and model (tokens events).
+    #[serde(default)]
+    pub tokens: Vec<TokenUsage>,
+    /// Bytes added (> 0) or removed (< 0) by a write (storage_delta), or
+    /// held (storage_snapshot).
+    #[serde(default)]
+    pub storage_bytes: Option<i64>,
+    /// The meter a tokens event feeds; `None` is the AI meter (`llm_tokens`).
+    #[serde(default)]
+    pub meter_type: Option<MeterType>,
     pub reservation_id: Option<ReservationId>,
     /// The gateway instance that emitted it.
     pub gateway: String,
+}
+
+impl UsageFact {
+    /// A fact of `kind` with every optional part empty.
+    pub fn new(id: EventId, project_id: ProjectId, kind: EventKind, occurred_at: DateTime<Utc>) -> UsageFact {
+        UsageFact {
+            id,
+            project_id,
+            api_key_id: None,
+            agent_id: None,
+            actor_id: None,
+            user_id: None,
+            occurred_at,
+            kind,
+            outcome: Outcome::Success,
+            rows: 0,
+            tokens: Vec::new(),
+            storage_bytes: None,
+            meter_type: None,
+            reservation_id: None,
+            gateway: String::new(),
+        }
+    }
+
+    /// The meter a tokens event feeds.
+    pub fn meter(&self) -> MeterType {
+        self.meter_type.unwrap_or(MeterType::LlmTokens)
+    }
 }
 
 /// How far back an event may be and still be counted (and deduplicated).
@@ -139,18 +181,69 @@ pub fn check_fact_time(
     Ok(())
 }
 
+/// Most token entries one event may carry.
+pub const MAX_TOKEN_ENTRIES: usize = 64;
+
 /// Checks what the fold needs of a fact beyond its types.
 pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
     if !fact.kind.is_folded() {
         return Err(FieldError::new("type", format!("{} events are not metered by this release", fact.kind)));
     }
-    if fact.kind == EventKind::Request && fact.rows != 0 {
-        return Err(FieldError::new("rows", "a request event carries no rows"));
+    let k = fact.kind;
+    if k != EventKind::Call && fact.rows != 0 {
+        return Err(FieldError::new("rows", format!("a {k} event carries no rows")));
     }
     if fact.rows > i64::MAX as u64 {
         return Err(FieldError::new("rows", "is too large"));
     }
+    if k == EventKind::Tokens {
+        if fact.tokens.is_empty() {
+            return Err(FieldError::new("tokens", "a tokens event needs at least one entry"));
+        }
+        if fact.tokens.len() > MAX_TOKEN_ENTRIES {
+            return Err(FieldError::new("tokens", format!("at most {MAX_TOKEN_ENTRIES} entries")));
+        }
+        for (i, t) in fact.tokens.iter().enumerate() {
+            check_name(&format!("tokens[{i}].provider"), &t.provider)?;
+            check_name(&format!("tokens[{i}].model"), &t.model)?;
+            for (name, v) in [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)] {
+                if v > i64::MAX as u64 {
+                    return Err(FieldError::new(format!("tokens[{i}].{name}"), "is too large"));
+                }
+            }
+        }
+    } else {
+        if !fact.tokens.is_empty() {
+            return Err(FieldError::new("tokens", format!("a {k} event carries no tokens")));
+        }
+        if fact.meter_type.is_some() {
+            return Err(FieldError::new("meter_type", "is only allowed on tokens events"));
+        }
+    }
+    match (k, fact.storage_bytes) {
+        (EventKind::StorageDelta, None) | (EventKind::StorageSnapshot, None) => {
+            return Err(FieldError::new("storage_bytes", format!("a {k} event needs storage_bytes")));
+        }
+        (EventKind::StorageSnapshot, Some(b)) if b < 0 => {
+            return Err(FieldError::new("storage_bytes", "a snapshot cannot be negative"));
+        }
+        (EventKind::StorageDelta, Some(_)) | (EventKind::StorageSnapshot, Some(_)) | (_, None) => {}
+        (_, Some(_)) => {
+            return Err(FieldError::new("storage_bytes", format!("a {k} event carries no storage_bytes")));
+        }
+    }
+    if let Some(u) = &fact.user_id {
+        check_user(u).map_err(|m| FieldError::new("user", m))?;
+    }
     Ok(())
+}
+
+/// A signed-in user is named `user:<subject>`, the subject in the id alphabet.
+pub fn check_user(u: &str) -> Result<(), String> {
+    match u.strip_prefix("user:") {
+        Some(subject) if !subject.is_empty() && crate::ids::check_id(u).is_ok() => Ok(()),
+        _ => Err(format!("must be user:<subject> (letters, digits, '_', '-', '.', ':'); got {u:?}")),
+    }
 }
 
 /// The population a counter counts.
@@ -162,18 +255,25 @@ pub enum Dimension {
     AllApiKeys,
     /// One API key.
     ApiKey(ApiKeyId),
+    /// One agent.
+    Agent(String),
     /// One end user.
     Actor(String),
+    /// One signed-in user (`user:<subject>`), counted against its role's quota.
+    User(String),
 }
 
 impl Dimension {
-    /// A stable, compact string for storage keys: `p`, `k*`, `k:<id>`, `a:<id>`.
+    /// A stable, compact string for storage keys: `p`, `k*`, `k:<id>`,
+    /// `g:<agent>`, `a:<actor>`, `u:<user>`.
     pub fn encode(&self) -> String {
         match self {
             Dimension::Project => "p".to_owned(),
             Dimension::AllApiKeys => "k*".to_owned(),
             Dimension::ApiKey(k) => format!("k:{k}"),
+            Dimension::Agent(g) => format!("g:{g}"),
             Dimension::Actor(a) => format!("a:{a}"),
+            Dimension::User(u) => format!("u:{u}"),
         }
     }
 
@@ -182,10 +282,13 @@ impl Dimension {
             "p" => Some(Dimension::Project),
             "k*" => Some(Dimension::AllApiKeys),
             _ => {
-                if let Some(k) = s.strip_prefix("k:") {
-                    ApiKeyId::parse(k).ok().map(Dimension::ApiKey)
-                } else {
-                    s.strip_prefix("a:").map(|a| Dimension::Actor(a.to_owned()))
+                let (tag, rest) = s.split_once(':')?;
+                match tag {
+                    "k" => ApiKeyId::parse(rest).ok().map(Dimension::ApiKey),
+                    "g" => Some(Dimension::Agent(rest.to_owned())),
+                    "a" => Some(Dimension::Actor(rest.to_owned())),
+                    "u" => Some(Dimension::User(rest.to_owned())),
+                    _ => None,
                 }
             }
         }
@@ -213,7 +316,15 @@ impl CounterKey {
         let window_key = it.next()?.to_owned();
         Some(CounterKey { dimension, window, window_key })
     }
+
+    /// The project's storage footprint: its only `current` counter.
+    pub fn footprint() -> CounterKey {
+        CounterKey { dimension: Dimension::Project, window: WindowKind::Current, window_key: FOOTPRINT_KEY.to_owned() }
+    }
 }
+
+/// The window key of the `current` window.
+pub const FOOTPRINT_KEY: &str = "current";
 
 /// A counter plus when it stops mattering (its window's reset).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -223,68 +334,260 @@ pub struct Counter {
 }
 
 /// Amounts a fact adds to a counter, or a counter's totals.
+///
+/// Every field but `storage` is a sum. `storage` is the footprint on the
+/// `current` counter: as a fact's contribution it is a delta, as a durable
+/// total it is the last snapshot plus the deltas after it, and
+/// `storage_events` (how many storage facts it reflects, which only grows)
+/// orders two durable footprints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub struct Totals {
     pub requests: u64,
     pub calls: u64,
     pub rows: u64,
+    /// Billable tokens on the AI meter.
+    pub tokens: u64,
+    /// Priced cost by meter, in picodollars (see [`crate::price::Usd`]).
+    pub cost_llm_tokens: u64,
+    pub cost_compute_execution: u64,
+    pub cost_api_request: u64,
+    pub cost_storage: u64,
+    /// Metered LLM events, and those with a priced / an unpriced component.
+    pub llm_events: u64,
+    pub llm_priced: u64,
+    pub llm_unpriced: u64,
+    pub storage_events: u64,
+    pub storage: i64,
+}
+
+/// A numeric field of [`Totals`]: what the view stores and a limit reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Field {
+    Requests,
+    Calls,
+    Rows,
+    Tokens,
+    CostLlmTokens,
+    CostComputeExecution,
+    CostApiRequest,
+    CostStorage,
+    LlmEvents,
+    LlmPriced,
+    LlmUnpriced,
+    StorageEvents,
+    Storage,
+}
+
+impl Field {
+    pub const ALL: [Field; 13] = [
+        Field::Requests,
+        Field::Calls,
+        Field::Rows,
+        Field::Tokens,
+        Field::CostLlmTokens,
+        Field::CostComputeExecution,
+        Field::CostApiRequest,
+        Field::CostStorage,
+        Field::LlmEvents,
+        Field::LlmPriced,
+        Field::LlmUnpriced,
+        Field::StorageEvents,
+        Field::Storage,
+    ];
+    /// The short name the view stores it under (`t_<name>`, `p_<name>`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Field::Requests => "req",
+            Field::Calls => "calls",
+            Field::Rows => "rows",
+            Field::Tokens => "tok",
+            Field::CostLlmTokens => "c_llm",
+            Field::CostComputeExecution => "c_cpu",
+            Field::CostApiRequest => "c_api",
+            Field::CostStorage => "c_sto",
+            Field::LlmEvents => "llm",
+            Field::LlmPriced => "llm_p",
+            Field::LlmUnpriced => "llm_u",
+            Field::StorageEvents => "sto_n",
+            Field::Storage => "sto",
+        }
+    }
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    /// The cost field of a meter.
+    pub fn cost_of(meter: MeterType) -> Field {
+        match meter {
+            MeterType::LlmTokens => Field::CostLlmTokens,
+            MeterType::ComputeExecution => Field::CostComputeExecution,
+            MeterType::ApiRequest => Field::CostApiRequest,
+            MeterType::Storage => Field::CostStorage,
+        }
+    }
+    pub const COSTS: [Field; 4] =
+        [Field::CostLlmTokens, Field::CostComputeExecution, Field::CostApiRequest, Field::CostStorage];
+}
+
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 impl Totals {
     pub fn is_zero(&self) -> bool {
         *self == Totals::default()
     }
+
+    pub fn get(&self, f: Field) -> i64 {
+        match f {
+            Field::Requests => clamp(self.requests),
+            Field::Calls => clamp(self.calls),
+            Field::Rows => clamp(self.rows),
+            Field::Tokens => clamp(self.tokens),
+            Field::CostLlmTokens => clamp(self.cost_llm_tokens),
+            Field::CostComputeExecution => clamp(self.cost_compute_execution),
+            Field::CostApiRequest => clamp(self.cost_api_request),
+            Field::CostStorage => clamp(self.cost_storage),
+            Field::LlmEvents => clamp(self.llm_events),
+            Field::LlmPriced => clamp(self.llm_priced),
+            Field::LlmUnpriced => clamp(self.llm_unpriced),
+            Field::StorageEvents => clamp(self.storage_events),
+            Field::Storage => self.storage,
+        }
+    }
+
+    /// Sets a field; a negative value of a sum field reads as 0.
+    pub fn set(&mut self, f: Field, v: i64) {
+        let u = u64::try_from(v).unwrap_or(0);
+        match f {
+            Field::Requests => self.requests = u,
+            Field::Calls => self.calls = u,
+            Field::Rows => self.rows = u,
+            Field::Tokens => self.tokens = u,
+            Field::CostLlmTokens => self.cost_llm_tokens = u,
+            Field::CostComputeExecution => self.cost_compute_execution = u,
+            Field::CostApiRequest => self.cost_api_request = u,
+            Field::CostStorage => self.cost_storage = u,
+            Field::LlmEvents => self.llm_events = u,
+            Field::LlmPriced => self.llm_priced = u,
+            Field::LlmUnpriced => self.llm_unpriced = u,
+            Field::StorageEvents => self.storage_events = u,
+            Field::Storage => self.storage = v,
+        }
+    }
+
+    /// Every field, in [`Field::ALL`] order.
+    pub fn values(&self) -> [i64; 13] {
+        Field::ALL.map(|f| self.get(f))
+    }
+
+    pub fn from_values(v: &[i64]) -> Totals {
+        let mut t = Totals::default();
+        for (f, x) in Field::ALL.iter().zip(v) {
+            t.set(*f, *x);
+        }
+        t
+    }
+
+    /// Adds every field (saturating), `storage` included, as deltas.
     pub fn add(&mut self, other: Totals) {
-        self.requests = self.requests.saturating_add(other.requests);
-        self.calls = self.calls.saturating_add(other.calls);
-        self.rows = self.rows.saturating_add(other.rows);
+        for f in Field::ALL {
+            self.set(f, self.get(f).saturating_add(other.get(f)));
+        }
+    }
+
+    /// Priced cost: of one meter, or (`None`) of every meter.
+    pub fn cost(&self, meter: Option<MeterType>) -> u64 {
+        match meter {
+            Some(m) => u64::try_from(self.get(Field::cost_of(m))).unwrap_or(0),
+            None => Field::COSTS.iter().map(|f| u64::try_from(self.get(*f)).unwrap_or(0)).fold(0u64, u64::saturating_add),
+        }
     }
 }
 
-/// What one fact adds, wherever it is counted.
-pub fn delta_of(fact: &UsageFact) -> Totals {
+/// What one fact adds, wherever it is counted, priced against `book`.
+pub fn delta_of(fact: &UsageFact, book: &PriceBook) -> Totals {
     match (fact.kind, fact.outcome) {
         (EventKind::Request, _) => Totals { requests: 1, ..Totals::default() },
-        (EventKind::Call, Outcome::Success) => Totals { calls: 1, rows: fact.rows, requests: 0 },
+        (EventKind::Call, Outcome::Success) => Totals { calls: 1, rows: fact.rows, ..Totals::default() },
+        (EventKind::Tokens, _) => {
+            let p = priced(fact, book);
+            let mut t = Totals {
+                tokens: p.tokens,
+                llm_events: u64::from(p.llm_event),
+                llm_priced: u64::from(p.llm_priced),
+                llm_unpriced: u64::from(p.llm_unpriced),
+                ..Totals::default()
+            };
+            t.set(Field::cost_of(fact.meter()), p.cost.picos());
+            t
+        }
+        (EventKind::StorageDelta, _) => {
+            Totals { storage_events: 1, storage: fact.storage_bytes.unwrap_or(0), ..Totals::default() }
+        }
+        // A snapshot's effect is not a delta: the store recomputes the footprint.
+        (EventKind::StorageSnapshot, _) => Totals { storage_events: 1, ..Totals::default() },
         _ => Totals::default(),
     }
 }
 
-/// The dimensions a fact is attributed to.
-pub fn dimensions_of(api_key: Option<&ApiKeyId>, actor: Option<&str>) -> Vec<Dimension> {
+/// Prices a tokens fact at its event time.
+pub fn priced(fact: &UsageFact, book: &PriceBook) -> Priced {
+    price_tokens(&fact.tokens, fact.meter(), fact.occurred_at, book)
+}
+
+/// The dimensions a fact is attributed to: only those some quota can scope
+/// its metrics by (requests: project and keys; calls and rows: project, keys,
+/// actors and users; tokens and cost: project, agents and actors).
+pub fn dimensions_of(fact: &UsageFact) -> Vec<Dimension> {
     let mut dims = vec![Dimension::Project];
-    if let Some(k) = api_key {
-        dims.push(Dimension::AllApiKeys);
-        dims.push(Dimension::ApiKey(k.clone()));
-    }
-    if let Some(a) = actor {
-        dims.push(Dimension::Actor(a.to_owned()));
+    let keys = |dims: &mut Vec<Dimension>| {
+        if let Some(k) = &fact.api_key_id {
+            dims.push(Dimension::AllApiKeys);
+            dims.push(Dimension::ApiKey(k.clone()));
+        }
+    };
+    match fact.kind {
+        EventKind::Request => keys(&mut dims),
+        EventKind::Call => {
+            keys(&mut dims);
+            if let Some(a) = &fact.actor_id {
+                dims.push(Dimension::Actor(a.clone()));
+            }
+            if let Some(u) = &fact.user_id {
+                dims.push(Dimension::User(u.clone()));
+            }
+        }
+        EventKind::Tokens => {
+            if let Some(g) = &fact.agent_id {
+                dims.push(Dimension::Agent(g.clone()));
+            }
+            if let Some(a) = &fact.actor_id {
+                dims.push(Dimension::Actor(a.clone()));
+            }
+        }
+        _ => {}
     }
     dims
 }
 
-/// Every counter a fact lands in (each flow window of each dimension), with
-/// what it adds there. Empty when the fact adds nothing.
-pub fn counters_for(fact: &UsageFact, tz: Tz) -> Vec<(Counter, Totals)> {
-    let delta = delta_of(fact);
+/// Every counter a fact lands in (each flow window of each dimension; the
+/// footprint for storage facts), with what it adds there. Empty when the
+/// fact adds nothing.
+pub fn counters_for(fact: &UsageFact, tz: Tz, book: &PriceBook) -> Vec<(Counter, Totals)> {
+    let delta = delta_of(fact, book);
     if delta.is_zero() {
         return Vec::new();
     }
+    if matches!(fact.kind, EventKind::StorageDelta | EventKind::StorageSnapshot) {
+        return vec![(Counter { key: CounterKey::footprint(), resets_at: None }, delta)];
+    }
     let windows: Vec<_> = WindowKind::FLOW.iter().map(|w| window_at(*w, tz, fact.occurred_at)).collect();
     let mut out = Vec::new();
-    for dimension in dimensions_of(fact.api_key_id.as_ref(), fact.actor_id.as_deref()) {
-        // A request is counted only where `requests` quotas can scope it.
-        if fact.kind == EventKind::Request && matches!(dimension, Dimension::Actor(_)) {
-            continue;
-        }
+    for dimension in dimensions_of(fact) {
         for w in &windows {
             out.push((
                 Counter {
-                    key: CounterKey {
-                        dimension: dimension.clone(),
-                        window: w.kind,
-                        window_key: w.key.clone(),
-                    },
+                    key: CounterKey { dimension: dimension.clone(), window: w.kind, window_key: w.key.clone() },
                     resets_at: w.resets_at,
                 },
                 delta,
@@ -294,45 +597,88 @@ pub fn counters_for(fact: &UsageFact, tz: Tz) -> Vec<(Counter, Totals)> {
     out
 }
 
+/// A project's storage footprint, folded from its storage facts in any
+/// order: the newest snapshot (by event time, then event id) plus the deltas
+/// that happened after it. A project never measured is its deltas alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Footprint {
+    snapshot: Option<(DateTime<Utc>, EventId, i64)>,
+    deltas: Vec<(DateTime<Utc>, i64)>,
+    events: u64,
+}
+
+impl Footprint {
+    pub fn apply(&mut self, fact: &UsageFact) {
+        let bytes = fact.storage_bytes.unwrap_or(0);
+        match fact.kind {
+            EventKind::StorageDelta => self.deltas.push((fact.occurred_at, bytes)),
+            EventKind::StorageSnapshot => {
+                let newer = match &self.snapshot {
+                    None => true,
+                    Some((t, id, _)) => (fact.occurred_at, &fact.id) > (*t, id),
+                };
+                if newer {
+                    self.snapshot = Some((fact.occurred_at, fact.id.clone(), bytes));
+                }
+            }
+            _ => return,
+        }
+        self.events += 1;
+    }
+
+    pub fn bytes(&self) -> i64 {
+        let (base, after) = match &self.snapshot {
+            Some((t, _, b)) => (*b, Some(*t)),
+            None => (0, None),
+        };
+        self.deltas
+            .iter()
+            .filter(|(t, _)| after.is_none_or(|s| *t > s))
+            .fold(base, |acc, (_, d)| acc.saturating_add(*d))
+    }
+
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn fact(kind: EventKind, outcome: Outcome, rows: u64) -> UsageFact {
         UsageFact {
-            id: EventId::parse("e1").expect("id"),
-            project_id: ProjectId::parse("p1").expect("id"),
             api_key_id: Some(ApiKeyId::parse("k1").expect("id")),
-            agent_id: None,
             actor_id: Some("u1".into()),
-            occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00Z")
-                .expect("ts")
-                .with_timezone(&Utc),
-            kind,
             outcome,
             rows,
-            reservation_id: None,
             gateway: "g".into(),
+            ..UsageFact::new(
+                EventId::parse("e1").expect("id"),
+                ProjectId::parse("p1").expect("id"),
+                kind,
+                DateTime::parse_from_rfc3339("2026-07-07T12:31:00Z").expect("ts").with_timezone(&Utc),
+            )
         }
     }
 
     #[test]
     fn a_successful_call_counts_in_every_window_of_every_dimension() {
-        let c = counters_for(&fact(EventKind::Call, Outcome::Success, 7), Tz::UTC);
+        let c = counters_for(&fact(EventKind::Call, Outcome::Success, 7), Tz::UTC, &PriceBook::default());
         assert_eq!(c.len(), 4 * 5);
-        assert!(c.iter().all(|(_, d)| *d == Totals { requests: 0, calls: 1, rows: 7 }));
+        assert!(c.iter().all(|(_, d)| *d == Totals { calls: 1, rows: 7, ..Totals::default() }));
     }
 
     #[test]
     fn a_failed_call_counts_nothing_and_a_request_skips_actors() {
-        assert!(counters_for(&fact(EventKind::Call, Outcome::Failure, 7), Tz::UTC).is_empty());
-        let c = counters_for(&fact(EventKind::Request, Outcome::Success, 0), Tz::UTC);
+        assert!(counters_for(&fact(EventKind::Call, Outcome::Failure, 7), Tz::UTC, &PriceBook::default()).is_empty());
+        let c = counters_for(&fact(EventKind::Request, Outcome::Success, 0), Tz::UTC, &PriceBook::default());
         assert_eq!(c.len(), 3 * 5);
     }
 
     #[test]
     fn counter_keys_round_trip() {
-        for (c, _) in counters_for(&fact(EventKind::Call, Outcome::Success, 1), Tz::UTC) {
+        for (c, _) in counters_for(&fact(EventKind::Call, Outcome::Success, 1), Tz::UTC, &PriceBook::default()) {
             assert_eq!(CounterKey::decode(&c.key.encode()), Some(c.key));
         }
     }

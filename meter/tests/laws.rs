@@ -21,7 +21,7 @@ use proptest::sample::select;
 
 use meter::usage::counters_for;
 use meter::{
-    ApiKeyId, CheckOutcome, CounterKey, Dimension, EventId, EventKind, Fold, Metric, Mode, Outcome, ProjectId, Quota,
+    ApiKeyId, Caller, CheckInput, CheckOutcome, CounterKey, Dimension, EventId, EventKind, Fold, Metric, Mode, Outcome, PriceBook, ProjectId, Quota,
     QuotaId, QuotaSpec, Scope, Totals, UsageFact, WindowKind, decide, plan_check, window_at,
 };
 
@@ -358,18 +358,18 @@ fn fact_strategy() -> impl Strategy<Value = UsageFact> {
         0u32..1_000_000,
     )
         .prop_map(move |(p, id, key, actor, kind, outcome, rows, secs, micros)| UsageFact {
-            id: EventId::parse(format!("e{id}")).expect("id"),
-            project_id: ProjectId::parse(p).expect("id"),
             api_key_id: key.map(|k| ApiKeyId::parse(k).expect("id")),
-            agent_id: None,
             actor_id: actor.map(str::to_owned),
-            occurred_at: instant(base + secs, micros * 1000),
-            kind,
             outcome,
             // A request event carries no rows (`check_fact` refuses it).
             rows: if kind == EventKind::Request { 0 } else { rows },
-            reservation_id: None,
             gateway: "g1".to_owned(),
+            ..UsageFact::new(
+                EventId::parse(format!("e{id}")).expect("id"),
+                ProjectId::parse(p).expect("id"),
+                kind,
+                instant(base + secs, micros * 1000),
+            )
         })
 }
 
@@ -385,7 +385,7 @@ type ByCounter = BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Total
 
 fn fold_all<'a>(fold: &mut Fold, facts: impl IntoIterator<Item = &'a UsageFact>) {
     for f in facts {
-        fold.apply(f, zone_of(&f.project_id));
+        fold.apply(f, zone_of(&f.project_id), &PriceBook::default());
     }
 }
 
@@ -408,8 +408,8 @@ fn reference(facts: &[UsageFact]) -> FoldTotals {
             continue; // counted at most once per (project, event id)
         }
         let delta = match (f.kind, f.outcome) {
-            (EventKind::Request, _) => Totals { requests: 1, calls: 0, rows: 0 },
-            (EventKind::Call, Outcome::Success) => Totals { requests: 0, calls: 1, rows: f.rows },
+            (EventKind::Request, _) => Totals { requests: 1, ..Totals::default() },
+            (EventKind::Call, Outcome::Success) => Totals { calls: 1, rows: f.rows, ..Totals::default() },
             _ => continue,
         };
         let mut dims = vec![Dimension::Project];
@@ -456,7 +456,7 @@ proptest! {
         fold_all(&mut once, &facts);
         let mut twice = once.clone();
         for f in &facts {
-            prop_assert!(!twice.apply(f, zone_of(&f.project_id)), "a second apply of {} counted", f.id);
+            prop_assert!(!twice.apply(f, zone_of(&f.project_id), &PriceBook::default()), "a second apply of {} counted", f.id);
         }
         prop_assert_eq!(&twice, &once);
         let distinct: HashSet<_> = facts.iter().map(|f| (&f.project_id, &f.id)).collect();
@@ -640,7 +640,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                 at += Duration::seconds(*advance_secs);
                 let api_key = ApiKeyId::parse(KEYS[*key]).expect("id");
                 let actor = actor.map(|a| ACTORS[a]);
-                let plan = plan_check(quotas, tz, &api_key, actor, at);
+                let plan = plan_check(quotas, tz, &CheckInput { caller: Caller::key(&api_key, actor), storage_delta: None }, at);
 
                 // The plan is what the rules say: each limit on a counter its quota governs.
                 for l in &plan.limits {
@@ -753,17 +753,15 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                         reserved: plan.reserved_counters().iter().map(|&c| plan.counters[c].key.clone()).collect(),
                         counters: plan.counters.iter().map(|c| c.key.clone()).collect(),
                         fact: UsageFact {
-                            id: EventId::parse(format!("call{}", view.next_event)).expect("id"),
-                            project_id: ProjectId::parse("p1").expect("id"),
                             api_key_id: Some(api_key),
-                            agent_id: None,
                             actor_id: actor.map(str::to_owned),
-                            occurred_at: at,
-                            kind: EventKind::Call,
-                            outcome: Outcome::Success,
-                            rows: 0,
-                            reservation_id: None,
                             gateway: "g1".to_owned(),
+                            ..UsageFact::new(
+                                EventId::parse(format!("call{}", view.next_event)).expect("id"),
+                                ProjectId::parse("p1").expect("id"),
+                                EventKind::Call,
+                                at,
+                            )
                         },
                     });
                     for c in &plan.counters {
@@ -788,7 +786,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                     rows: *rows,
                     ..done.fact
                 };
-                for (counter, delta) in counters_for(&fact, tz) {
+                for (counter, delta) in counters_for(&fact, tz, &PriceBook::default()) {
                     let h = view.counters.entry(counter.key).or_default();
                     h.calls += delta.calls;
                     h.rows += delta.rows;
@@ -842,7 +840,7 @@ proptest! {
         let quotas = quotas_from(gens, true);
         let at = utc("2026-07-07T12:00:00Z");
         let api_key = ApiKeyId::parse(KEYS[key]).expect("id");
-        let plan = plan_check(&quotas, Tz::UTC, &api_key, actor.map(|a| ACTORS[a]), at);
+        let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&api_key, actor.map(|a| ACTORS[a])), storage_delta: None }, at);
         prop_assert!(plan.reserved_counters().is_empty(), "a monitor quota reserved");
         let used = used[..plan.limits.len()].to_vec();
         let verdict = decide(&quotas, &plan, &CheckOutcome { admitted: true, used }, at);

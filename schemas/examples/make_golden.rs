@@ -16,7 +16,7 @@ use std::fs;
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use meter::{ApiKeyId, EventId, EventKind, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact};
 use schemas::{encode_usage, usage_schema_version};
 
 fn main() -> Result<(), Box<dyn Error>> {
@@ -55,6 +55,10 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
         api_key_id: Some(ApiKeyId::parse("key_live_7f3a")?),
         agent_id: None,
         actor_id: None,
+        user_id: None,
+        tokens: Vec::new(),
+        storage_bytes: None,
+        meter_type: None,
         occurred_at: at("2026-03-01T09:15:30.123456Z")?,
         kind: EventKind::Request,
         outcome: Outcome::Success,
@@ -97,6 +101,75 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
                 kind: EventKind::Call,
                 rows: 3,
                 gateway: "gw-us-2".into(),
+                ..base.clone()
+            },
+        ),
+        // Version 2: tokens, storage and signed-in users.
+        (
+            "tokens",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R6")?,
+                api_key_id: None,
+                agent_id: Some("support-bot".into()),
+                actor_id: Some("cust_42".into()),
+                kind: EventKind::Tokens,
+                tokens: vec![
+                    TokenUsage {
+                        provider: "openai".into(),
+                        model: "gpt-4o".into(),
+                        input: 1200,
+                        output: 350,
+                        cached: 800,
+                        reasoning: 120,
+                        embedding: false,
+                    },
+                    TokenUsage {
+                        provider: "openai".into(),
+                        model: "text-embedding-3-small".into(),
+                        input: 5000,
+                        embedding: true,
+                        ..TokenUsage::default()
+                    },
+                ],
+                ..base.clone()
+            },
+        ),
+        (
+            "compute_meter",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R7")?,
+                kind: EventKind::Tokens,
+                meter_type: Some(MeterType::ComputeExecution),
+                tokens: vec![TokenUsage { provider: "tollgate".into(), model: "sandbox-s".into(), input: 30, ..TokenUsage::default() }],
+                ..base.clone()
+            },
+        ),
+        (
+            "storage_delta",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R8")?,
+                kind: EventKind::StorageDelta,
+                storage_bytes: Some(-4096),
+                ..base.clone()
+            },
+        ),
+        (
+            "storage_snapshot",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8R9")?,
+                kind: EventKind::StorageSnapshot,
+                storage_bytes: Some(5_241_041_920),
+                ..base.clone()
+            },
+        ),
+        (
+            "user_call",
+            UsageFact {
+                id: EventId::parse("evt_01J9Z3Q8RA")?,
+                api_key_id: None,
+                user_id: Some("user:alice".into()),
+                kind: EventKind::Call,
+                rows: 7,
                 ..base
             },
         ),

@@ -16,14 +16,13 @@
 //! - `calls` is derived from the fact (1 for a successful call, else 0, the
 //!   rule of [`meter::usage::delta_of`]); on decode, a request or call event
 //!   whose `calls` disagrees is refused rather than counted either way.
-//! - Quantities a [`UsageFact`] cannot hold (`tokens`, `storage_bytes`,
-//!   `meter_type`, and `calls` of kinds this release does not fold) are
-//!   dropped by the conversion; the projector refuses those kinds anyway
-//!   ([`meter::usage::check_fact`]) with a clearer reason.
+//! - Token quantities must not be negative and `meter_type` must be one of
+//!   the meters; the rules beyond types (which kind carries what) are
+//!   [`meter::usage::check_fact`]'s, which the projector applies after this.
 
 use chrono::{DateTime, Utc};
 use meter::usage::delta_of;
-use meter::{ApiKeyId, EventId, EventKind, IdError, Outcome, ProjectId, ReservationId, UsageFact};
+use meter::{ApiKeyId, EventId, EventKind, IdError, MeterType, Outcome, ProjectId, ReservationId, UsageFact};
 use serde::{Deserialize, Serialize};
 
 use crate::SchemaError;
@@ -39,6 +38,8 @@ pub struct UsageEvent {
     pub api_key_id: Option<String>,
     pub agent_id: Option<String>,
     pub actor_id: Option<String>,
+    #[serde(default)]
+    pub user_id: Option<String>,
     /// Event time in microseconds since the Unix epoch (`timestamp-micros`).
     pub occurred_at: i64,
     pub kind: EventKind,
@@ -76,14 +77,28 @@ impl From<&UsageFact> for UsageEvent {
             api_key_id: fact.api_key_id.as_ref().map(ToString::to_string),
             agent_id: fact.agent_id.clone(),
             actor_id: fact.actor_id.clone(),
+            user_id: fact.user_id.clone(),
             occurred_at: fact.occurred_at.timestamp_micros(),
             kind: fact.kind,
             outcome: fact.outcome,
-            calls: i64::try_from(delta_of(fact).calls).unwrap_or(i64::MAX),
+            calls: i64::try_from(delta_of(fact, &meter::PriceBook::default()).calls).unwrap_or(i64::MAX),
             rows: i64::try_from(fact.rows).unwrap_or(i64::MAX),
-            tokens: None,
-            storage_bytes: None,
-            meter_type: None,
+            tokens: (!fact.tokens.is_empty()).then(|| {
+                fact.tokens
+                    .iter()
+                    .map(|t| TokenUsage {
+                        provider: t.provider.clone(),
+                        model: t.model.clone(),
+                        input: long(t.input),
+                        output: long(t.output),
+                        cached: long(t.cached),
+                        reasoning: long(t.reasoning),
+                        embedding: t.embedding,
+                    })
+                    .collect()
+            }),
+            storage_bytes: fact.storage_bytes,
+            meter_type: fact.meter_type.map(|m| m.as_str().to_owned()),
             reservation_id: fact.reservation_id.as_ref().map(ToString::to_string),
             gateway: fact.gateway.clone(),
         }
@@ -102,16 +117,42 @@ impl TryFrom<UsageEvent> for UsageFact {
                 format!("{} microseconds is outside the representable time range", event.occurred_at),
             )
         })?;
+        let mut tokens = Vec::new();
+        for (i, t) in event.tokens.unwrap_or_default().into_iter().enumerate() {
+            let q = |name: &str, v: i64| {
+                u64::try_from(v)
+                    .map_err(|_| SchemaError::invalid(&format!("tokens[{i}].{name}"), format!("must not be negative, got {v}")))
+            };
+            tokens.push(meter::TokenUsage {
+                input: q("input", t.input)?,
+                output: q("output", t.output)?,
+                cached: q("cached", t.cached)?,
+                reasoning: q("reasoning", t.reasoning)?,
+                provider: t.provider,
+                model: t.model,
+                embedding: t.embedding,
+            });
+        }
+        let meter_type = match event.meter_type {
+            None => None,
+            Some(m) => Some(m.parse::<MeterType>().map_err(|_| {
+                SchemaError::invalid("meter_type", format!("{m:?} is not one of llm_tokens, compute_execution, api_request, storage"))
+            })?),
+        };
         let fact = UsageFact {
             id: parse_id("id", event.id, EventId::parse)?,
             project_id: parse_id("project_id", event.project_id, ProjectId::parse)?,
             api_key_id: event.api_key_id.map(|s| parse_id("api_key_id", s, ApiKeyId::parse)).transpose()?,
             agent_id: event.agent_id,
             actor_id: event.actor_id,
+            user_id: event.user_id,
             occurred_at,
             kind: event.kind,
             outcome: event.outcome,
             rows,
+            tokens,
+            storage_bytes: event.storage_bytes,
+            meter_type,
             reservation_id: event
                 .reservation_id
                 .map(|s| parse_id("reservation_id", s, ReservationId::parse))
@@ -119,7 +160,7 @@ impl TryFrom<UsageEvent> for UsageFact {
             gateway: event.gateway,
         };
         if fact.kind.is_folded() {
-            let expected = delta_of(&fact).calls;
+            let expected = delta_of(&fact, &meter::PriceBook::default()).calls;
             if u64::try_from(event.calls).ok() != Some(expected) {
                 return Err(SchemaError::invalid(
                     "calls",
@@ -134,6 +175,10 @@ impl TryFrom<UsageEvent> for UsageFact {
         }
         Ok(fact)
     }
+}
+
+fn long(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 fn parse_id<T>(field: &str, s: String, parse: fn(String) -> Result<T, IdError>) -> Result<T, SchemaError> {
@@ -151,6 +196,7 @@ mod tests {
             api_key_id: Some("k1".into()),
             agent_id: None,
             actor_id: Some("u1".into()),
+            user_id: None,
             occurred_at: 1_780_000_000_123_456,
             kind: EventKind::Call,
             outcome: Outcome::Success,

@@ -126,6 +126,10 @@ mod tests {
             api_key_id: Some(ApiKeyId::parse("k1").expect("id")),
             agent_id: Some("agent-7".into()),
             actor_id: None,
+            user_id: None,
+            tokens: Vec::new(),
+            storage_bytes: None,
+            meter_type: None,
             occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00.123456Z")
                 .expect("ts")
                 .with_timezone(&Utc),

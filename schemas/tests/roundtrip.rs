@@ -1,7 +1,7 @@
 //! Encoding then decoding any valid fact gives the fact back.
 
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use meter::{ApiKeyId, EventId, EventKind, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact};
 use proptest::prelude::*;
 use schemas::{decode_usage, encode_usage};
 
@@ -25,9 +25,19 @@ fn fact() -> impl Strategy<Value = UsageFact> {
         proptest::sample::select(EventKind::ALL.to_vec()),
         prop_oneof![Just(Outcome::Success), Just(Outcome::Failure)],
         prop_oneof![Just(0_u64), 0..1_000_u64, 0..=i64::MAX as u64],
+        (
+            proptest::option::of("user:[a-z0-9]{1,12}"),
+            proptest::collection::vec(token_usage(), 0..3),
+            proptest::option::of(any::<i64>()),
+            proptest::option::of(proptest::sample::select(MeterType::ALL.to_vec())),
+        ),
     )
-        .prop_map(|((id, project, key, reservation), (agent, actor, gateway), occurred_at, kind, outcome, rows)| {
+        .prop_map(|((id, project, key, reservation), (agent, actor, gateway), occurred_at, kind, outcome, rows, (user_id, tokens, storage_bytes, meter_type))| {
             UsageFact {
+                user_id,
+                tokens,
+                storage_bytes,
+                meter_type,
                 id: EventId::parse(id).expect("id alphabet"),
                 project_id: ProjectId::parse(project).expect("id alphabet"),
                 api_key_id: key.map(|k| ApiKeyId::parse(k).expect("id alphabet")),
@@ -41,6 +51,20 @@ fn fact() -> impl Strategy<Value = UsageFact> {
                 gateway,
             }
         })
+}
+
+fn token_usage() -> impl Strategy<Value = TokenUsage> {
+    (".{1,20}", ".{1,20}", 0..=i64::MAX as u64, 0..1_000_000_u64, 0..1_000_000_u64, 0..1_000_000_u64, any::<bool>()).prop_map(
+        |(provider, model, input, output, cached, reasoning, embedding)| TokenUsage {
+            provider,
+            model,
+            input,
+            output,
+            cached,
+            reasoning,
+            embedding,
+        },
+    )
 }
 
 proptest! {

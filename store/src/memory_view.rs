@@ -20,7 +20,7 @@
 //!
 //! | record | Redis key | holds | expires |
 //! |---|---|---|---|
-//! | counter | `c:<counter>` | durable totals (exact `u64`) and pending deltas (`i64`) | one hour after its window resets ([`COUNTER_GRACE`]) |
+//! | counter | `c:<counter>` | durable totals (exact `u64` sums, `i64` footprint) and pending deltas (`i64`), every [`Field`] | one hour after its window resets ([`COUNTER_GRACE`]) |
 //! | leases | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] |
 //! | hold | `res:<rid>` | the counters a reservation holds | at its lease + [`LEASE_GRACE`] |
 //! | event | `ev:<event>` | per counter, what the event added to pending | [`EVENT_INDEX_TTL`] after its last write |
@@ -40,8 +40,10 @@
 //! ## Accuracy
 //!
 //! Sums and comparisons are exact integers, where the scripts use doubles
-//! (exact below 2^53): the two agree on every realistic amount. A pending
-//! amount saturates at `i64` bounds where Redis's `HINCRBY` would fail.
+//! (exact up to 2^53): the two agree on every count, token and byte amount,
+//! and on costs up to about $9,007 (picodollars); above that the scripts may
+//! be off by a few thousand picodollars, this view is not. A pending amount
+//! saturates at `i64` bounds where Redis's `HINCRBY` would fail.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -53,11 +55,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Hold, Metric, PortError, PortResult,
-    ProjectId, ReservationId, Settlement, Totals, View,
+    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError,
+    PortResult, ProjectId, ReservationId, Settlement, Totals, View,
 };
 
-use crate::redis_view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE};
+use crate::redis_view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, sum_field};
 
 /// How often (in the view's time) expired records are swept from memory.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
@@ -162,48 +164,56 @@ where
     map.get(key).filter(|v| !v.expired(now))
 }
 
-/// Settled-but-unfolded amounts, signed as `HINCRBY` keeps them.
+/// Settled-but-unfolded amounts of every field, in [`Field::ALL`] order,
+/// signed as `HINCRBY` keeps them.
 #[derive(Debug, Clone, Copy, Default)]
-struct Pending {
-    requests: i64,
-    calls: i64,
-    rows: i64,
-}
-
-fn signed(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
+struct Pending([i64; Field::ALL.len()]);
 
 impl Pending {
     fn add(&mut self, t: Totals) {
-        self.requests = self.requests.saturating_add(signed(t.requests));
-        self.calls = self.calls.saturating_add(signed(t.calls));
-        self.rows = self.rows.saturating_add(signed(t.rows));
+        for f in Field::ALL {
+            let p = &mut self.0[f.index()];
+            *p = p.saturating_add(t.get(f));
+        }
     }
     fn sub(&mut self, t: Totals) {
-        self.requests = self.requests.saturating_sub(signed(t.requests));
-        self.calls = self.calls.saturating_sub(signed(t.calls));
-        self.rows = self.rows.saturating_sub(signed(t.rows));
+        for f in Field::ALL {
+            let p = &mut self.0[f.index()];
+            *p = p.saturating_sub(t.get(f));
+        }
+    }
+    /// As the usage reply parses it: a negative sum reads as 0, the
+    /// footprint delta keeps its sign.
+    fn totals(&self) -> Totals {
+        Totals::from_values(&self.0)
     }
 }
 
-/// `max(0, durable + pending)`, as the check script reads a counter.
-fn net(durable: u64, pending: i64) -> u64 {
-    let v = i128::from(durable) + i128::from(pending);
-    u64::try_from(v.max(0)).unwrap_or(u64::MAX)
-}
-
-/// A pending amount as the usage reply parses it (negative reads as 0).
-fn clamp(pending: i64) -> u64 {
-    u64::try_from(pending).unwrap_or(0)
+/// A durable value, exact: a `u64` sum or the `i64` footprint.
+fn durable(t: &Totals, f: Field) -> i128 {
+    let mut t = *t;
+    match sum_field(&mut t, f) {
+        Some(v) => i128::from(*v),
+        None => i128::from(t.storage),
+    }
 }
 
 /// `c:<counter>`.
 #[derive(Debug, Default)]
 struct CounterRec {
     durable: Totals,
+    /// Whether a footprint is stored (`t_sto_n` exists in Redis).
+    footprint: bool,
     pending: Pending,
     expires: Option<Ms>,
+}
+
+impl CounterRec {
+    /// `max(0, durable + pending)` of one field, as the check script reads it.
+    fn value(&self, f: Field) -> u128 {
+        let v = durable(&self.durable, f) + i128::from(self.pending.0[f.index()]);
+        u128::try_from(v).unwrap_or(0)
+    }
 }
 
 impl Expiring for CounterRec {
@@ -301,23 +311,6 @@ struct ProjectState {
     events: HashMap<EventId, EventRec>,
 }
 
-/// Which of a counter's three numbers a limit compares.
-#[derive(Debug, Clone, Copy)]
-enum Slot {
-    Requests,
-    Calls,
-    Rows,
-}
-
-fn slot(m: Metric) -> PortResult<Slot> {
-    match m {
-        Metric::Requests => Ok(Slot::Requests),
-        Metric::Calls => Ok(Slot::Calls),
-        Metric::Rows => Ok(Slot::Rows),
-        other => Err(PortError::Permanent(format!("the view does not count {other}"))),
-    }
-}
-
 /// The deltas of one settlement, one per counter (a counter named twice is
 /// summed; its expiry is the first one's), in name order.
 fn merged(deltas: &[(Counter, Totals)]) -> BTreeMap<String, (Option<Ms>, Totals)> {
@@ -347,13 +340,26 @@ impl ProjectState {
         }
     }
 
-    /// `raise_totals` + `expire_at`: a durable total never goes down.
+    /// `raise_totals` + `expire_at`: a durable sum never goes down; the
+    /// footprint is replaced by one reflecting more storage facts (or when
+    /// none is stored), and a total with no storage facts and no footprint
+    /// leaves it alone.
     fn raise(&mut self, c: &Counter, t: Totals, now: Ms) {
         self.write_counter(&c.key.encode(), counter_expiry(c), now, |rec| {
-            let d = &mut rec.durable;
-            d.requests = d.requests.max(t.requests);
-            d.calls = d.calls.max(t.calls);
-            d.rows = d.rows.max(t.rows);
+            let mut new = t;
+            for f in Field::ALL {
+                if f != Field::StorageEvents
+                    && let (Some(d), Some(n)) = (sum_field(&mut rec.durable, f), sum_field(&mut new, f))
+                {
+                    *d = (*d).max(*n);
+                }
+            }
+            let says = t.storage_events != 0 || t.storage != 0;
+            if says && (!rec.footprint || t.storage_events > rec.durable.storage_events) {
+                rec.durable.storage_events = t.storage_events;
+                rec.durable.storage = t.storage;
+                rec.footprint = true;
+            }
         });
     }
 
@@ -384,7 +390,7 @@ impl ProjectState {
     }
 
     /// check.lua, on a seeded project and a validated plan.
-    fn check(&mut self, plan: &CheckPlan, slots: &[Slot], hold: &Hold, at: Ms, now: Ms) -> CheckOutcome {
+    fn check(&mut self, plan: &CheckPlan, hold: &Hold, at: Ms, now: Ms) -> CheckOutcome {
         let names: Vec<String> = plan.counters.iter().map(|c| c.key.encode()).collect();
         let rid = &hold.reservation;
 
@@ -401,10 +407,9 @@ impl ProjectState {
                 let ev = live_or_new(&mut self.events, &hold.request_event, now);
                 let fresh = !ev.deltas.contains_key(&names[i]);
                 if fresh {
-                    ev.deltas.insert(names[i].clone(), Totals { requests: 1, calls: 0, rows: 0 });
-                    self.write_counter(&names[i], counter_expiry(c), now, |rec| {
-                        rec.pending.add(Totals { requests: 1, calls: 0, rows: 0 })
-                    });
+                    let one = Totals { requests: 1, ..Totals::default() };
+                    ev.deltas.insert(names[i].clone(), one);
+                    self.write_counter(&names[i], counter_expiry(c), now, |rec| rec.pending.add(one));
                     counted = true;
                 }
             }
@@ -413,35 +418,30 @@ impl ProjectState {
             ev.expires = Some(now.saturating_add(dur_ms(EVENT_INDEX_TTL)));
         }
 
-        // What each counter holds now (without this check's own reservation).
-        let seen: Vec<[u64; 3]> = names
-            .iter()
-            .map(|name| {
-                let (d, p) = live_ref(&self.counters, name.as_str(), now)
-                    .map(|c| (c.durable, c.pending))
-                    .unwrap_or_default();
-                let held = live_ref(&self.leases, name.as_str(), now)
-                    .map(|z| z.by.iter().filter(|(r, lease)| **lease > at && *r != rid).count())
-                    .unwrap_or(0);
-                [
-                    net(d.requests, p.requests),
-                    net(d.calls, p.calls).saturating_add(held as u64),
-                    net(d.rows, p.rows),
-                ]
-            })
-            .collect();
-
+        // What each limit reads (live reservations without this check's own).
         let mut admitted = true;
         let mut used = Vec::with_capacity(plan.limits.len());
-        for (l, s) in plan.limits.iter().zip(slots) {
-            let [requests, calls, rows] = seen[l.counter];
-            let u = match s {
-                Slot::Requests => requests,
-                Slot::Calls => calls,
-                Slot::Rows => rows,
+        for l in &plan.limits {
+            let name = names[l.counter].as_str();
+            let rec = live_ref(&self.counters, name, now);
+            let value = |f: Field| rec.map_or(0, |c| c.value(f));
+            let live = || {
+                live_ref(&self.leases, name, now)
+                    .map_or(0, |z| z.by.iter().filter(|(r, lease)| **lease > at && *r != rid).count())
             };
+            let mut u: u128 = 0;
+            for f in &l.fields {
+                u = u.saturating_add(value(*f));
+                if *f == Field::Calls && l.kind != LimitKind::Blackout {
+                    u = u.saturating_add(live() as u128);
+                }
+            }
+            if l.kind == LimitKind::Blackout && value(Field::LlmPriced) > 0 {
+                u = 0;
+            }
+            let u = u64::try_from(u).unwrap_or(u64::MAX);
             used.push(u);
-            if l.enforce && u.saturating_add(l.need) > l.limit {
+            if l.enforce && l.kind != LimitKind::Probe && u.saturating_add(l.need) > l.limit {
                 admitted = false;
             }
         }
@@ -495,14 +495,15 @@ impl ProjectState {
     /// usage.lua (writes nothing).
     fn usage(&self, counter: &CounterKey, at: Ms, now: Ms) -> CounterUsage {
         let name = counter.encode();
-        let (durable, p) =
-            live_ref(&self.counters, name.as_str(), now).map(|c| (c.durable, c.pending)).unwrap_or_default();
+        let (durable, pending) = live_ref(&self.counters, name.as_str(), now)
+            .map(|c| (c.durable, c.pending.totals()))
+            .unwrap_or_default();
         let reserved = live_ref(&self.leases, name.as_str(), now)
             .map(|z| z.by.values().filter(|lease| **lease > at).count())
             .unwrap_or(0);
         CounterUsage {
             durable,
-            pending: Totals { requests: clamp(p.requests), calls: clamp(p.calls), rows: clamp(p.rows) },
+            pending,
             reserved_calls: reserved as u64,
         }
     }
@@ -512,24 +513,17 @@ impl ProjectState {
 impl View for MemoryView {
     async fn check(&self, project: &ProjectId, plan: &CheckPlan, hold: &Hold, at: DateTime<Utc>) -> PortResult<Option<CheckOutcome>> {
         // Validated before anything changes, as RedisView does before the script.
-        let slots = plan
-            .limits
-            .iter()
-            .map(|l| {
-                if l.counter >= plan.counters.len() {
-                    return Err(PortError::Permanent(format!(
-                        "check plan names counter {} of {}",
-                        l.counter,
-                        plan.counters.len()
-                    )));
-                }
-                slot(l.metric)
-            })
-            .collect::<PortResult<Vec<Slot>>>()?;
+        if let Some(l) = plan.limits.iter().find(|l| l.counter >= plan.counters.len()) {
+            return Err(PortError::Permanent(format!(
+                "check plan names counter {} of {}",
+                l.counter,
+                plan.counters.len()
+            )));
+        }
         let mut st = self.lock();
         let now = st.advance(at);
         match st.projects.get_mut(project) {
-            Some(p) if p.loaded => Ok(Some(p.check(plan, &slots, hold, ms(at), now))),
+            Some(p) if p.loaded => Ok(Some(p.check(plan, hold, ms(at), now))),
             _ => Ok(None),
         }
     }

@@ -6,26 +6,35 @@
 //! offsets (fenced on where the batch started), records the new event ids,
 //! and adds the batch's totals, all in **one transaction** with a fixed
 //! number of statements per batch (one per partition for the fence, one for
-//! the dedup set, one for the time zones, one upsert), never one per event.
-//! That is what makes the fold exactly-once: a redelivered batch is fenced by
-//! its offsets, and a resent event id adds nothing.
+//! the dedup set, one for the time zones, one for the prices its tokens
+//! events need, one upsert, one for their unpriced rows, and three for the
+//! storage footprint), never one per event. That is what makes the fold
+//! exactly-once: a redelivered batch is fenced by its offsets, and a resent
+//! event id adds nothing.
+//!
+//! Money is bigint picodollars ([`Usd`]). The storage footprint is not a
+//! sum: the fold keeps every storage fact (`storage_facts`) and recomputes
+//! the project's footprint from them in SQL, exactly as
+//! [`meter::usage::Footprint`] defines it, so facts may arrive in any order.
 //!
 //! Queries are built at run time with binds (no `query!` macros, so building
 //! needs no database). Driver errors are sorted into transient, permanent and
 //! conflict in one place, [`db_err`].
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
+use meter::usage::{counters_for, priced};
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Counter, CounterKey, Dimension,
-    EventId, Fold, FoldBatch, FoldReport, Grants, Metric, Mode, OnUnpriced, PortError, PortResult,
-    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store,
-    Totals, UsageFact, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey,
+    Dimension, EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, Metric, Role, RoleId, RoleQuota, Mode,
+    OnUnpriced, PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId,
+    Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, Totals, UnpricedException,
+    UnpricedRow, UsageFact, Usd, WindowKind,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
@@ -178,7 +187,7 @@ fn project_from_row(row: &PgRow) -> PortResult<Project> {
 // Column lists as macros, so `concat!` builds `&'static str` queries.
 macro_rules! api_key_columns {
     () => {
-        "id, project_id, name, prefix, grants, created_at"
+        "id, project_id, name, prefix, grants, role_id, created_at"
     };
 }
 
@@ -191,6 +200,10 @@ fn api_key_from_row(row: &PgRow) -> PortResult<ApiKey> {
         project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
         name: get(row, "name")?,
         prefix: get(row, "prefix")?,
+        role_id: {
+            let r: Option<String> = get(row, "role_id")?;
+            r.map(|r| RoleId::parse(&r).map_err(|_| corrupt("role id", &r))).transpose()?
+        },
         grants: grants.0,
         created_at: get(row, "created_at")?,
     })
@@ -308,12 +321,46 @@ where
     Ok(())
 }
 
+/// The `usage_aggregates` column of each field of [`Totals`] (the match is
+/// exhaustive, so a new field does not compile until it has a column).
+fn column(f: Field) -> &'static str {
+    match f {
+        Field::Requests => "requests",
+        Field::Calls => "calls",
+        Field::Rows => "rows",
+        Field::Tokens => "tokens",
+        Field::CostLlmTokens => "cost_llm_tokens",
+        Field::CostComputeExecution => "cost_compute_execution",
+        Field::CostApiRequest => "cost_api_request",
+        Field::CostStorage => "cost_storage",
+        Field::LlmEvents => "llm_events",
+        Field::LlmPriced => "llm_priced",
+        Field::LlmUnpriced => "llm_unpriced",
+        Field::StorageEvents => "storage_events",
+        Field::Storage => "storage",
+    }
+}
+
+// Every field of Totals, in `Field::ALL` order, as SQL.
+macro_rules! totals_columns {
+    () => {
+        r#"requests, calls, "rows", tokens, cost_llm_tokens, cost_compute_execution, cost_api_request,
+           cost_storage, llm_events, llm_priced, llm_unpriced, storage_events, storage"#
+    };
+}
+
 fn totals_from_row(row: &PgRow) -> PortResult<Totals> {
-    Ok(Totals {
-        requests: to_u64("requests", get(row, "requests")?)?,
-        calls: to_u64("calls", get(row, "calls")?)?,
-        rows: to_u64("rows", get(row, "rows")?)?,
-    })
+    let mut t = Totals::default();
+    for f in Field::ALL {
+        let v: i64 = get(row, column(f))?;
+        // Every field is a sum but the footprint, which deltas before any
+        // snapshot can take below zero.
+        if v < 0 && f != Field::Storage {
+            return Err(corrupt(column(f), &v.to_string()));
+        }
+        t.set(f, v);
+    }
+    Ok(t)
 }
 
 fn counter_key_from_row(row: &PgRow) -> PortResult<CounterKey> {
@@ -333,6 +380,153 @@ fn counter_from_row(row: &PgRow) -> PortResult<(Counter, Totals)> {
         resets_at: get(row, "resets_at")?,
     };
     Ok((counter, totals_from_row(row)?))
+}
+
+/// A row of `usage_aggregates` with its project, as a fold reports it.
+fn aggregate_from_row(row: &PgRow) -> PortResult<(ProjectId, Counter, Totals)> {
+    let project: String = get(row, "project_id")?;
+    let project = ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?;
+    let (counter, totals) = counter_from_row(row)?;
+    Ok((project, counter, totals))
+}
+
+fn price_from_row(row: &PgRow) -> PortResult<Price> {
+    let component: String = get(row, "component")?;
+    Ok(Price {
+        key: PriceKey {
+            provider: get(row, "provider")?,
+            model: get(row, "model")?,
+            component: parse::<Component>("price component", &component)?,
+        },
+        unit_price_usd: Usd(get(row, "unit_price_picos")?),
+        effective_from: get(row, "effective_from")?,
+    })
+}
+
+/// The part of the price book that can price `facts`: the rows of the
+/// (provider, model) pairs their token entries name. A price is looked up by
+/// its key only, so the rest of the book cannot change a cost. Empty (no
+/// statement) when no fact is a tokens event.
+async fn price_book_for<'e, E>(ex: E, facts: &[(&UsageFact, Tz)]) -> PortResult<PriceBook>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    let pairs: BTreeSet<(&str, &str)> = facts
+        .iter()
+        .filter(|(f, _)| f.kind == EventKind::Tokens)
+        .flat_map(|(f, _)| f.tokens.iter().map(|t| (t.provider.as_str(), t.model.as_str())))
+        .collect();
+    if pairs.is_empty() {
+        return Ok(PriceBook::default());
+    }
+    let (providers, models): (Vec<&str>, Vec<&str>) = pairs.into_iter().unzip();
+    let rows = sqlx::query(
+        "SELECT provider, model, component, effective_from, unit_price_picos FROM prices \
+         WHERE (provider, model) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))",
+    )
+    .bind(&providers)
+    .bind(&models)
+    .fetch_all(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(PriceBook::new(rows.iter().map(price_from_row).collect::<PortResult<Vec<_>>>()?))
+}
+
+/// Unpriced rows to remember, deduplicated and in key order (so concurrent
+/// writers take index locks alike): `(project, counter, price key)` to the
+/// counter's reset.
+type UnpricedSet = BTreeMap<(ProjectId, CounterKey, PriceKey), Option<DateTime<Utc>>>;
+
+/// Inserts unpriced rows in one statement; rows already known are skipped.
+async fn insert_unpriced<'e, E>(ex: E, rows: &UnpricedSet) -> PortResult<()>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let n = rows.len();
+    let (mut p, mut d, mut k, mut w, mut r) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut provider, mut model, mut component) =
+        (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    for ((project, counter, key), resets_at) in rows {
+        p.push(project.as_str());
+        d.push(counter.dimension.encode());
+        k.push(counter.window.as_str());
+        w.push(counter.window_key.as_str());
+        r.push(*resets_at);
+        provider.push(key.provider.as_str());
+        model.push(key.model.as_str());
+        component.push(key.component.as_str());
+    }
+    sqlx::query(
+        "INSERT INTO unpriced_rows \
+             (project_id, dimension, window_kind, window_key, resets_at, provider, model, component) \
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], \
+                              $6::text[], $7::text[], $8::text[]) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&p)
+    .bind(&d)
+    .bind(&k)
+    .bind(&w)
+    .bind(&r)
+    .bind(&provider)
+    .bind(&model)
+    .bind(&component)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+// A component's rank in meter's `Component` order (input, output, cached),
+// which is not the order of its names: `unpriced_rows` reads back in
+// `PriceKey` order.
+macro_rules! component_rank {
+    () => {
+        "CASE component WHEN 'input_tokens' THEN 0 WHEN 'output_tokens' THEN 1 \
+         WHEN 'cached_tokens' THEN 2 ELSE 3 END"
+    };
+}
+
+macro_rules! exception_columns {
+    () => {
+        r#"quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows,
+           occurrence_count, first_seen, last_seen"#
+    };
+}
+
+fn exception_from_row(row: &PgRow) -> PortResult<UnpricedException> {
+    let quota: String = get(row, "quota_id")?;
+    let project: String = get(row, "project_id")?;
+    let rows: Json<Vec<PriceKey>> = get(row, "unpriced_rows")?;
+    Ok(UnpricedException {
+        project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
+        quota_id: QuotaId::parse(&quota).map_err(|_| corrupt("quota id", &quota))?,
+        limit: to_u64("limit", get(row, "limit")?)?,
+        window_key: get(row, "window_key")?,
+        llm_events: to_u64("llm_events", get(row, "llm_events")?)?,
+        unpriced_events: to_u64("unpriced_events", get(row, "unpriced_events")?)?,
+        unpriced_rows: rows.0,
+        occurrence_count: to_u64("occurrence_count", get(row, "occurrence_count")?)?,
+        first_seen: get(row, "first_seen")?,
+        last_seen: get(row, "last_seen")?,
+    })
+}
+
+fn storage_kind(kind: EventKind) -> Option<&'static str> {
+    match kind {
+        EventKind::StorageDelta => Some("delta"),
+        EventKind::StorageSnapshot => Some("snapshot"),
+        _ => None,
+    }
 }
 
 #[async_trait]
@@ -382,8 +576,8 @@ impl Store for PgStore {
     )]
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()> {
         sqlx::query(
-            "INSERT INTO api_keys (id, project_id, name, prefix, secret_hash, grants, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO api_keys (id, project_id, name, prefix, secret_hash, grants, created_at, role_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(key.id.as_str())
         .bind(key.project_id.as_str())
@@ -392,10 +586,55 @@ impl Store for PgStore {
         .bind(secret_hash)
         .bind(Json(&key.grants))
         .bind(key.created_at)
+        .bind(key.role_id.as_ref().map(|r| r.as_str()))
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
         Ok(())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "create_role"))]
+    async fn create_role(&self, role: &Role) -> PortResult<()> {
+        sqlx::query(
+            "INSERT INTO roles (id, project_id, name, grants, quota, exempt, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(role.id.as_str())
+        .bind(role.project_id.as_str())
+        .bind(&role.name)
+        .bind(Json(&role.grants))
+        .bind(role.quota.as_ref().map(Json))
+        .bind(role.exempt)
+        .bind(role.created_at)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "role"))]
+    async fn role(&self, id: &RoleId) -> PortResult<Option<Role>> {
+        let Some(row) = sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?
+        else {
+            return Ok(None);
+        };
+        let rid: String = get(&row, "id")?;
+        let project: String = get(&row, "project_id")?;
+        let grants: Json<Grants> = get(&row, "grants")?;
+        let quota: Option<Json<RoleQuota>> = get(&row, "quota")?;
+        Ok(Some(Role {
+            id: RoleId::parse(&rid).map_err(|_| corrupt("role id", &rid))?,
+            project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
+            name: get(&row, "name")?,
+            grants: grants.0,
+            quota: quota.map(|q| q.0),
+            exempt: get(&row, "exempt")?,
+            created_at: get(&row, "created_at")?,
+        }))
     }
 
     #[tracing::instrument(
@@ -696,6 +935,208 @@ impl Store for PgStore {
         name = "datastore",
         level = "debug",
         skip_all,
+        fields(db = "postgres", op = "put_prices", prices = prices.len())
+    )]
+    async fn put_prices(&self, prices: &[Price]) -> PortResult<()> {
+        // One row per key and instant, the last one winning as in
+        // `PriceBook::insert`: one upsert may not touch a row twice. The
+        // instant is keyed as stored, to the microsecond.
+        let mut unique: BTreeMap<(&PriceKey, DateTime<Utc>), Usd> = BTreeMap::new();
+        for p in prices {
+            unique.insert((&p.key, p.effective_from.trunc_subsecs(6)), p.unit_price_usd);
+        }
+        if unique.is_empty() {
+            return Ok(());
+        }
+        let n = unique.len();
+        let (mut provider, mut model, mut component, mut from, mut picos) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for ((key, at), price) in unique {
+            provider.push(key.provider.as_str());
+            model.push(key.model.as_str());
+            component.push(key.component.as_str());
+            from.push(at);
+            picos.push(price.picos());
+        }
+        // One statement: all the rows or none.
+        sqlx::query(
+            "INSERT INTO prices (provider, model, component, effective_from, unit_price_picos) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::bigint[]) \
+             ON CONFLICT (provider, model, component, effective_from) \
+             DO UPDATE SET unit_price_picos = EXCLUDED.unit_price_picos",
+        )
+        .bind(&provider)
+        .bind(&model)
+        .bind(&component)
+        .bind(&from)
+        .bind(&picos)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "prices")
+    )]
+    async fn prices(&self) -> PortResult<Vec<Price>> {
+        let rows = sqlx::query(
+            "SELECT provider, model, component, effective_from, unit_price_picos FROM prices",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        // The book orders by key (meter's order of components, not their
+        // names') then effective_from.
+        let book = PriceBook::new(rows.iter().map(price_from_row).collect::<PortResult<Vec<_>>>()?);
+        Ok(book.prices().collect())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "record_unpriced", rows = rows.len())
+    )]
+    async fn record_unpriced(&self, project: &ProjectId, rows: &[UnpricedRow]) -> PortResult<()> {
+        let set: UnpricedSet = rows
+            .iter()
+            .map(|r| ((project.clone(), r.counter.key.clone(), r.key.clone()), r.counter.resets_at))
+            .collect();
+        insert_unpriced(&self.pool, &set).await
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "unpriced_rows")
+    )]
+    async fn unpriced_rows(
+        &self,
+        project: &ProjectId,
+        counter: &CounterKey,
+        limit: usize,
+    ) -> PortResult<Vec<PriceKey>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(concat!(
+            "SELECT provider, model, component FROM unpriced_rows \
+             WHERE project_id = $1 AND dimension = $2 AND window_kind = $3 AND window_key = $4 \
+             ORDER BY provider, model, ",
+            component_rank!(),
+            " LIMIT $5"
+        ))
+        .bind(project.as_str())
+        .bind(counter.dimension.encode())
+        .bind(counter.window.as_str())
+        .bind(&counter.window_key)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        rows.iter()
+            .map(|row| {
+                let component: String = get(row, "component")?;
+                Ok(PriceKey {
+                    provider: get(row, "provider")?,
+                    model: get(row, "model")?,
+                    component: parse::<Component>("price component", &component)?,
+                })
+            })
+            .collect()
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "file_exception")
+    )]
+    async fn file_exception(&self, exception: &UnpricedException) -> PortResult<UnpricedException> {
+        let e = exception;
+        // One upsert, so concurrent filings of one quota each count once.
+        // The project is part of the match: a quota id filed under another
+        // project is a bug, not a recurrence.
+        let row = sqlx::query(concat!(
+            r#"INSERT INTO quota_exceptions AS x
+                   (quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows,
+                    occurrence_count, first_seen, last_seen)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $9)
+               ON CONFLICT (quota_id) DO UPDATE SET
+                   "limit" = EXCLUDED."limit",
+                   window_key = EXCLUDED.window_key,
+                   llm_events = EXCLUDED.llm_events,
+                   unpriced_events = EXCLUDED.unpriced_events,
+                   unpriced_rows = EXCLUDED.unpriced_rows,
+                   occurrence_count = x.occurrence_count + 1,
+                   last_seen = EXCLUDED.last_seen
+               WHERE x.project_id = EXCLUDED.project_id
+               RETURNING "#,
+            exception_columns!()
+        ))
+        .bind(e.quota_id.as_str())
+        .bind(e.project_id.as_str())
+        .bind(to_i64("limit", e.limit)?)
+        .bind(&e.window_key)
+        .bind(to_i64("llm_events", e.llm_events)?)
+        .bind(to_i64("unpriced_events", e.unpriced_events)?)
+        .bind(Json(&e.unpriced_rows))
+        .bind(e.first_seen)
+        .bind(e.last_seen)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)?;
+        match row {
+            Some(row) => exception_from_row(&row),
+            None => Err(PortError::Permanent(format!(
+                "quota {} has an exception filed under another project than {}",
+                e.quota_id, e.project_id
+            ))),
+        }
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "postgres", op = "exceptions")
+    )]
+    async fn exceptions(
+        &self,
+        project: &ProjectId,
+        after: Option<&QuotaId>,
+        limit: usize,
+    ) -> PortResult<Vec<UnpricedException>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        sqlx::query(concat!(
+            "SELECT ",
+            exception_columns!(),
+            " FROM quota_exceptions WHERE project_id = $1 AND ($2::text IS NULL OR quota_id > $2) \
+             ORDER BY quota_id LIMIT $3"
+        ))
+        .bind(project.as_str())
+        .bind(after.map(QuotaId::as_str))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?
+        .iter()
+        .map(exception_from_row)
+        .collect()
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
         fields(db = "postgres", op = "totals")
     )]
     async fn totals(
@@ -709,13 +1150,14 @@ impl Store for PgStore {
         let dims: Vec<String> = counters.iter().map(|c| c.dimension.encode()).collect();
         let kinds: Vec<&str> = counters.iter().map(|c| c.window.as_str()).collect();
         let keys: Vec<&str> = counters.iter().map(|c| c.window_key.as_str()).collect();
-        let rows = sqlx::query(
-            r#"SELECT dimension, window_kind, window_key, requests, calls, "rows"
-               FROM usage_aggregates
+        let rows = sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, ",
+            totals_columns!(),
+            " FROM usage_aggregates
                WHERE project_id = $1
                  AND (dimension, window_kind, window_key) IN
-                     (SELECT * FROM UNNEST($2::text[], $3::text[], $4::text[]))"#,
-        )
+                     (SELECT * FROM UNNEST($2::text[], $3::text[], $4::text[]))"
+        ))
         .bind(project.as_str())
         .bind(&dims)
         .bind(&kinds)
@@ -744,12 +1186,15 @@ impl Store for PgStore {
         project: &ProjectId,
         at: DateTime<Utc>,
     ) -> PortResult<Vec<(Counter, Totals)>> {
-        sqlx::query(
-            r#"SELECT dimension, window_kind, window_key, resets_at, requests, calls, "rows"
-               FROM usage_aggregates
+        // `resets_at IS NULL` keeps the windows that never reset: the
+        // storage footprint.
+        sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, resets_at, ",
+            totals_columns!(),
+            " FROM usage_aggregates
                WHERE project_id = $1 AND (resets_at IS NULL OR resets_at > $2)
-               ORDER BY dimension, window_kind, window_key"#,
-        )
+               ORDER BY dimension, window_kind, window_key"
+        ))
         .bind(project.as_str())
         .bind(at)
         .fetch_all(&self.pool)
@@ -909,9 +1354,9 @@ impl Store for PgStore {
             }
         }
 
-        // (4) Fold the new facts in each project's time zone.
+        // (4) The new facts, each with its project's time zone.
         let mut report = FoldReport::default();
-        let mut fold = Fold::new();
+        let mut fresh: Vec<(&UsageFact, Tz)> = Vec::with_capacity(new_ids.len());
         for (fact, first) in batch.facts.iter().zip(first) {
             let id = (fact.project_id.clone(), fact.id.clone());
             if first && new_ids.contains(&id) {
@@ -920,17 +1365,49 @@ impl Store for PgStore {
                     .get(fact.project_id.as_str())
                     .copied()
                     .unwrap_or(Tz::UTC);
-                fold.apply(fact, tz);
+                fresh.push((fact, tz));
                 report.folded.push(id);
             } else {
                 report.duplicates.push(id);
             }
         }
 
-        // (5) Add the folded totals in one upsert; it returns the new
-        // absolute totals of every counter it touched.
-        if !fold.is_empty() {
-            let n = fold.totals().count();
+        // (5) Fold them. Tokens events are priced at their event time
+        // against the book as this transaction reads it, and their unpriced
+        // components are remembered on every counter they land in.
+        let book = price_book_for(&mut *tx, &fresh).await?;
+        let footprint = CounterKey::footprint();
+        let mut fold = Fold::new();
+        let mut unpriced = UnpricedSet::new();
+        for (fact, tz) in &fresh {
+            fold.apply(fact, *tz, &book);
+            if fact.kind != EventKind::Tokens {
+                continue;
+            }
+            let keys = priced(fact, &book).unpriced_rows;
+            if keys.is_empty() {
+                continue;
+            }
+            for (counter, _) in counters_for(fact, *tz, &book) {
+                if counter.key == footprint {
+                    continue;
+                }
+                for k in &keys {
+                    unpriced.insert(
+                        (fact.project_id.clone(), counter.key.clone(), k.clone()),
+                        counter.resets_at,
+                    );
+                }
+            }
+        }
+
+        // (6) Add the folded sums in one upsert; it returns the new absolute
+        // totals of every counter it touched. The footprint is not a sum:
+        // (8) sets it.
+        let sums: Vec<(&ProjectId, Counter, Totals)> =
+            fold.totals().filter(|(_, c, _)| c.key != footprint).collect();
+        if !sums.is_empty() {
+            let n = sums.len();
             let (mut p, mut d, mut k, mut w, mut r) = (
                 Vec::with_capacity(n),
                 Vec::with_capacity(n),
@@ -938,54 +1415,161 @@ impl Store for PgStore {
                 Vec::with_capacity(n),
                 Vec::with_capacity(n),
             );
-            let (mut req, mut calls, mut row_counts) = (
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-            );
-            for (project, counter, t) in fold.totals() {
-                p.push(project.as_str().to_owned());
+            // One array per field, in `Field::ALL` order (the columns' order below).
+            let mut fields: [Vec<i64>; Field::ALL.len()] = std::array::from_fn(|_| Vec::with_capacity(n));
+            for (project, counter, t) in sums {
+                p.push(project.as_str());
                 d.push(counter.key.dimension.encode());
                 k.push(counter.key.window.as_str());
                 w.push(counter.key.window_key);
                 r.push(counter.resets_at);
-                req.push(to_i64("requests", t.requests)?);
-                calls.push(to_i64("calls", t.calls)?);
-                row_counts.push(to_i64("rows", t.rows)?);
+                for (column, v) in fields.iter_mut().zip(t.values()) {
+                    column.push(v);
+                }
             }
-            let rows = sqlx::query(
+            let mut upsert = sqlx::query(concat!(
                 r#"INSERT INTO usage_aggregates AS a
-                       (project_id, dimension, window_kind, window_key, resets_at, requests, calls, "rows")
+                       (project_id, dimension, window_kind, window_key, resets_at, "#,
+                totals_columns!(),
+                r#")
                    SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[],
-                                        $6::bigint[], $7::bigint[], $8::bigint[])
+                                        $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[],
+                                        $11::bigint[], $12::bigint[], $13::bigint[], $14::bigint[],
+                                        $15::bigint[], $16::bigint[], $17::bigint[], $18::bigint[])
                    ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET
                        requests = a.requests + EXCLUDED.requests,
                        calls = a.calls + EXCLUDED.calls,
-                       "rows" = a."rows" + EXCLUDED."rows"
-                   RETURNING project_id, dimension, window_kind, window_key, resets_at, requests, calls, "rows""#,
-            )
+                       "rows" = a."rows" + EXCLUDED."rows",
+                       tokens = a.tokens + EXCLUDED.tokens,
+                       cost_llm_tokens = a.cost_llm_tokens + EXCLUDED.cost_llm_tokens,
+                       cost_compute_execution = a.cost_compute_execution + EXCLUDED.cost_compute_execution,
+                       cost_api_request = a.cost_api_request + EXCLUDED.cost_api_request,
+                       cost_storage = a.cost_storage + EXCLUDED.cost_storage,
+                       llm_events = a.llm_events + EXCLUDED.llm_events,
+                       llm_priced = a.llm_priced + EXCLUDED.llm_priced,
+                       llm_unpriced = a.llm_unpriced + EXCLUDED.llm_unpriced,
+                       storage_events = a.storage_events + EXCLUDED.storage_events,
+                       storage = a.storage + EXCLUDED.storage
+                   RETURNING project_id, dimension, window_kind, window_key, resets_at, "#,
+                totals_columns!()
+            ))
             .bind(&p)
             .bind(&d)
             .bind(&k)
             .bind(&w)
-            .bind(&r)
-            .bind(&req)
-            .bind(&calls)
-            .bind(&row_counts)
+            .bind(&r);
+            for column in &fields {
+                upsert = upsert.bind(column);
+            }
+            let rows = upsert.fetch_all(&mut *tx).await.map_err(db_err)?;
+            for row in &rows {
+                report.totals.push(aggregate_from_row(row)?);
+            }
+        }
+
+        // (7) The unpriced rows, in one statement.
+        insert_unpriced(&mut *tx, &unpriced).await?;
+
+        // (8) The footprint of every project with new storage facts.
+        let storage: Vec<(&UsageFact, &str)> = fresh
+            .iter()
+            .filter_map(|(f, _)| storage_kind(f.kind).map(|kind| (*f, kind)))
+            .collect();
+        if !storage.is_empty() {
+            let mut touched: Vec<&str> = storage.iter().map(|(f, _)| f.project_id.as_str()).collect();
+            touched.sort_unstable();
+            touched.dedup();
+            let dimension = footprint.dimension.encode();
+
+            // (a) Lock (creating them if need be) the footprint rows, in
+            // project order, before reading the facts: two transactions
+            // folding storage facts of one project then recompute one after
+            // the other, the second seeing the first's facts (each statement
+            // of a READ COMMITTED transaction reads what committed before it).
+            sqlx::query(
+                "INSERT INTO usage_aggregates AS a (project_id, dimension, window_kind, window_key) \
+                 SELECT t.p, $2, $3, $4 FROM UNNEST($1::text[]) AS t(p) \
+                 ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET storage = a.storage",
+            )
+            .bind(&touched)
+            .bind(&dimension)
+            .bind(footprint.window.as_str())
+            .bind(&footprint.window_key)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?;
+
+            // (b) Keep the facts: the footprint is recomputed from all of them.
+            let n = storage.len();
+            let (mut p, mut e, mut kinds, mut at, mut bytes) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
+            for (f, kind) in &storage {
+                p.push(f.project_id.as_str());
+                e.push(f.id.as_str());
+                kinds.push(*kind);
+                at.push(f.occurred_at);
+                bytes.push(f.storage_bytes.unwrap_or(0));
+            }
+            sqlx::query(
+                "INSERT INTO storage_facts (project_id, event_id, kind, occurred_at, bytes) \
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::bigint[]) \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(&p)
+            .bind(&e)
+            .bind(&kinds)
+            .bind(&at)
+            .bind(&bytes)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?;
+
+            // (c) Set (not add) each footprint: meter's `Footprint` in SQL,
+            // the newest snapshot by (occurred_at, event_id) plus the deltas
+            // strictly after it, or all the deltas if there is no snapshot;
+            // `storage_events` is how many storage facts it reflects.
+            let rows = sqlx::query(concat!(
+                "UPDATE usage_aggregates AS a SET storage = f.fp_bytes, storage_events = f.fp_events
+                 FROM (
+                     SELECT t.p AS fp_project,
+                            (COALESCE(s.bytes, 0) + COALESCE(
+                                (SELECT SUM(d.bytes) FROM storage_facts d
+                                 WHERE d.project_id = t.p AND d.kind = 'delta'
+                                   AND (s.occurred_at IS NULL OR d.occurred_at > s.occurred_at)),
+                                0))::bigint AS fp_bytes,
+                            (SELECT count(*) FROM storage_facts c WHERE c.project_id = t.p) AS fp_events
+                     FROM UNNEST($1::text[]) AS t(p)
+                     LEFT JOIN LATERAL (
+                         SELECT occurred_at, bytes FROM storage_facts
+                         WHERE project_id = t.p AND kind = 'snapshot'
+                         ORDER BY occurred_at DESC, event_id DESC
+                         LIMIT 1
+                     ) s ON true
+                 ) f
+                 WHERE a.project_id = f.fp_project AND a.dimension = $2 AND a.window_kind = $3
+                   AND a.window_key = $4
+                 RETURNING project_id, dimension, window_kind, window_key, resets_at, ",
+                totals_columns!()
+            ))
+            .bind(&touched)
+            .bind(&dimension)
+            .bind(footprint.window.as_str())
+            .bind(&footprint.window_key)
             .fetch_all(&mut *tx)
             .await
             .map_err(db_err)?;
             for row in &rows {
-                let project: String = get(row, "project_id")?;
-                let project =
-                    ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?;
-                let (counter, totals) = counter_from_row(row)?;
-                report.totals.push((project, counter, totals));
+                report.totals.push(aggregate_from_row(row)?);
             }
-            report
-                .totals
-                .sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
         }
+        report
+            .totals
+            .sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
 
         tx.commit().await.map_err(db_err)?;
         Ok(report)

@@ -15,23 +15,43 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `P{p}:c:<counter>` | hash | `t_req t_calls t_rows` (durable) and `p_req p_calls p_rows` (pending); expires one hour after the window resets |
+//! | `P{p}:c:<counter>` | hash | `t_<f>` (durable) and `p_<f>` (pending) for each [`Field`] `f` by its short name ([`Field::as_str`]), a missing field being 0; expires one hour after the window resets |
 //! | `P{p}:r:<counter>` | zset | reservation id → lease expiry (ms) |
 //! | `P{p}:res:<rid>` | set | the counters a reservation holds; expires at lease + grace |
-//! | `P{p}:ev:<event>` | hash | counter → `req,calls,rows` that event added to pending; 7 days |
+//! | `P{p}:ev:<event>` | hash | counter → the value list (signed decimals in [`Field::ALL`] order, trailing zeros left out) that event added to pending; 7 days |
 //! | `P{p}:loaded` | string | the durable totals were seeded |
 //!
 //! `<counter>` is [`CounterKey::encode`]. Without the `loaded` marker a check
 //! answers `None` (the caller seeds from the store and checks again), so a
 //! flushed Redis never admits against zero.
 //!
+//! ## Limits
+//!
+//! A check's limits name their [`LimitKind`] and the fields they sum, so the
+//! script knows no metric: with `v(f) = max(0, t_f + p_f)`, a cap reads the
+//! sum of `v(f)` (plus the live reservations when `calls` is among the
+//! fields), a blackout reads `v(llm)` while `v(llm_p)` is 0 (else 0), and a
+//! probe reads like a cap and never refuses.
+//!
+//! ## Durable totals
+//!
+//! Seed and fold never lower a sum (`t = max(current, new)`). The storage
+//! footprint (`t_sto`, on [`CounterKey::footprint`]) can go down, so it is
+//! replaced instead, and only by a total reflecting more storage facts
+//! (`t_sto_n` greater): a stale fold or a late seed cannot bring back an old
+//! footprint.
+//!
 //! ## Accuracy
 //!
 //! Amounts are sent as decimal strings and stored with `HSET`/`HINCRBY`, so
-//! what Redis holds is exact. Sums and limit comparisons inside the scripts
-//! use Lua numbers, which are doubles: exact below 2^53 (about 9·10^15) per
-//! counter, far beyond any real window. Durable totals are compared as
-//! decimal strings, so "never lower a total" is exact for every `u64`.
+//! what Redis holds is exact. Durable sums are compared as decimal strings,
+//! so "never lower a total" is exact for every `u64`. Sums and limit
+//! comparisons inside a check use Lua numbers, which are doubles: exact up to
+//! 2^53 (about 9·10^15). Requests, calls, rows, tokens, events and bytes stay
+//! far below that. Costs are picodollars, so a cost compared above about
+//! $9,007 is approximate: off by at most the doubles' spacing there, under
+//! 4,096 picodollars (a millionth of a cent) anywhere below 2^64. The `used`
+//! a check reports is that double, rounded.
 //!
 //! A call that times out on the client may still have run on the server: a
 //! check's reservation is then freed by its lease; a settle or fold is
@@ -52,8 +72,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Hold, Metric, PortError, PortResult,
-    ProjectId, ReservationId, Settlement, Totals, View,
+    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError,
+    PortResult, ProjectId, ReservationId, Settlement, Totals, View,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
@@ -184,16 +204,79 @@ fn counter_expiry(c: &Counter) -> String {
     c.resets_at.map(|r| (ms(r).saturating_add(grace_ms(COUNTER_GRACE))).to_string()).unwrap_or_default()
 }
 
-fn metric_name(m: Metric) -> PortResult<&'static str> {
-    match m {
-        Metric::Requests | Metric::Calls | Metric::Rows => Ok(m.as_str()),
-        other => Err(PortError::Permanent(format!("the view does not count {other}"))),
+/// The `u64` behind a sum field of `t`, or `None` for `storage` (an `i64`).
+/// [`Totals::get`] clamps at `i64::MAX`; durable sums are kept exact to `u64`.
+pub(crate) fn sum_field(t: &mut Totals, f: Field) -> Option<&mut u64> {
+    Some(match f {
+        Field::Requests => &mut t.requests,
+        Field::Calls => &mut t.calls,
+        Field::Rows => &mut t.rows,
+        Field::Tokens => &mut t.tokens,
+        Field::CostLlmTokens => &mut t.cost_llm_tokens,
+        Field::CostComputeExecution => &mut t.cost_compute_execution,
+        Field::CostApiRequest => &mut t.cost_api_request,
+        Field::CostStorage => &mut t.cost_storage,
+        Field::LlmEvents => &mut t.llm_events,
+        Field::LlmPriced => &mut t.llm_priced,
+        Field::LlmUnpriced => &mut t.llm_unpriced,
+        Field::StorageEvents => &mut t.storage_events,
+        Field::Storage => return None,
+    })
+}
+
+/// A durable value, exact: a sum as `u64`, the footprint as `i64`.
+fn durable_str(t: &Totals, f: Field) -> String {
+    let mut t = *t;
+    match sum_field(&mut t, f) {
+        Some(v) => v.to_string(),
+        None => t.storage.to_string(),
     }
 }
 
-fn parse_u64(s: &str) -> u64 {
-    // Pending sums are i64 and never negative in a consistent view; clamp anyway.
-    s.parse::<i64>().map(|v| v.max(0) as u64).or_else(|_| s.parse::<u64>()).unwrap_or(0)
+/// Parses a stored durable value back into `t` (garbage reads as 0).
+fn set_durable(t: &mut Totals, f: Field, s: &str) {
+    match sum_field(t, f) {
+        Some(v) => *v = s.parse::<u64>().unwrap_or(0),
+        None => t.storage = s.parse::<i64>().unwrap_or(0),
+    }
+}
+
+/// A delta as a value list: signed decimals in [`Field::ALL`] order,
+/// trailing zeros left out (`""` when all are zero).
+fn value_list(t: &Totals) -> String {
+    let v = t.values();
+    let len = v.iter().rposition(|x| *x != 0).map_or(0, |i| i + 1);
+    v[..len].iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn kind_name(k: LimitKind) -> &'static str {
+    match k {
+        LimitKind::Cap => "cap",
+        LimitKind::Blackout => "blackout",
+        LimitKind::Probe => "probe",
+    }
+}
+
+fn field_names(fields: &[Field]) -> String {
+    fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(",")
+}
+
+/// A `used` the check reports: a decimal of a double, never negative.
+fn parse_used(s: &str) -> u64 {
+    s.parse::<u64>().or_else(|_| s.parse::<f64>().map(|f| f as u64)).unwrap_or(0)
+}
+
+/// A reply value as `i64` (garbage reads as 0).
+fn parse_i64(s: &str) -> i64 {
+    s.parse::<i64>().unwrap_or(0)
+}
+
+/// Counter arguments of seed and fold: expire-at, then the 13 durable totals.
+fn durable_args(inv: &mut redis::ScriptInvocation<'_>, c: &Counter, t: &Totals) {
+    inv.arg(counter_expiry(c));
+    for f in Field::ALL {
+        inv.arg(durable_str(t, f));
+    }
 }
 
 /// The deltas of one settlement, one per counter (a counter named twice is summed).
@@ -235,17 +318,21 @@ impl View for RedisView {
                 return Err(PortError::Permanent(format!("check plan names counter {} of {}", l.counter, plan.counters.len())));
             }
             inv.arg((l.counter + 1).to_string())
-                .arg(metric_name(l.metric)?)
+                .arg(kind_name(l.kind))
+                .arg(field_names(&l.fields))
                 .arg(l.limit.to_string())
                 .arg(l.need.to_string())
                 .arg(if l.enforce { "1" } else { "0" });
         }
-        let reply: Option<Vec<i64>> = self.run("check", project, &inv).await?;
+        let reply: Option<Vec<String>> = self.run("check", project, &inv).await?;
         let Some(reply) = reply else { return Ok(None) };
-        let Some((&admitted, used)) = reply.split_first() else {
+        let Some((admitted, used)) = reply.split_first() else {
             return Err(PortError::Permanent("redis check: empty reply".into()));
         };
-        Ok(Some(CheckOutcome { admitted: admitted == 1, used: used.iter().map(|u| (*u).max(0) as u64).collect() }))
+        if used.len() != plan.limits.len() {
+            return Err(PortError::Permanent(format!("redis check: {} values for {} limits", used.len(), plan.limits.len())));
+        }
+        Ok(Some(CheckOutcome { admitted: admitted == "1", used: used.iter().map(|u| parse_used(u)).collect() }))
     }
 
     async fn seed(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
@@ -254,7 +341,7 @@ impl View for RedisView {
         inv.key(format!("{base}loaded"));
         for (c, t) in totals {
             inv.key(format!("{base}c:{}", c.key.encode()));
-            inv.arg(counter_expiry(c)).arg(t.requests.to_string()).arg(t.calls.to_string()).arg(t.rows.to_string());
+            durable_args(&mut inv, c, t);
         }
         let _: i64 = self.run("seed", project, &inv).await?;
         Ok(())
@@ -283,7 +370,7 @@ impl View for RedisView {
             inv.arg(deltas.len().to_string());
             for (name, exp, t) in deltas {
                 inv.key(format!("{base}c:{name}"));
-                inv.arg(name).arg(exp).arg(t.requests.to_string()).arg(t.calls.to_string()).arg(t.rows.to_string());
+                inv.arg(name).arg(exp).arg(value_list(&t));
             }
         }
         let _: i64 = self.run("settle", project, &inv).await?;
@@ -322,7 +409,7 @@ impl View for RedisView {
         inv.arg(base.as_str()).arg(totals.len().to_string());
         for (c, t) in totals {
             inv.key(format!("{base}c:{}", c.key.encode()));
-            inv.arg(counter_expiry(c)).arg(t.requests.to_string()).arg(t.calls.to_string()).arg(t.rows.to_string());
+            durable_args(&mut inv, c, t);
         }
         for e in events {
             inv.key(format!("{base}ev:{e}"));
@@ -339,14 +426,16 @@ impl View for RedisView {
         inv.arg(ms(at).to_string());
         let reply: Option<Vec<String>> = self.run("usage", project, &inv).await?;
         let Some(v) = reply else { return Ok(None) };
-        if v.len() != 7 {
-            return Err(PortError::Permanent(format!("redis usage: {} values, expected 7", v.len())));
+        let n = Field::ALL.len();
+        if v.len() != 2 * n + 1 {
+            return Err(PortError::Permanent(format!("redis usage: {} values, expected {}", v.len(), 2 * n + 1)));
         }
-        let n: Vec<u64> = v.iter().map(|s| parse_u64(s)).collect();
-        Ok(Some(CounterUsage {
-            durable: Totals { requests: n[0], calls: n[1], rows: n[2] },
-            pending: Totals { requests: n[3], calls: n[4], rows: n[5] },
-            reserved_calls: n[6],
-        }))
+        let mut durable = Totals::default();
+        for (f, s) in Field::ALL.iter().zip(&v[..n]) {
+            set_durable(&mut durable, *f, s);
+        }
+        // Pending sums are never negative in a consistent view; Totals clamps them at 0 anyway.
+        let pending = Totals::from_values(&v[n..2 * n].iter().map(|s| parse_i64(s)).collect::<Vec<_>>());
+        Ok(Some(CounterUsage { durable, pending, reserved_calls: parse_used(&v[2 * n]) }))
     }
 }

@@ -10,9 +10,12 @@
 //!   PostgreSQL, records the new event ids in `processed_events` and upserts
 //!   the aggregates, with a fixed number of statements per batch (one per
 //!   partition for the fence, one for the time zones, one for the dedup set,
-//!   one upsert). Lists travel as one JSON array bound to one parameter and
-//!   unpacked by `json_each`, the way PostgreSQL's `UNNEST` does it, so a
-//!   batch of any size stays far from SQLite's bind-parameter limit.
+//!   one for the prices its tokens events need, one upsert, one for their
+//!   unpriced rows, three for the storage footprint, recomputed from the
+//!   kept storage facts as [`meter::usage::Footprint`] defines it). Lists
+//!   travel as one JSON array bound to one parameter and unpacked by
+//!   `json_each`, the way PostgreSQL's `UNNEST` does it, so a batch of any
+//!   size stays far from SQLite's bind-parameter limit.
 //! - Opened with [`SqliteStore::open`], the file is in WAL mode with
 //!   `synchronous = FULL`: a fold whose commit returned survives a crash or a
 //!   `kill -9` of the process (and a power cut, as far as fsync holds).
@@ -25,19 +28,22 @@
 //! Driver errors are sorted into transient, permanent and conflict in one
 //! place, [`db_err`].
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Datelike, Utc};
+use chrono::{DateTime, Datelike, SubsecRound, Utc};
 use chrono_tz::Tz;
+use meter::usage::{counters_for, priced};
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Counter, CounterKey, Dimension, EventId, Fold,
-    FoldBatch, FoldReport, Grants, Metric, Mode, OnUnpriced, PortError, PortResult, Principal, Project, ProjectId,
-    Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension,
+    EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, Metric, Role, RoleId, RoleQuota, Mode, OnUnpriced, PortError, PortResult,
+    Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope,
+    Store, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
 };
+use serde_json::Value;
 use sqlx::Row;
 use sqlx::error::ErrorKind;
 use sqlx::sqlite::{
@@ -227,7 +233,7 @@ fn project_from_row(row: &SqliteRow) -> PortResult<Project> {
 // Column lists as macros, so `concat!` builds `&'static str` queries.
 macro_rules! api_key_columns {
     () => {
-        "id, project_id, name, prefix, grants, created_at"
+        "id, project_id, name, prefix, grants, role_id, created_at"
     };
 }
 
@@ -240,6 +246,10 @@ fn api_key_from_row(row: &SqliteRow) -> PortResult<ApiKey> {
         project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
         name: get(row, "name")?,
         prefix: get(row, "prefix")?,
+        role_id: {
+            let r: Option<String> = get(row, "role_id")?;
+            r.map(|r| RoleId::parse(&r).map_err(|_| corrupt("role id", &r))).transpose()?
+        },
         grants: serde_json::from_str::<Grants>(&grants).map_err(|_| corrupt("grants", &grants))?,
         created_at: get_ts(row, "created_at")?,
     })
@@ -359,12 +369,46 @@ where
     Ok(())
 }
 
+/// The `usage_aggregates` column of each field of [`Totals`] (the match is
+/// exhaustive, so a new field does not compile until it has a column).
+fn column(f: Field) -> &'static str {
+    match f {
+        Field::Requests => "requests",
+        Field::Calls => "calls",
+        Field::Rows => "rows",
+        Field::Tokens => "tokens",
+        Field::CostLlmTokens => "cost_llm_tokens",
+        Field::CostComputeExecution => "cost_compute_execution",
+        Field::CostApiRequest => "cost_api_request",
+        Field::CostStorage => "cost_storage",
+        Field::LlmEvents => "llm_events",
+        Field::LlmPriced => "llm_priced",
+        Field::LlmUnpriced => "llm_unpriced",
+        Field::StorageEvents => "storage_events",
+        Field::Storage => "storage",
+    }
+}
+
+// Every field of Totals, in `Field::ALL` order, as SQL.
+macro_rules! totals_columns {
+    () => {
+        r#"requests, calls, "rows", tokens, cost_llm_tokens, cost_compute_execution, cost_api_request,
+           cost_storage, llm_events, llm_priced, llm_unpriced, storage_events, storage"#
+    };
+}
+
 fn totals_from_row(row: &SqliteRow) -> PortResult<Totals> {
-    Ok(Totals {
-        requests: to_u64("requests", get(row, "requests")?)?,
-        calls: to_u64("calls", get(row, "calls")?)?,
-        rows: to_u64("rows", get(row, "rows")?)?,
-    })
+    let mut t = Totals::default();
+    for f in Field::ALL {
+        let v: i64 = get(row, column(f))?;
+        // Every field is a sum but the footprint, which deltas before any
+        // snapshot can take below zero.
+        if v < 0 && f != Field::Storage {
+            return Err(corrupt(column(f), &v.to_string()));
+        }
+        t.set(f, v);
+    }
+    Ok(t)
 }
 
 fn counter_key_from_row(row: &SqliteRow) -> PortResult<CounterKey> {
@@ -381,6 +425,141 @@ fn counter_from_row(row: &SqliteRow) -> PortResult<(Counter, Totals)> {
     let key = counter_key_from_row(row)?;
     let counter = Counter { key, resets_at: get_opt_ts(row, "resets_at")? };
     Ok((counter, totals_from_row(row)?))
+}
+
+/// A row of `usage_aggregates` with its project, as a fold reports it.
+fn aggregate_from_row(row: &SqliteRow) -> PortResult<(ProjectId, Counter, Totals)> {
+    let project: String = get(row, "project_id")?;
+    let project = ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?;
+    let (counter, totals) = counter_from_row(row)?;
+    Ok((project, counter, totals))
+}
+
+fn price_from_row(row: &SqliteRow) -> PortResult<Price> {
+    let component: String = get(row, "component")?;
+    Ok(Price {
+        key: PriceKey {
+            provider: get(row, "provider")?,
+            model: get(row, "model")?,
+            component: parse::<Component>("price component", &component)?,
+        },
+        unit_price_usd: Usd(get(row, "unit_price_picos")?),
+        effective_from: get_ts(row, "effective_from")?,
+    })
+}
+
+/// The part of the price book that can price `facts`: the rows of the
+/// (provider, model) pairs their token entries name. A price is looked up by
+/// its key only, so the rest of the book cannot change a cost. Empty (no
+/// statement) when no fact is a tokens event.
+async fn price_book_for<'e, E>(ex: E, facts: &[(&UsageFact, Tz)]) -> PortResult<PriceBook>
+where
+    E: sqlx::SqliteExecutor<'e>,
+{
+    let pairs: BTreeSet<(&str, &str)> = facts
+        .iter()
+        .filter(|(f, _)| f.kind == EventKind::Tokens)
+        .flat_map(|(f, _)| f.tokens.iter().map(|t| (t.provider.as_str(), t.model.as_str())))
+        .collect();
+    if pairs.is_empty() {
+        return Ok(PriceBook::default());
+    }
+    let pairs: Vec<(&str, &str)> = pairs.into_iter().collect();
+    let rows = sqlx::query(
+        "SELECT provider, model, component, effective_from, unit_price_picos FROM prices \
+         WHERE (provider, model) IN (SELECT value ->> 0, value ->> 1 FROM json_each(?1))",
+    )
+    .bind(json_list(&pairs)?)
+    .fetch_all(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(PriceBook::new(rows.iter().map(price_from_row).collect::<PortResult<Vec<_>>>()?))
+}
+
+/// Unpriced rows to remember, deduplicated and in key order: `(project,
+/// counter, price key)` to the counter's reset.
+type UnpricedSet = BTreeMap<(ProjectId, CounterKey, PriceKey), Option<DateTime<Utc>>>;
+
+/// Inserts unpriced rows in one statement; rows already known are skipped.
+async fn insert_unpriced<'e, E>(ex: E, rows: &UnpricedSet) -> PortResult<()>
+where
+    E: sqlx::SqliteExecutor<'e>,
+{
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let list = rows
+        .iter()
+        .map(|((project, counter, key), resets_at)| {
+            Ok((
+                project.as_str(),
+                counter.dimension.encode(),
+                counter.window.as_str(),
+                counter.window_key.as_str(),
+                resets_at.map(ts).transpose()?,
+                key.provider.as_str(),
+                key.model.as_str(),
+                key.component.as_str(),
+            ))
+        })
+        .collect::<PortResult<Vec<_>>>()?;
+    // `WHERE true` keeps SQLite from reading ON CONFLICT as a join's ON.
+    sqlx::query(
+        "INSERT INTO unpriced_rows \
+             (project_id, dimension, window_kind, window_key, resets_at, provider, model, component) \
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
+                value ->> 5, value ->> 6, value ->> 7 \
+         FROM json_each(?1) WHERE true \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(json_list(&list)?)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+// A component's rank in meter's `Component` order (input, output, cached),
+// which is not the order of its names: `unpriced_rows` reads back in
+// `PriceKey` order.
+macro_rules! component_rank {
+    () => {
+        "CASE component WHEN 'input_tokens' THEN 0 WHEN 'output_tokens' THEN 1 \
+         WHEN 'cached_tokens' THEN 2 ELSE 3 END"
+    };
+}
+
+macro_rules! exception_columns {
+    () => {
+        r#"quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows,
+           occurrence_count, first_seen, last_seen"#
+    };
+}
+
+fn exception_from_row(row: &SqliteRow) -> PortResult<UnpricedException> {
+    let quota: String = get(row, "quota_id")?;
+    let project: String = get(row, "project_id")?;
+    let rows: String = get(row, "unpriced_rows")?;
+    Ok(UnpricedException {
+        project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
+        quota_id: QuotaId::parse(&quota).map_err(|_| corrupt("quota id", &quota))?,
+        limit: to_u64("limit", get(row, "limit")?)?,
+        window_key: get(row, "window_key")?,
+        llm_events: to_u64("llm_events", get(row, "llm_events")?)?,
+        unpriced_events: to_u64("unpriced_events", get(row, "unpriced_events")?)?,
+        unpriced_rows: serde_json::from_str::<Vec<PriceKey>>(&rows).map_err(|_| corrupt("unpriced rows", &rows))?,
+        occurrence_count: to_u64("occurrence_count", get(row, "occurrence_count")?)?,
+        first_seen: get_ts(row, "first_seen")?,
+        last_seen: get_ts(row, "last_seen")?,
+    })
+}
+
+fn storage_kind(kind: EventKind) -> Option<&'static str> {
+    match kind {
+        EventKind::StorageDelta => Some("delta"),
+        EventKind::StorageSnapshot => Some("snapshot"),
+        _ => None,
+    }
 }
 
 #[async_trait]
@@ -415,8 +594,8 @@ impl Store for SqliteStore {
         let grants =
             serde_json::to_string(&key.grants).map_err(|e| PortError::Permanent(format!("encoding grants: {e}")))?;
         sqlx::query(
-            "INSERT INTO api_keys (id, project_id, name, prefix, secret_hash, grants, created_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO api_keys (id, project_id, name, prefix, secret_hash, grants, created_at, role_id) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )
         .bind(key.id.as_str())
         .bind(key.project_id.as_str())
@@ -425,10 +604,65 @@ impl Store for SqliteStore {
         .bind(secret_hash)
         .bind(grants)
         .bind(ts(key.created_at)?)
+        .bind(key.role_id.as_ref().map(|r| r.as_str()))
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
         Ok(())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "create_role"))]
+    async fn create_role(&self, role: &Role) -> PortResult<()> {
+        let grants =
+            serde_json::to_string(&role.grants).map_err(|e| PortError::Permanent(format!("encoding grants: {e}")))?;
+        let quota = role
+            .quota
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| PortError::Permanent(format!("encoding a role quota: {e}")))?;
+        sqlx::query(
+            "INSERT INTO roles (id, project_id, name, grants, quota, exempt, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .bind(role.id.as_str())
+        .bind(role.project_id.as_str())
+        .bind(&role.name)
+        .bind(grants)
+        .bind(quota)
+        .bind(role.exempt)
+        .bind(ts(role.created_at)?)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "role"))]
+    async fn role(&self, id: &RoleId) -> PortResult<Option<Role>> {
+        let Some(row) = sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = ?1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?
+        else {
+            return Ok(None);
+        };
+        let rid: String = get(&row, "id")?;
+        let project: String = get(&row, "project_id")?;
+        let grants: String = get(&row, "grants")?;
+        let quota: Option<String> = get(&row, "quota")?;
+        Ok(Some(Role {
+            id: RoleId::parse(&rid).map_err(|_| corrupt("role id", &rid))?,
+            project_id: ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?,
+            name: get(&row, "name")?,
+            grants: serde_json::from_str::<Grants>(&grants).map_err(|_| corrupt("grants", &grants))?,
+            quota: quota
+                .map(|q| serde_json::from_str::<RoleQuota>(&q).map_err(|_| corrupt("role quota", &q)))
+                .transpose()?,
+            exempt: get(&row, "exempt")?,
+            created_at: get_ts(&row, "created_at")?,
+        }))
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "api_key"))]
@@ -647,6 +881,173 @@ impl Store for SqliteStore {
         .collect()
     }
 
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "sqlite", op = "put_prices", prices = prices.len())
+    )]
+    async fn put_prices(&self, prices: &[Price]) -> PortResult<()> {
+        // One row per key and instant, the last one winning as in
+        // `PriceBook::insert`; the instant is keyed as stored, to the
+        // microsecond.
+        let mut unique: BTreeMap<(&PriceKey, DateTime<Utc>), Usd> = BTreeMap::new();
+        for p in prices {
+            unique.insert((&p.key, p.effective_from.trunc_subsecs(6)), p.unit_price_usd);
+        }
+        if unique.is_empty() {
+            return Ok(());
+        }
+        let list = unique
+            .into_iter()
+            .map(|((key, at), price)| {
+                Ok((key.provider.as_str(), key.model.as_str(), key.component.as_str(), ts(at)?, price.picos()))
+            })
+            .collect::<PortResult<Vec<_>>>()?;
+        // One statement: all the rows or none.
+        sqlx::query(
+            "INSERT INTO prices (provider, model, component, effective_from, unit_price_picos) \
+             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4 FROM json_each(?1) WHERE true \
+             ON CONFLICT (provider, model, component, effective_from) \
+             DO UPDATE SET unit_price_picos = excluded.unit_price_picos",
+        )
+        .bind(json_list(&list)?)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "prices"))]
+    async fn prices(&self) -> PortResult<Vec<Price>> {
+        let rows = sqlx::query("SELECT provider, model, component, effective_from, unit_price_picos FROM prices")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?;
+        // The book orders by key (meter's order of components, not their
+        // names') then effective_from.
+        let book = PriceBook::new(rows.iter().map(price_from_row).collect::<PortResult<Vec<_>>>()?);
+        Ok(book.prices().collect())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "sqlite", op = "record_unpriced", rows = rows.len())
+    )]
+    async fn record_unpriced(&self, project: &ProjectId, rows: &[UnpricedRow]) -> PortResult<()> {
+        let set: UnpricedSet = rows
+            .iter()
+            .map(|r| ((project.clone(), r.counter.key.clone(), r.key.clone()), r.counter.resets_at))
+            .collect();
+        insert_unpriced(&self.pool, &set).await
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "unpriced_rows"))]
+    async fn unpriced_rows(
+        &self,
+        project: &ProjectId,
+        counter: &CounterKey,
+        limit: usize,
+    ) -> PortResult<Vec<PriceKey>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(concat!(
+            "SELECT provider, model, component FROM unpriced_rows \
+             WHERE project_id = ?1 AND dimension = ?2 AND window_kind = ?3 AND window_key = ?4 \
+             ORDER BY provider, model, ",
+            component_rank!(),
+            " LIMIT ?5"
+        ))
+        .bind(project.as_str())
+        .bind(counter.dimension.encode())
+        .bind(counter.window.as_str())
+        .bind(&counter.window_key)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        rows.iter()
+            .map(|row| {
+                let component: String = get(row, "component")?;
+                Ok(PriceKey {
+                    provider: get(row, "provider")?,
+                    model: get(row, "model")?,
+                    component: parse::<Component>("price component", &component)?,
+                })
+            })
+            .collect()
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "file_exception"))]
+    async fn file_exception(&self, exception: &UnpricedException) -> PortResult<UnpricedException> {
+        let e = exception;
+        let rows = serde_json::to_string(&e.unpriced_rows)
+            .map_err(|err| PortError::Permanent(format!("encoding unpriced rows: {err}")))?;
+        // One upsert. The project is part of the match: a quota id filed
+        // under another project is a bug, not a recurrence.
+        let row = sqlx::query(concat!(
+            r#"INSERT INTO quota_exceptions
+                   (quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows,
+                    occurrence_count, first_seen, last_seen)
+               VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?9)
+               ON CONFLICT (quota_id) DO UPDATE SET
+                   "limit" = excluded."limit",
+                   window_key = excluded.window_key,
+                   llm_events = excluded.llm_events,
+                   unpriced_events = excluded.unpriced_events,
+                   unpriced_rows = excluded.unpriced_rows,
+                   occurrence_count = occurrence_count + 1,
+                   last_seen = excluded.last_seen
+               WHERE project_id = excluded.project_id
+               RETURNING "#,
+            exception_columns!()
+        ))
+        .bind(e.quota_id.as_str())
+        .bind(e.project_id.as_str())
+        .bind(to_i64("limit", e.limit)?)
+        .bind(&e.window_key)
+        .bind(to_i64("llm_events", e.llm_events)?)
+        .bind(to_i64("unpriced_events", e.unpriced_events)?)
+        .bind(rows)
+        .bind(ts(e.first_seen)?)
+        .bind(ts(e.last_seen)?)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)?;
+        match row {
+            Some(row) => exception_from_row(&row),
+            None => Err(PortError::Permanent(format!(
+                "quota {} has an exception filed under another project than {}",
+                e.quota_id, e.project_id
+            ))),
+        }
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "exceptions"))]
+    async fn exceptions(
+        &self,
+        project: &ProjectId,
+        after: Option<&QuotaId>,
+        limit: usize,
+    ) -> PortResult<Vec<UnpricedException>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        sqlx::query(concat!(
+            "SELECT ",
+            exception_columns!(),
+            " FROM quota_exceptions WHERE project_id = ?1 AND (?2 IS NULL OR quota_id > ?2) ORDER BY quota_id LIMIT ?3"
+        ))
+        .bind(project.as_str())
+        .bind(after.map(QuotaId::as_str))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?
+        .iter()
+        .map(exception_from_row)
+        .collect()
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "totals"))]
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>> {
         if counters.is_empty() {
@@ -654,13 +1055,14 @@ impl Store for SqliteStore {
         }
         let wanted: Vec<(String, &str, &str)> =
             counters.iter().map(|c| (c.dimension.encode(), c.window.as_str(), c.window_key.as_str())).collect();
-        let rows = sqlx::query(
-            r#"SELECT dimension, window_kind, window_key, requests, calls, "rows"
-               FROM usage_aggregates
+        let rows = sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, ",
+            totals_columns!(),
+            " FROM usage_aggregates
                WHERE project_id = ?1
                  AND (dimension, window_kind, window_key) IN
-                     (SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2))"#,
-        )
+                     (SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2))"
+        ))
         .bind(project.as_str())
         .bind(json_list(&wanted)?)
         .fetch_all(&self.pool)
@@ -675,12 +1077,15 @@ impl Store for SqliteStore {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "open_totals"))]
     async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>> {
-        sqlx::query(
-            r#"SELECT dimension, window_kind, window_key, resets_at, requests, calls, "rows"
-               FROM usage_aggregates
+        // `resets_at IS NULL` keeps the windows that never reset: the
+        // storage footprint.
+        sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, resets_at, ",
+            totals_columns!(),
+            " FROM usage_aggregates
                WHERE project_id = ?1 AND (resets_at IS NULL OR resets_at > ?2)
-               ORDER BY dimension, window_kind, window_key"#,
-        )
+               ORDER BY dimension, window_kind, window_key"
+        ))
         .bind(project.as_str())
         .bind(ts(at)?)
         .fetch_all(&self.pool)
@@ -816,63 +1221,189 @@ impl Store for SqliteStore {
             }
         }
 
-        // (4) Fold the new facts in each project's time zone.
+        // (4) The new facts, each with its project's time zone.
         let mut report = FoldReport::default();
-        let mut fold = Fold::new();
+        let mut fresh: Vec<(&UsageFact, Tz)> = Vec::with_capacity(new_ids.len());
         for (fact, first) in batch.facts.iter().zip(first) {
             let id = (fact.project_id.clone(), fact.id.clone());
             if first && new_ids.contains(&id) {
                 // Invariant: every fact's zone was checked above.
                 let tz = zones.get(fact.project_id.as_str()).copied().unwrap_or(Tz::UTC);
-                fold.apply(fact, tz);
+                fresh.push((fact, tz));
                 report.folded.push(id);
             } else {
                 report.duplicates.push(id);
             }
         }
 
-        // (5) Add the folded totals in one upsert; it returns the new
-        // absolute totals of every counter it touched.
-        if !fold.is_empty() {
-            let list = fold
-                .totals()
+        // (5) Fold them. Tokens events are priced at their event time
+        // against the book as this transaction reads it, and their unpriced
+        // components are remembered on every counter they land in.
+        let book = price_book_for(&mut *tx, &fresh).await?;
+        let footprint = CounterKey::footprint();
+        let mut fold = Fold::new();
+        let mut unpriced = UnpricedSet::new();
+        for (fact, tz) in &fresh {
+            fold.apply(fact, *tz, &book);
+            if fact.kind != EventKind::Tokens {
+                continue;
+            }
+            let keys = priced(fact, &book).unpriced_rows;
+            if keys.is_empty() {
+                continue;
+            }
+            for (counter, _) in counters_for(fact, *tz, &book) {
+                if counter.key == footprint {
+                    continue;
+                }
+                for k in &keys {
+                    unpriced.insert((fact.project_id.clone(), counter.key.clone(), k.clone()), counter.resets_at);
+                }
+            }
+        }
+
+        // (6) Add the folded sums in one upsert; it returns the new absolute
+        // totals of every counter it touched. The footprint is not a sum:
+        // (8) sets it.
+        let sums: Vec<(&ProjectId, Counter, Totals)> = fold.totals().filter(|(_, c, _)| c.key != footprint).collect();
+        if !sums.is_empty() {
+            // Each row: the counter, then every field in `Field::ALL` order
+            // (more than serde's largest tuple, hence JSON values).
+            let list = sums
+                .into_iter()
                 .map(|(project, counter, t)| {
-                    Ok((
-                        project.as_str(),
-                        counter.key.dimension.encode(),
-                        counter.key.window.as_str(),
-                        counter.key.window_key,
-                        counter.resets_at.map(ts).transpose()?,
-                        to_i64("requests", t.requests)?,
-                        to_i64("calls", t.calls)?,
-                        to_i64("rows", t.rows)?,
-                    ))
+                    let mut row = vec![
+                        Value::from(project.as_str()),
+                        Value::from(counter.key.dimension.encode()),
+                        Value::from(counter.key.window.as_str()),
+                        Value::from(counter.key.window_key),
+                        Value::from(counter.resets_at.map(ts).transpose()?),
+                    ];
+                    row.extend(t.values().map(Value::from));
+                    Ok(row)
                 })
                 .collect::<PortResult<Vec<_>>>()?;
-            let rows = sqlx::query(
-                r#"INSERT INTO usage_aggregates
-                       (project_id, dimension, window_kind, window_key, resets_at, requests, calls, "rows")
+            let rows = sqlx::query(concat!(
+                "INSERT INTO usage_aggregates (project_id, dimension, window_kind, window_key, resets_at, ",
+                totals_columns!(),
+                r#")
                    SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4,
-                          value ->> 5, value ->> 6, value ->> 7
+                          value ->> 5, value ->> 6, value ->> 7, value ->> 8, value ->> 9, value ->> 10,
+                          value ->> 11, value ->> 12, value ->> 13, value ->> 14, value ->> 15, value ->> 16,
+                          value ->> 17
                    FROM json_each(?1) WHERE true
                    ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET
                        requests = requests + excluded.requests,
                        calls = calls + excluded.calls,
-                       "rows" = "rows" + excluded."rows"
-                   RETURNING project_id, dimension, window_kind, window_key, resets_at, requests, calls, "rows""#,
-            )
+                       "rows" = "rows" + excluded."rows",
+                       tokens = tokens + excluded.tokens,
+                       cost_llm_tokens = cost_llm_tokens + excluded.cost_llm_tokens,
+                       cost_compute_execution = cost_compute_execution + excluded.cost_compute_execution,
+                       cost_api_request = cost_api_request + excluded.cost_api_request,
+                       cost_storage = cost_storage + excluded.cost_storage,
+                       llm_events = llm_events + excluded.llm_events,
+                       llm_priced = llm_priced + excluded.llm_priced,
+                       llm_unpriced = llm_unpriced + excluded.llm_unpriced,
+                       storage_events = storage_events + excluded.storage_events,
+                       storage = storage + excluded.storage
+                   RETURNING project_id, dimension, window_kind, window_key, resets_at, "#,
+                totals_columns!()
+            ))
             .bind(json_list(&list)?)
             .fetch_all(&mut *tx)
             .await
             .map_err(db_err)?;
             for row in &rows {
-                let project: String = get(row, "project_id")?;
-                let project = ProjectId::parse(&project).map_err(|_| corrupt("project id", &project))?;
-                let (counter, totals) = counter_from_row(row)?;
-                report.totals.push((project, counter, totals));
+                report.totals.push(aggregate_from_row(row)?);
             }
-            report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
         }
+
+        // (7) The unpriced rows, in one statement.
+        insert_unpriced(&mut *tx, &unpriced).await?;
+
+        // (8) The footprint of every project with new storage facts. The
+        // write lock taken by IMMEDIATE already serialises folds, so the
+        // recompute below sees every committed fact.
+        let storage: Vec<(&UsageFact, &str)> =
+            fresh.iter().filter_map(|(f, _)| storage_kind(f.kind).map(|kind| (*f, kind))).collect();
+        if !storage.is_empty() {
+            let mut touched: Vec<&str> = storage.iter().map(|(f, _)| f.project_id.as_str()).collect();
+            touched.sort_unstable();
+            touched.dedup();
+            let touched = json_list(&touched)?;
+            let dimension = footprint.dimension.encode();
+
+            // (a) The footprint rows, created if need be.
+            sqlx::query(
+                "INSERT INTO usage_aggregates (project_id, dimension, window_kind, window_key) \
+                 SELECT value, ?2, ?3, ?4 FROM json_each(?1) WHERE true ON CONFLICT DO NOTHING",
+            )
+            .bind(&touched)
+            .bind(&dimension)
+            .bind(footprint.window.as_str())
+            .bind(&footprint.window_key)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?;
+
+            // (b) Keep the facts: the footprint is recomputed from all of them.
+            let list = storage
+                .iter()
+                .map(|(f, kind)| {
+                    Ok((f.project_id.as_str(), f.id.as_str(), *kind, ts(f.occurred_at)?, f.storage_bytes.unwrap_or(0)))
+                })
+                .collect::<PortResult<Vec<_>>>()?;
+            sqlx::query(
+                "INSERT INTO storage_facts (project_id, event_id, kind, occurred_at, bytes) \
+                 SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4 FROM json_each(?1) WHERE true \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(json_list(&list)?)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?;
+
+            // (c) Set (not add) each footprint: meter's `Footprint` in SQL,
+            // the newest snapshot by (occurred_at, event_id) plus the deltas
+            // strictly after it, or all the deltas if there is no snapshot;
+            // `storage_events` is how many storage facts it reflects.
+            let rows = sqlx::query(concat!(
+                "WITH t(p) AS (SELECT value FROM json_each(?1)),
+                 s AS (
+                     SELECT project_id, occurred_at, bytes,
+                            row_number() OVER (PARTITION BY project_id ORDER BY occurred_at DESC, event_id DESC) AS n
+                     FROM storage_facts
+                     WHERE kind = 'snapshot' AND project_id IN (SELECT p FROM t)
+                 ),
+                 f AS (
+                     SELECT t.p AS fp_project,
+                            ifnull(s.bytes, 0) + ifnull(
+                                (SELECT sum(d.bytes) FROM storage_facts d
+                                 WHERE d.project_id = t.p AND d.kind = 'delta'
+                                   AND (s.occurred_at IS NULL OR d.occurred_at > s.occurred_at)),
+                                0) AS fp_bytes,
+                            (SELECT count(*) FROM storage_facts c WHERE c.project_id = t.p) AS fp_events
+                     FROM t LEFT JOIN s ON s.project_id = t.p AND s.n = 1
+                 )
+                 UPDATE usage_aggregates SET storage = f.fp_bytes, storage_events = f.fp_events
+                 FROM f
+                 WHERE usage_aggregates.project_id = f.fp_project AND dimension = ?2 AND window_kind = ?3
+                   AND window_key = ?4
+                 RETURNING project_id, dimension, window_kind, window_key, resets_at, ",
+                totals_columns!()
+            ))
+            .bind(&touched)
+            .bind(&dimension)
+            .bind(footprint.window.as_str())
+            .bind(&footprint.window_key)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db_err)?;
+            for row in &rows {
+                report.totals.push(aggregate_from_row(row)?);
+            }
+        }
+        report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
 
         tx.commit().await.map_err(db_err)?;
         Ok(report)

@@ -113,10 +113,18 @@ fn fact(project: &str, n: usize) -> UsageFact {
         api_key_id: Some(ApiKeyId::parse(format!("{project}-k1")).expect("key id")),
         agent_id: Some(format!("agent-{n}")),
         actor_id: None,
+        user_id: (n % 4 == 1).then(|| format!("user:u{n}")),
         occurred_at: at() + chrono::Duration::milliseconds(n as i64),
         kind: EventKind::ALL[n % EventKind::ALL.len()],
         outcome: if n % 3 == 0 { Outcome::Failure } else { Outcome::Success },
         rows: n as u64 * 7,
+        tokens: if n % 5 == 2 {
+            vec![meter::TokenUsage { provider: "openai".into(), model: format!("m{n}"), input: n as u64, ..Default::default() }]
+        } else {
+            Vec::new()
+        },
+        storage_bytes: (n % 6 == 3).then_some(n as i64 - 100),
+        meter_type: None,
         reservation_id: None,
         gateway: "gw-test".into(),
     }

@@ -14,10 +14,11 @@ use std::path::PathBuf;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, CounterKey, DesiredQuota,
-    Dimension, EventId, EventKind, FoldBatch, Grants, Metric, MonitorBreach, Mode, OffsetMove,
-    OnUnpriced, Outcome, PortError, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch,
-    QuotaPlan, QuotaSpec, Scope, Store, Totals, UsageFact, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey,
+    DesiredQuota, Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, MeterType,
+    Metric, Mode, MonitorBreach, OffsetMove, OnUnpriced, Outcome, PortError, Price, PriceBook, PriceKey,
+    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store,
+    TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
 };
 use sqlx::{Connection, PgConnection};
 use store::{PgStore, SqliteStore};
@@ -46,6 +47,17 @@ macro_rules! conformance {
             apply_quotas_carries_out_a_plan_with_its_audit_entries,
             a_failing_plan_changes_nothing,
             two_applies_racing_from_the_same_set_one_wins,
+            a_tokens_event_is_priced_at_its_event_time_in_the_fold,
+            refolding_a_tokens_or_storage_event_adds_nothing,
+            the_price_book_round_trips_in_key_order,
+            unpriced_rows_are_recorded_once_and_read_in_order,
+            a_footprint_of_deltas_only_is_their_sum,
+            a_snapshot_resets_the_footprint_to_it_plus_the_deltas_after_it,
+            a_late_snapshot_keeps_only_the_deltas_after_it,
+            the_order_of_storage_facts_does_not_change_the_footprint,
+            concurrent_folds_of_one_project_keep_every_storage_fact,
+            an_exception_is_filed_once_and_counts_its_occurrences,
+            exceptions_page_by_quota_id,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -120,11 +132,7 @@ mod sqlite {
         );
         assert_eq!(
             total(&s, "proj_1", minute).await,
-            Totals {
-                requests: 1,
-                calls: 1,
-                rows: 5
-            }
+            Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() }
         );
         assert_eq!(
             s.offsets("projector", "tollgate.usage").await.expect("offsets"),
@@ -288,19 +296,19 @@ fn project(id: &str, tz: Tz) -> Project {
     }
 }
 
+fn fact(project: &str, id: &str, kind: EventKind, at: &str) -> UsageFact {
+    UsageFact {
+        gateway: "gw-test".into(),
+        ..UsageFact::new(EventId::parse(id).expect("event id"), pid(project), kind, utc(at))
+    }
+}
+
 fn call(project: &str, id: &str, at: &str, rows: u64) -> UsageFact {
     UsageFact {
-        id: EventId::parse(id).expect("event id"),
-        project_id: pid(project),
         api_key_id: Some(ApiKeyId::parse("key_1").expect("key id")),
-        agent_id: None,
         actor_id: Some("user_1".into()),
-        occurred_at: utc(at),
-        kind: EventKind::Call,
-        outcome: Outcome::Success,
         rows,
-        reservation_id: None,
-        gateway: "gw-test".into(),
+        ..fact(project, id, EventKind::Call, at)
     }
 }
 
@@ -385,6 +393,28 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         "duplicate project id"
     );
 
+    // A role with grants and a quota, read back as written.
+    let role = meter::Role {
+        id: meter::RoleId::parse("role_partner").expect("role id"),
+        project_id: p.id.clone(),
+        name: "partner".into(),
+        grants: Grants { max_concurrent: Some(2), query_timeout: Some(30), max_rows: None },
+        quota: Some(meter::RoleQuota { calls: Some(100_000), rows: None, per: meter::Per::Month }),
+        exempt: false,
+        created_at: utc("2026-01-02T03:04:05.123456Z"),
+    };
+    s.create_role(&role).await.expect("create role");
+    assert_eq!(s.role(&role.id).await.expect("read role"), Some(role.clone()));
+    let admins = meter::Role {
+        id: meter::RoleId::parse("role_admins").expect("role id"),
+        quota: None,
+        exempt: true,
+        ..role.clone()
+    };
+    s.create_role(&admins).await.expect("create role");
+    assert_eq!(s.role(&admins.id).await.expect("read role"), Some(admins));
+    assert_eq!(s.role(&meter::RoleId::parse("role_none").expect("id")).await.expect("read"), None);
+
     let k = ApiKey {
         id: ApiKeyId::parse("key_1").expect("key id"),
         project_id: p.id.clone(),
@@ -395,6 +425,7 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
             query_timeout: None,
             max_rows: Some(1000),
         },
+        role_id: Some(role.id.clone()),
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
     s.create_api_key(&k, "hash-1").await.expect("create key");
@@ -690,19 +721,11 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
     assert_eq!(by_counter.len(), report.totals.len(), "each counter once");
     assert_eq!(
         by_counter[&(pid("proj_1"), minute.clone())],
-        Totals {
-            requests: 1,
-            calls: 2,
-            rows: 12
-        }
+        Totals { requests: 1, calls: 2, rows: 12, ..Totals::default() }
     );
     assert_eq!(
         by_counter[&(pid("proj_2"), minute.clone())],
-        Totals {
-            requests: 0,
-            calls: 1,
-            rows: 1
-        }
+        Totals { requests: 0, calls: 1, rows: 1, ..Totals::default() }
     );
     let (_, c, _) = report
         .totals
@@ -731,11 +754,7 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
                 "2026-07-07"
             )
         )],
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 12
-        }
+        Totals { requests: 0, calls: 2, rows: 12, ..Totals::default() }
     );
 
     // A second batch reports the new absolute totals.
@@ -755,11 +774,7 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
         .expect("minute counter reported");
     assert_eq!(
         t,
-        Totals {
-            requests: 1,
-            calls: 3,
-            rows: 112
-        }
+        Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() }
     );
     assert_eq!(total(s, "proj_1", minute.clone()).await, t);
     assert_eq!(
@@ -773,11 +788,7 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
             )
         )
         .await,
-        Totals {
-            requests: 0,
-            calls: 3,
-            rows: 112
-        }
+        Totals { requests: 0, calls: 3, rows: 112, ..Totals::default() }
     );
     assert_eq!(
         total(
@@ -807,11 +818,7 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
         .expect("day still open");
     assert_eq!(
         *day,
-        Totals {
-            requests: 1,
-            calls: 3,
-            rows: 112
-        }
+        Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() }
     );
     assert!(
         s.open_totals(&pid("proj_1"), utc("2026-09-01T00:00:00Z"))
@@ -867,11 +874,7 @@ pub async fn the_same_event_in_two_batches_counts_once(s: &dyn Store) {
     );
     assert_eq!(
         total(s, "proj_1", minute.clone()).await,
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 6
-        }
+        Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
     );
 
     // A batch of nothing but duplicates still moves the offsets and touches no counter.
@@ -888,11 +891,7 @@ pub async fn the_same_event_in_two_batches_counts_once(s: &dyn Store) {
     assert!(report.totals.is_empty());
     assert_eq!(
         total(s, "proj_1", minute).await,
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 6
-        }
+        Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
     );
     assert_eq!(
         s.offsets("projector", "tollgate.usage")
@@ -945,11 +944,7 @@ pub async fn the_same_event_twice_in_one_batch_counts_once(s: &dyn Store) {
     );
     assert_eq!(
         total(s, "proj_1", minute).await,
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 6
-        }
+        Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
     );
 }
 
@@ -1016,11 +1011,7 @@ pub async fn a_fenced_batch_changes_nothing(s: &dyn Store) {
     );
     assert_eq!(
         total(s, "proj_1", minute.clone()).await,
-        Totals {
-            requests: 0,
-            calls: 1,
-            rows: 5
-        }
+        Totals { requests: 0, calls: 1, rows: 5, ..Totals::default() }
     );
 
     // The fenced events were not marked as seen: the right batch folds them.
@@ -1035,11 +1026,7 @@ pub async fn a_fenced_batch_changes_nothing(s: &dyn Store) {
     assert_eq!(report.folded.len(), 1);
     assert_eq!(
         total(s, "proj_1", minute).await,
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 14
-        }
+        Totals { requests: 0, calls: 2, rows: 14, ..Totals::default() }
     );
 }
 
@@ -1079,11 +1066,7 @@ pub async fn two_projectors_racing_from_the_same_offset_fold_once(s: &dyn Store)
     );
     assert_eq!(
         total(s, "proj_1", minute).await,
-        Totals {
-            requests: 0,
-            calls: 2,
-            rows: 2
-        }
+        Totals { requests: 0, calls: 2, rows: 2, ..Totals::default() }
     );
 }
 
@@ -1185,20 +1168,12 @@ pub async fn a_calendar_month_in_kathmandu_lands_in_the_local_month(s: &dyn Stor
     let july = key(Dimension::Project, WindowKind::CalendarMonth, "2026-07");
     assert_eq!(
         total(s, "proj_ktm", august.clone()).await,
-        Totals {
-            requests: 0,
-            calls: 1,
-            rows: 3
-        }
+        Totals { requests: 0, calls: 1, rows: 3, ..Totals::default() }
     );
     assert_eq!(total(s, "proj_ktm", july.clone()).await, Totals::default());
     assert_eq!(
         total(s, "proj_utc", july.clone()).await,
-        Totals {
-            requests: 0,
-            calls: 1,
-            rows: 3
-        }
+        Totals { requests: 0, calls: 1, rows: 3, ..Totals::default() }
     );
     assert_eq!(
         total(s, "proj_utc", august.clone()).await,
@@ -1330,11 +1305,7 @@ pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
         WindowKind::Rolling1m,
         "2026-07-07T12:31Z",
     );
-    let expected = Totals {
-        requests: 0,
-        calls: 5_000,
-        rows: 10_000,
-    };
+    let expected = Totals { calls: 5_000, rows: 10_000, ..Totals::default() };
     assert_eq!(total(s, "proj_1", minute.clone()).await, expected);
     assert_eq!(
         total(
@@ -1347,11 +1318,7 @@ pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
             )
         )
         .await,
-        Totals {
-            requests: 0,
-            calls: 1,
-            rows: 2
-        }
+        Totals { requests: 0, calls: 1, rows: 2, ..Totals::default() }
     );
 
     // Redelivered under new offsets: every id is a duplicate.
@@ -1372,6 +1339,7 @@ fn api_key(id: &str, project: &str) -> ApiKey {
         name: id.into(),
         prefix: "tg_abc".into(),
         grants: Grants::default(),
+        role_id: None,
         created_at: utc("2026-01-02T00:00:00Z"),
     }
 }
@@ -1744,4 +1712,510 @@ pub async fn two_applies_racing_from_the_same_set_one_wins(s: &dyn Store) {
     let log = s.audit(&pid("proj_1"), Some(&aid("aud_a999")), 100).await.expect("audit");
     let winner = if l.is_ok() { &left_audit } else { &right_audit };
     assert_eq!(&log, winner);
+}
+
+// --- Tokens, prices and unpriced rows ---------------------------------------
+
+fn price(model: &str, component: Component, picos: i64, from: &str) -> Price {
+    Price {
+        key: PriceKey { provider: "openai".into(), model: model.into(), component },
+        unit_price_usd: Usd(picos),
+        effective_from: utc(from),
+    }
+}
+
+fn pkey(model: &str, component: Component) -> PriceKey {
+    PriceKey { provider: "openai".into(), model: model.into(), component }
+}
+
+fn usage(model: &str, input: u64, output: u64, cached: u64) -> TokenUsage {
+    TokenUsage { provider: "openai".into(), model: model.into(), input, output, cached, ..TokenUsage::default() }
+}
+
+/// A tokens event of agent `agent_1` and actor `user_1`.
+fn tokens(project: &str, id: &str, at: &str, entries: Vec<TokenUsage>) -> UsageFact {
+    UsageFact {
+        agent_id: Some("agent_1".into()),
+        actor_id: Some("user_1".into()),
+        tokens: entries,
+        ..fact(project, id, EventKind::Tokens, at)
+    }
+}
+
+pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    // $2.50 per million input tokens: 2,500,000 picodollars a token.
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")])
+        .await
+        .expect("prices");
+
+    let e1 = UsageFact {
+        tokens: vec![TokenUsage { reasoning: 50, ..usage("gpt-4o", 1000, 200, 0) }],
+        ..tokens("proj_1", "e1", "2026-07-07T12:31:10Z", Vec::new())
+    };
+    let e2 = tokens("proj_1", "e2", "2026-07-07T12:31:20Z", vec![usage("mystery", 7, 0, 3)]);
+    let e3 = UsageFact {
+        meter_type: Some(MeterType::ComputeExecution),
+        ..tokens("proj_1", "e3", "2026-07-07T12:31:30Z", vec![usage("gpt-4o", 4, 0, 0)])
+    };
+    let report = s.fold_batch(&batch(0, 3, vec![e1, e2, e3])).await.expect("fold");
+    assert_eq!(report.folded.len(), 3);
+
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    let expected = Totals {
+        // 1000 + 200 (reasoning is not billable) + 7 + 3; e3 is not on the AI meter.
+        tokens: 1210,
+        // 1000 × 2,500,000 = $0.0025, exactly.
+        cost_llm_tokens: 2_500_000_000,
+        cost_compute_execution: 4 * 2_500_000,
+        llm_events: 2,
+        llm_priced: 1,
+        llm_unpriced: 2,
+        ..Totals::default()
+    };
+    let reported = report
+        .totals
+        .iter()
+        .find(|(p, c, _)| p == &pid("proj_1") && c.key == minute)
+        .map(|(_, _, t)| *t)
+        .expect("minute reported");
+    assert_eq!(reported, expected);
+    assert_eq!(total(s, "proj_1", minute.clone()).await, expected);
+    // Tokens count for the agent and the actor, never for keys.
+    let agent_day = key(Dimension::Agent("agent_1".into()), WindowKind::Day, "2026-07-07");
+    assert_eq!(total(s, "proj_1", agent_day.clone()).await, expected);
+    let actor_day = key(Dimension::Actor("user_1".into()), WindowKind::Day, "2026-07-07");
+    assert_eq!(total(s, "proj_1", actor_day).await, expected);
+    assert!(!report.totals.iter().any(|(_, c, _)| c.key.dimension == Dimension::AllApiKeys));
+
+    // The unpriced components were remembered on the counters they landed in.
+    let unpriced = vec![
+        pkey("gpt-4o", Component::OutputTokens),
+        pkey("mystery", Component::InputTokens),
+        pkey("mystery", Component::CachedTokens),
+    ];
+    assert_eq!(s.unpriced_rows(&pid("proj_1"), &minute, 10).await.expect("unpriced"), unpriced);
+    assert_eq!(s.unpriced_rows(&pid("proj_1"), &agent_day, 10).await.expect("unpriced"), unpriced);
+
+    // A new price from 12:35 on: an event before it keeps the old price, even
+    // folded after the new row; one after it takes the new one.
+    s.put_prices(&[
+        price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-07T12:35:00Z"),
+        price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-07-07T12:35:00Z"),
+    ])
+    .await
+    .expect("new prices");
+    let report = s
+        .fold_batch(&batch(
+            3,
+            5,
+            vec![
+                tokens("proj_1", "e4", "2026-07-07T12:31:40Z", vec![usage("gpt-4o", 10, 0, 0)]),
+                tokens("proj_1", "e5", "2026-07-07T12:40:00Z", vec![usage("gpt-4o", 100, 1, 0)]),
+            ],
+        ))
+        .await
+        .expect("fold after the new prices");
+    assert_eq!(report.folded.len(), 2);
+    let m = total(s, "proj_1", minute.clone()).await;
+    assert_eq!(m.cost_llm_tokens, 2_500_000_000 + 10 * 2_500_000, "the old price, and e1 unchanged");
+    assert_eq!((m.llm_events, m.llm_priced, m.llm_unpriced), (3, 2, 2));
+    let later = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:40Z");
+    let l = total(s, "proj_1", later.clone()).await;
+    assert_eq!(l.cost_llm_tokens, 100 * 2_000_000 + 10_000_000);
+    assert_eq!((l.llm_events, l.llm_priced, l.llm_unpriced), (1, 1, 0));
+    assert!(s.unpriced_rows(&pid("proj_1"), &later, 10).await.expect("unpriced").is_empty());
+    let day = total(s, "proj_1", key(Dimension::Project, WindowKind::Day, "2026-07-07")).await;
+    assert_eq!(day.cost_llm_tokens, 2_500_000_000 + 25_000_000 + 210_000_000);
+    assert_eq!(day.tokens, 1210 + 10 + 101);
+
+    // open_totals carries every field.
+    let open = s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:59Z")).await.expect("open");
+    let (_, t) = open.iter().find(|(c, _)| c.key == minute).expect("minute open");
+    assert_eq!(*t, m);
+}
+
+pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    let facts = vec![
+        tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 5, 0)]),
+        storage("proj_1", "s1", EventKind::StorageSnapshot, "2026-07-07T12:00:00Z", 1000),
+        storage("proj_1", "s2", EventKind::StorageDelta, "2026-07-07T12:10:00Z", 24),
+    ];
+    s.fold_batch(&batch(0, 3, facts.clone())).await.expect("fold");
+    let day = key(Dimension::Project, WindowKind::Day, "2026-07-07");
+    let before = (
+        total(s, "proj_1", day.clone()).await,
+        total(s, "proj_1", CounterKey::footprint()).await,
+        s.unpriced_rows(&pid("proj_1"), &day, 10).await.expect("unpriced"),
+    );
+    assert_eq!(before.0.cost_llm_tokens, 30);
+    assert_eq!((before.1.storage, before.1.storage_events), (1024, 2));
+    assert_eq!(before.2, vec![pkey("gpt-4o", Component::OutputTokens)]);
+
+    // Redelivered under new offsets, even with a price that would now cover it.
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    let report = s.fold_batch(&batch(3, 6, facts)).await.expect("refold");
+    assert!(report.folded.is_empty());
+    assert_eq!(report.duplicates.len(), 3);
+    assert!(report.totals.is_empty());
+    let after = (
+        total(s, "proj_1", day.clone()).await,
+        total(s, "proj_1", CounterKey::footprint()).await,
+        s.unpriced_rows(&pid("proj_1"), &day, 10).await.expect("unpriced"),
+    );
+    assert_eq!(after, before);
+}
+
+pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
+    assert!(s.prices().await.expect("empty book").is_empty());
+    s.put_prices(&[]).await.expect("nothing to put");
+    let book = vec![
+        price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
+        price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-01T00:00:00Z"),
+        Price {
+            key: PriceKey { provider: "anthropic".into(), model: "claude".into(), component: Component::OutputTokens },
+            unit_price_usd: Usd(15_000_000),
+            effective_from: utc("2026-03-01T00:00:00.123456Z"),
+        },
+        price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z"),
+        price("gpt-4o", Component::OutputTokens, 0, "2026-01-01T00:00:00Z"),
+        // The same key and instant twice in one call: the last one wins.
+        price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-01-01T00:00:00Z"),
+    ];
+    s.put_prices(&book).await.expect("put");
+    let expected = vec![
+        book[2].clone(),
+        // Components in meter's order (input, output, cached), then by time.
+        book[3].clone(),
+        book[1].clone(),
+        book[5].clone(),
+        book[0].clone(),
+    ];
+    assert_eq!(s.prices().await.expect("book"), expected);
+    assert_eq!(s.prices().await.expect("book"), PriceBook::new(book.clone()).prices().collect::<Vec<_>>());
+
+    // A row with the same key and instant is replaced; the others stay.
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")])
+        .await
+        .expect("replace");
+    let got = s.prices().await.expect("book");
+    assert_eq!(got.len(), 5);
+    assert_eq!(got[1].unit_price_usd, Usd(2_400_000));
+
+    // All or nothing: a negative price fails the call and changes nothing.
+    let e = s
+        .put_prices(&[
+            price("gpt-5", Component::InputTokens, 1, "2026-01-01T00:00:00Z"),
+            price("gpt-5", Component::OutputTokens, -1, "2026-01-01T00:00:00Z"),
+        ])
+        .await;
+    assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
+    assert_eq!(s.prices().await.expect("book"), got);
+}
+
+pub async fn unpriced_rows_are_recorded_once_and_read_in_order(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let minute = Counter {
+        key: key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z"),
+        resets_at: Some(utc("2026-07-07T12:32:00Z")),
+    };
+    let agent = Counter {
+        key: key(Dimension::Agent("agent_1".into()), WindowKind::Day, "2026-07-07"),
+        resets_at: Some(utc("2026-07-08T00:00:00Z")),
+    };
+    let row =
+        |counter: &Counter, model: &str, component| UnpricedRow { counter: counter.clone(), key: pkey(model, component) };
+    let rows = vec![
+        row(&minute, "zeta", Component::InputTokens),
+        row(&minute, "gpt-4o", Component::CachedTokens),
+        row(&minute, "gpt-4o", Component::OutputTokens),
+        row(&minute, "gpt-4o", Component::InputTokens),
+        row(&minute, "gpt-4o", Component::OutputTokens),
+        row(&agent, "alpha", Component::OutputTokens),
+        UnpricedRow {
+            counter: minute.clone(),
+            key: PriceKey { provider: "anthropic".into(), model: "zeta".into(), component: Component::CachedTokens },
+        },
+    ];
+    s.record_unpriced(&pid("proj_1"), &rows).await.expect("record");
+    // Idempotent: the gateway and the fold both write them.
+    s.record_unpriced(&pid("proj_1"), &rows[1..3]).await.expect("record again");
+    s.record_unpriced(&pid("proj_1"), &[]).await.expect("record nothing");
+
+    let all = s.unpriced_rows(&pid("proj_1"), &minute.key, 100).await.expect("all");
+    let mut expected: Vec<PriceKey> = rows.iter().filter(|r| r.counter == minute).map(|r| r.key.clone()).collect();
+    expected.sort();
+    expected.dedup();
+    assert_eq!(expected.len(), 5);
+    assert_eq!(all, expected, "distinct, in PriceKey order");
+    assert_eq!(all[0].provider, "anthropic");
+    assert_eq!(
+        all[1..4].iter().map(|k| k.component).collect::<Vec<_>>(),
+        [Component::InputTokens, Component::OutputTokens, Component::CachedTokens]
+    );
+    assert_eq!(s.unpriced_rows(&pid("proj_1"), &minute.key, 2).await.expect("limited"), expected[..2]);
+    assert_eq!(
+        s.unpriced_rows(&pid("proj_1"), &agent.key, 10).await.expect("agent"),
+        vec![pkey("alpha", Component::OutputTokens)]
+    );
+    assert!(s.unpriced_rows(&pid("proj_2"), &minute.key, 10).await.expect("other project").is_empty());
+    let other_window = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:32Z");
+    assert!(s.unpriced_rows(&pid("proj_1"), &other_window, 10).await.expect("other window").is_empty());
+}
+
+// --- The storage footprint ---------------------------------------------------
+
+fn storage(project: &str, id: &str, kind: EventKind, at: &str, bytes: i64) -> UsageFact {
+    UsageFact { storage_bytes: Some(bytes), ..fact(project, id, kind, at) }
+}
+
+fn delta(id: &str, at: &str, bytes: i64) -> UsageFact {
+    storage("proj_1", id, EventKind::StorageDelta, at, bytes)
+}
+
+fn snapshot(id: &str, at: &str, bytes: i64) -> UsageFact {
+    storage("proj_1", id, EventKind::StorageSnapshot, at, bytes)
+}
+
+/// The footprint a fold reported for `project`, checked against what the
+/// store reads back.
+async fn reported_footprint(s: &dyn Store, report: &FoldReport, project: &str) -> Totals {
+    let (_, c, t) = report
+        .totals
+        .iter()
+        .find(|(p, c, _)| p == &pid(project) && c.key == CounterKey::footprint())
+        .expect("footprint reported");
+    assert_eq!(c.resets_at, None, "the footprint never resets");
+    assert_eq!(total(s, project, CounterKey::footprint()).await, *t);
+    *t
+}
+
+fn footprint_of(facts: &[UsageFact]) -> (i64, u64) {
+    let mut f = Footprint::default();
+    for fact in facts {
+        f.apply(fact);
+    }
+    (f.bytes(), f.events())
+}
+
+pub async fn a_footprint_of_deltas_only_is_their_sum(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let facts = vec![
+        delta("d1", "2026-07-07T12:00:00Z", 100),
+        delta("d2", "2026-07-07T12:01:00Z", 50),
+        delta("d3", "2026-07-07T11:00:00Z", -30),
+    ];
+    let report = s.fold_batch(&batch(0, 3, facts.clone())).await.expect("fold");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!(t, Totals { storage: 120, storage_events: 3, ..Totals::default() });
+    assert_eq!((t.storage, t.storage_events), footprint_of(&facts));
+    assert_eq!(report.totals.len(), 1, "a storage fact lands on the footprint only");
+
+    // Below zero is possible (deletes of bytes never measured).
+    let report = s.fold_batch(&batch(3, 4, vec![delta("d4", "2026-07-07T12:02:00Z", -500)])).await.expect("fold");
+    assert_eq!(reported_footprint(s, &report, "proj_1").await.storage, -380);
+
+    // The footprint is open at any time, and seeds the view with the rest.
+    for at in ["2026-07-07T12:00:00Z", "2099-01-01T00:00:00Z"] {
+        let open = s.open_totals(&pid("proj_1"), utc(at)).await.expect("open");
+        let (c, t) = open.iter().find(|(c, _)| c.key == CounterKey::footprint()).expect("footprint open");
+        assert_eq!((c.resets_at, t.storage, t.storage_events), (None, -380, 4));
+    }
+}
+
+pub async fn a_snapshot_resets_the_footprint_to_it_plus_the_deltas_after_it(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let facts = vec![
+        delta("d1", "2026-07-07T12:00:00Z", 100),
+        snapshot("s1", "2026-07-07T12:05:00Z", 1000),
+        // At the snapshot's very instant: already in it.
+        delta("d2", "2026-07-07T12:05:00Z", 7),
+        delta("d3", "2026-07-07T12:06:00Z", 10),
+    ];
+    let report = s.fold_batch(&batch(0, 4, facts.clone())).await.expect("fold");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (1010, 4));
+    assert_eq!((t.storage, t.storage_events), footprint_of(&facts));
+
+    // Two snapshots at one instant: the greater event id wins.
+    let more = vec![snapshot("s3", "2026-07-07T12:10:00Z", 5000), snapshot("s2", "2026-07-07T12:10:00Z", 4000)];
+    let report = s.fold_batch(&batch(4, 6, more.clone())).await.expect("fold");
+    let all: Vec<UsageFact> = facts.into_iter().chain(more).collect();
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (5000, 6));
+    assert_eq!((t.storage, t.storage_events), footprint_of(&all));
+}
+
+pub async fn a_late_snapshot_keeps_only_the_deltas_after_it(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let first = vec![
+        delta("d1", "2026-07-07T12:00:00Z", 100),
+        delta("d2", "2026-07-07T12:10:00Z", 10),
+        delta("d3", "2026-07-07T12:20:00Z", 5),
+    ];
+    let report = s.fold_batch(&batch(0, 3, first.clone())).await.expect("fold");
+    assert_eq!(reported_footprint(s, &report, "proj_1").await.storage, 115);
+
+    // Measured at 12:05, arriving after deltas of 12:10 and 12:20 were folded.
+    let late = vec![snapshot("s1", "2026-07-07T12:05:00Z", 500)];
+    let report = s.fold_batch(&batch(3, 4, late.clone())).await.expect("fold");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (515, 4));
+    let mut all: Vec<UsageFact> = first.into_iter().chain(late).collect();
+    assert_eq!((t.storage, t.storage_events), footprint_of(&all));
+
+    // An even older snapshot changes nothing but the count.
+    let older = snapshot("s0", "2026-07-07T11:00:00Z", 1);
+    let report = s.fold_batch(&batch(4, 5, vec![older.clone()])).await.expect("fold");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (515, 5));
+    all.push(older);
+    assert_eq!((t.storage, t.storage_events), footprint_of(&all));
+}
+
+pub async fn the_order_of_storage_facts_does_not_change_the_footprint(s: &dyn Store) {
+    let facts = vec![
+        delta("e01", "2026-07-07T10:00:00Z", 40),
+        snapshot("e02", "2026-07-07T11:00:00Z", 900),
+        delta("e03", "2026-07-07T11:30:00Z", -25),
+        delta("e04", "2026-07-07T11:00:00Z", 3),
+        snapshot("e05", "2026-07-07T12:00:00Z", 700),
+        delta("e06", "2026-07-07T12:30:00Z", 60),
+        snapshot("e07", "2026-07-07T12:00:00Z", 650),
+        delta("e08", "2026-07-07T13:00:00Z", -10),
+        delta("e09", "2026-07-07T09:00:00Z", 1_000_000),
+        snapshot("e10", "2026-07-07T08:00:00Z", 5),
+    ];
+    let expected = footprint_of(&facts);
+    // For the record: e07 beats e05 at 12:00 (the greater id), then e06 and e08.
+    assert_eq!(expected, (650 + 60 - 10, 10));
+
+    // The same facts, split in two batches, in several orders: one project each.
+    let mut reversed = facts.clone();
+    reversed.reverse();
+    let mut interleaved: Vec<UsageFact> = facts.iter().step_by(2).cloned().collect();
+    interleaved.extend(facts.iter().skip(1).step_by(2).cloned());
+    let orders = [(facts.clone(), 5), (reversed, 3), (interleaved, 5), (facts.clone(), 9)];
+    let mut offset = 0;
+    for (i, (order, split)) in orders.into_iter().enumerate() {
+        let name = format!("proj_{i}");
+        s.create_project(&project(&name, Tz::UTC)).await.expect("create project");
+        let order: Vec<UsageFact> = order.into_iter().map(|f| UsageFact { project_id: pid(&name), ..f }).collect();
+        // After each batch, the footprint of the facts folded so far.
+        let (a, b) = order.split_at(split);
+        for (part, upto) in [(a, split), (b, order.len())] {
+            let report = s.fold_batch(&batch(offset, offset + 1, part.to_vec())).await.expect("fold");
+            offset += 1;
+            let t = reported_footprint(s, &report, &name).await;
+            assert_eq!((t.storage, t.storage_events), footprint_of(&order[..upto]), "order {i}, {upto} facts");
+        }
+        assert_eq!(total(s, &name, CounterKey::footprint()).await.storage, expected.0, "order {i}");
+    }
+}
+
+/// Two projectors on two partitions folding storage facts of one project at
+/// once: the footprint reflects both batches, whichever commits last.
+pub async fn concurrent_folds_of_one_project_keep_every_storage_fact(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let mut all = vec![delta("d0", "2026-07-07T12:00:00Z", 1)];
+    s.fold_batch(&batch(0, 1, all.clone())).await.expect("the footprint row exists");
+    let on = |partition: i32, from: i64, facts: Vec<UsageFact>| FoldBatch {
+        offsets: vec![OffsetMove { partition, from, to: from + 1 }],
+        ..batch(0, 0, facts)
+    };
+    for round in 0..20 {
+        let a = vec![delta(&format!("a{round}"), "2026-07-07T12:01:00Z", 10)];
+        let b = vec![delta(&format!("b{round}"), "2026-07-07T12:02:00Z", 100)];
+        let (ba, bb) = (on(1, round, a.clone()), on(2, round, b.clone()));
+        let (ra, rb) = tokio::join!(s.fold_batch(&ba), s.fold_batch(&bb));
+        ra.expect("partition 1");
+        rb.expect("partition 2");
+        all.extend(a);
+        all.extend(b);
+        let t = total(s, "proj_1", CounterKey::footprint()).await;
+        assert_eq!((t.storage, t.storage_events), footprint_of(&all), "round {round}");
+    }
+}
+
+// --- Exceptions ----------------------------------------------------------------
+
+fn exception(quota: &str, project: &str, at: &str) -> UnpricedException {
+    UnpricedException {
+        project_id: pid(project),
+        quota_id: QuotaId::parse(quota).expect("quota id"),
+        limit: 25_000_000_000_000,
+        window_key: "2026-07".into(),
+        llm_events: 4,
+        unpriced_events: 4,
+        unpriced_rows: vec![pkey("mystery", Component::InputTokens)],
+        // Ignored: the store counts.
+        occurrence_count: 99,
+        first_seen: utc(at),
+        last_seen: utc(at),
+    }
+}
+
+pub async fn an_exception_is_filed_once_and_counts_its_occurrences(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let first = exception("q_cost", "proj_1", "2026-07-07T12:00:00.123456Z");
+    let stored = s.file_exception(&first).await.expect("file");
+    assert_eq!(stored, UnpricedException { occurrence_count: 1, ..first.clone() });
+
+    let again = UnpricedException {
+        limit: 30_000_000_000_000,
+        window_key: "2026-08".into(),
+        llm_events: 9,
+        unpriced_events: 3,
+        unpriced_rows: vec![pkey("mystery", Component::InputTokens), pkey("mystery", Component::OutputTokens)],
+        first_seen: utc("2026-08-01T00:00:00Z"),
+        last_seen: utc("2026-08-01T00:00:00Z"),
+        ..first.clone()
+    };
+    let stored = s.file_exception(&again).await.expect("file again");
+    assert_eq!(
+        stored,
+        UnpricedException { occurrence_count: 2, first_seen: first.first_seen, ..again.clone() },
+        "counted, first_seen kept, the rest replaced"
+    );
+    assert_eq!(s.exceptions(&pid("proj_1"), None, 10).await.expect("list"), vec![stored]);
+
+    // Filed concurrently, each filing counts.
+    let racers: Vec<_> = (0..6)
+        .map(|_| {
+            let e = again.clone();
+            async move { s.file_exception(&e).await.expect("race") }
+        })
+        .collect();
+    futures::future::join_all(racers).await;
+    let listed = s.exceptions(&pid("proj_1"), None, 10).await.expect("list");
+    assert_eq!(listed.iter().map(|e| e.occurrence_count).collect::<Vec<_>>(), [8]);
+
+    // A project that does not exist cannot file one.
+    let e = s.file_exception(&exception("q_ghost", "ghost", "2026-07-07T12:00:00Z")).await;
+    assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
+}
+
+pub async fn exceptions_page_by_quota_id(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    for q in ["q_3", "q_1", "q_5", "q_2", "q_4"] {
+        s.file_exception(&exception(q, "proj_1", "2026-07-07T12:00:00Z")).await.expect("file");
+    }
+    s.file_exception(&exception("q_0", "proj_2", "2026-07-07T12:00:00Z")).await.expect("other project");
+
+    let ids = |page: &[UnpricedException]| page.iter().map(|e| e.quota_id.as_str().to_owned()).collect::<Vec<_>>();
+    let first = s.exceptions(&pid("proj_1"), None, 2).await.expect("page 1");
+    assert_eq!(ids(&first), ["q_1", "q_2"]);
+    let second = s.exceptions(&pid("proj_1"), Some(&first[1].quota_id), 2).await.expect("page 2");
+    assert_eq!(ids(&second), ["q_3", "q_4"]);
+    let third = s.exceptions(&pid("proj_1"), Some(&second[1].quota_id), 2).await.expect("page 3");
+    assert_eq!(ids(&third), ["q_5"]);
+    assert!(s.exceptions(&pid("proj_1"), Some(&third[0].quota_id), 2).await.expect("past the end").is_empty());
+    // The cursor need not exist.
+    let from = QuotaId::parse("q_25").expect("id");
+    assert_eq!(ids(&s.exceptions(&pid("proj_1"), Some(&from), 10).await.expect("after")), ["q_3", "q_4", "q_5"]);
+    assert_eq!(ids(&s.exceptions(&pid("proj_2"), None, 10).await.expect("other")), ["q_0"]);
+    assert!(s.exceptions(&pid("proj_3"), None, 10).await.expect("none").is_empty());
 }

@@ -17,8 +17,9 @@ use std::sync::Arc;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    CheckOutcome, CheckPlan, Counter, CounterKey, Dimension, EventId, Hold, Metric, PlannedLimit, ProjectId,
-    ReservationId, Settlement, Totals, View, WindowKind, window_at,
+    Caller, CheckInput, CheckOutcome, CheckPlan, Counter, CounterKey, Dimension, EventId, Field, Hold, LimitKind,
+    Metric, Mode, PlannedLimit, ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope, Settlement, Totals, View,
+    WindowKind, plan_check, window_at,
 };
 use store::{MemoryView, RedisView};
 use uuid::Uuid;
@@ -52,23 +53,102 @@ fn actor_counter(at: DateTime<Utc>) -> Counter {
     counter(Dimension::Actor("u1".into()), at)
 }
 
-/// A plan over `counters` with `(counter, metric, limit)` enforce limits,
-/// needs and reservations as `plan_check` makes them.
+/// A plan over `counters` with `(counter, metric, limit)` enforce caps on
+/// the metric's field, needs and reservations as `plan_check` makes them
+/// for requests, calls and rows.
 fn plan(counters: &[Counter], limits: &[(usize, Metric, u64)], at: DateTime<Utc>) -> CheckPlan {
     let mut p = CheckPlan { counters: counters.to_vec(), ..CheckPlan::default() };
-    for (qi, &(counter, metric, limit)) in limits.iter().enumerate() {
-        let (need, reserve) = match metric {
-            Metric::Requests => (0, false),
-            Metric::Calls => (1, true),
-            _ => (1, false),
+    for &(counter, metric, limit) in limits {
+        let (field, need, reserve) = match metric {
+            Metric::Requests => (Field::Requests, 0, false),
+            Metric::Calls => (Field::Calls, 1, true),
+            Metric::Rows => (Field::Rows, 1, false),
+            Metric::Tokens => (Field::Tokens, 1, false),
+            Metric::CostUsd => (Field::CostLlmTokens, 1, false),
+            Metric::StorageBytes => (Field::Storage, 1, false),
         };
         if metric == Metric::Requests && !p.count_request.contains(&counter) {
             p.count_request.push(counter);
         }
-        p.limits.push(PlannedLimit { quota: qi, counter, metric, limit, need, enforce: true, reserve });
-        p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
+        push(&mut p, counter, metric, LimitKind::Cap, &[field], limit, need, true, reserve, at);
     }
     p
+}
+
+/// Adds one limit to a plan, as written.
+#[allow(clippy::too_many_arguments)]
+fn push(
+    p: &mut CheckPlan,
+    counter: usize,
+    metric: Metric,
+    kind: LimitKind,
+    fields: &[Field],
+    limit: u64,
+    need: u64,
+    enforce: bool,
+    reserve: bool,
+    at: DateTime<Utc>,
+) {
+    let quota = p.limits.len();
+    p.limits.push(PlannedLimit { quota, counter, metric, kind, fields: fields.to_vec(), limit, need, enforce, reserve });
+    p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
+}
+
+/// A plan of one limit on one counter that neither counts nor reserves.
+fn one_limit(c: &Counter, kind: LimitKind, fields: &[Field], limit: u64, need: u64, enforce: bool, at: DateTime<Utc>) -> CheckPlan {
+    let mut p = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
+    push(&mut p, 0, Metric::CostUsd, kind, fields, limit, need, enforce, false, at);
+    p
+}
+
+/// The project's storage footprint (never resets).
+fn footprint() -> Counter {
+    Counter { key: CounterKey::footprint(), resets_at: None }
+}
+
+/// A durable footprint of `bytes`, reflecting `events` storage facts.
+fn held(bytes: i64, events: u64) -> Totals {
+    Totals { storage: bytes, storage_events: events, ..Totals::default() }
+}
+
+/// What one tokens event adds: `tokens` billable tokens costing `picos` on
+/// the AI meter, priced or not.
+fn tokens(tokens: u64, picos: u64, priced: bool) -> Totals {
+    Totals {
+        tokens,
+        cost_llm_tokens: picos,
+        llm_events: 1,
+        llm_priced: u64::from(priced),
+        llm_unpriced: u64::from(!priced),
+        ..Totals::default()
+    }
+}
+
+async fn settle_one(view: &dyn View, p: &ProjectId, c: &Counter, t: Totals, at: DateTime<Utc>) -> EventId {
+    let e = event();
+    let s = Settlement { event: e.clone(), reservation: None, deltas: vec![(c.clone(), t)] };
+    view.settle(p, &[s], at).await.expect("settle");
+    e
+}
+
+/// A project storage quota of `limit` bytes.
+fn storage_quota(p: &ProjectId, limit: u64, at: DateTime<Utc>) -> Quota {
+    Quota {
+        id: QuotaId::parse(format!("q-{}", uid())).expect("quota id"),
+        spec: QuotaSpec {
+            project_id: p.clone(),
+            scope: Scope::Project,
+            scope_ref: None,
+            metric: Metric::StorageBytes,
+            window: WindowKind::Current,
+            limit,
+            mode: Mode::Enforce,
+            meter_type: None,
+            on_unpriced: None,
+        },
+        created_at: at,
+        updated_at: at,
+    }
 }
 
 fn hold(lease_until: DateTime<Utc>) -> Hold {
@@ -105,7 +185,7 @@ async fn probe(view: &dyn View, p: &ProjectId, c: &Counter, at: DateTime<Utc>) -
 }
 
 fn calls(n: u64, rows: u64) -> Totals {
-    Totals { requests: 0, calls: n, rows }
+    Totals { calls: n, rows, ..Totals::default() }
 }
 
 // ---------------------------------------------------------------- suites
@@ -229,7 +309,7 @@ async fn suite_unsettle_takes_back_pending(view: &dyn View) {
 async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
-    let p = seeded(view, &[(c.clone(), Totals { requests: 4, calls: 10, rows: 100 })]).await;
+    let p = seeded(view, &[(c.clone(), Totals { requests: 4, calls: 10, rows: 100, ..Totals::default() })]).await;
     let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 1000), (0, Metric::Calls, 1000), (0, Metric::Rows, 1000)], at);
     let h = hold(at + Duration::seconds(30));
     let first = check(view, &p, &pl, &h, at).await;
@@ -239,9 +319,9 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     let before = probe(view, &p, &c, at).await;
     assert_eq!(before, vec![11, 105]);
     let u = usage(view, &p, &c, at).await;
-    assert_eq!((u.durable, u.pending), (Totals { requests: 4, calls: 10, rows: 100 }, Totals { requests: 1, calls: 1, rows: 5 }));
+    assert_eq!((u.durable, u.pending), (Totals { requests: 4, calls: 10, rows: 100, ..Totals::default() }, Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() }));
     // The projector folded the request event and the call event.
-    let folded = Totals { requests: 5, calls: 11, rows: 105 };
+    let folded = Totals { requests: 5, calls: 11, rows: 105, ..Totals::default() };
     let events = [h.request_event.clone(), s.event.clone()];
     view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold");
     let u = usage(view, &p, &c, at).await;
@@ -249,12 +329,12 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     assert_eq!(probe(view, &p, &c, at).await, before, "usage changed across the fold");
     // The same fold delivered again changes nothing; an older total never lowers.
     view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold again");
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1 })], &[]).await.expect("stale fold");
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })], &[]).await.expect("stale fold");
     let u = usage(view, &p, &c, at).await;
     assert_eq!((u.durable, u.pending), (folded, Totals::default()));
     // A fold of an event the view never saw only raises totals.
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106 })], &[event()]).await.expect("fold");
-    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 12, rows: 106 });
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() })], &[event()]).await.expect("fold");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() });
 }
 
 async fn suite_expired_leases_free_the_slot(view: &dyn View) {
@@ -315,16 +395,16 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
     let p = project();
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5 })], &[]).await.expect("fold");
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() })], &[]).await.expect("fold");
     assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None, "a fold does not mark the project seeded");
-    view.seed(&p, &[(c.clone(), Totals { requests: 3, calls: 3, rows: 3 })]).await.expect("seed");
-    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5 });
-    view.seed(&p, &[(c.clone(), Totals { requests: 7, calls: 2, rows: 9 })]).await.expect("seed");
-    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 7, calls: 5, rows: 9 });
+    view.seed(&p, &[(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]).await.expect("seed");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() });
+    view.seed(&p, &[(c.clone(), Totals { requests: 7, calls: 2, rows: 9, ..Totals::default() })]).await.expect("seed");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 7, calls: 5, rows: 9, ..Totals::default() });
     // Exact beyond 2^53: totals are compared as decimal strings.
-    let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10 };
+    let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10, ..Totals::default() };
     view.seed(&p, &[(c.clone(), big)]).await.expect("seed");
-    view.seed(&p, &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9 })]).await.expect("seed");
+    view.seed(&p, &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9, ..Totals::default() })]).await.expect("seed");
     assert_eq!(usage(view, &p, &c, at).await.durable, big);
 }
 
@@ -351,7 +431,7 @@ async fn suite_counters_expire_an_hour_after_their_window_resets(view: &dyn View
         resets_at: Some(at - Duration::minutes(minutes)),
     };
     let (gone, kept) = (closed(61, "gone"), closed(59, "kept"));
-    let t = Totals { requests: 1, calls: 2, rows: 3 };
+    let t = Totals { requests: 1, calls: 2, rows: 3, ..Totals::default() };
     let p = seeded(view, &[(gone.clone(), t), (kept.clone(), t)]).await;
     let s = Settlement { event: event(), reservation: None, deltas: vec![(gone.clone(), calls(1, 1)), (kept.clone(), calls(1, 1))] };
     view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
@@ -362,6 +442,179 @@ async fn suite_counters_expire_an_hour_after_their_window_resets(view: &dyn View
     view.unsettle(&p, std::slice::from_ref(&s.event)).await.expect("unsettle");
     assert_eq!(usage(view, &p, &gone, at).await, meter::CounterUsage::default());
     assert_eq!(usage(view, &p, &kept, at).await.pending, Totals::default());
+}
+
+async fn suite_token_and_cost_caps_refuse_at_the_limit(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    // $1,000 in picodollars: still below 2^53, so the byte-exact boundary holds in Lua too.
+    let dollars_1000: u64 = 1_000_000_000_000_000;
+    let p = seeded(view, &[(c.clone(), Totals { tokens: 90, cost_llm_tokens: dollars_1000 - 10, ..Totals::default() })]).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Tokens, 100), (0, Metric::CostUsd, dollars_1000)], at);
+    settle_one(view, &p, &c, tokens(9, 9, true), at).await;
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used.clone()), (true, vec![99, dollars_1000 - 1]), "one below both limits");
+    // Tokens reach their limit: with need 1 the check is refused.
+    settle_one(view, &p, &c, Totals { tokens: 1, ..Totals::default() }, at).await;
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used.clone()), (false, vec![100, dollars_1000 - 1]));
+    // The cost alone at its limit refuses too.
+    let cost = plan(std::slice::from_ref(&c), &[(0, Metric::CostUsd, dollars_1000)], at);
+    assert!(check(view, &p, &cost, &hold(at + Duration::seconds(30)), at).await.admitted);
+    settle_one(view, &p, &c, Totals { cost_llm_tokens: 1, ..Totals::default() }, at).await;
+    let o = check(view, &p, &cost, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used), (false, vec![dollars_1000]));
+}
+
+async fn suite_a_cost_cap_sums_its_cost_fields(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[(c.clone(), Totals { cost_llm_tokens: 10, cost_compute_execution: 20, ..Totals::default() })]).await;
+    settle_one(view, &p, &c, Totals { cost_api_request: 30, cost_storage: 40, tokens: 1000, ..Totals::default() }, at).await;
+    let mut pl = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &Field::COSTS, 101, 1, true, false, at);
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &[Field::CostLlmTokens], 11, 1, true, false, at);
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &[Field::CostComputeExecution, Field::CostApiRequest], 1000, 1, true, false, at);
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used), (true, vec![100, 10, 50]), "tokens are not cost");
+    // One picodollar more on any meter reaches the summed cap.
+    settle_one(view, &p, &c, Totals { cost_storage: 1, ..Totals::default() }, at).await;
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!((o.admitted, o.used), (false, vec![101, 10, 50]));
+}
+
+async fn suite_a_blackout_refuses_the_third_unpriced_event_until_one_is_priced(view: &dyn View) {
+    let at = Utc::now();
+    let (c, other) = (project_counter(at), actor_counter(at));
+    let p = seeded(view, &[]).await;
+    // A cost cap with its blackout and a calls cap on another counter, as a check plans them.
+    let mut pl = CheckPlan { counters: vec![c.clone(), other.clone()], ..CheckPlan::default() };
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &[Field::CostLlmTokens], 1_000_000, 1, true, false, at);
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Blackout, &[Field::LlmEvents], 2, 1, true, false, at);
+    push(&mut pl, 1, Metric::Calls, LimitKind::Cap, &[Field::Calls], 100, 1, true, true, at);
+    let mut monitor = pl.clone();
+    monitor.limits[1].enforce = false;
+    let run = |pl: &CheckPlan| {
+        let pl = pl.clone();
+        let p = p.clone();
+        async move { check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await }
+    };
+    // With need 1 and limit 2, the call that would be the third unpriced
+    // event is refused: the first two pass.
+    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![0, 0, 0] });
+    settle_one(view, &p, &c, tokens(10, 0, false), at).await;
+    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![0, 1, 1] });
+    settle_one(view, &p, &c, tokens(10, 0, false), at).await;
+    // The third refuses, reserving nothing anywhere.
+    assert_eq!(run(&pl).await, CheckOutcome { admitted: false, used: vec![0, 2, 2] });
+    assert_eq!(usage(view, &p, &other, at).await.reserved_calls, 2, "a refused check reserved");
+    // A monitor blackout never refuses (it took a third call slot).
+    assert_eq!(run(&monitor).await, CheckOutcome { admitted: true, used: vec![0, 2, 2] });
+    settle_one(view, &p, &c, tokens(10, 0, false), at).await;
+    assert_eq!(run(&pl).await, CheckOutcome { admitted: false, used: vec![0, 3, 3] });
+    // One priced event lifts it, however many unpriced ones follow.
+    settle_one(view, &p, &c, tokens(10, 5, true), at).await;
+    settle_one(view, &p, &c, tokens(10, 0, false), at).await;
+    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![5, 0, 3] });
+    // Priced usage already durable lifts it too.
+    let q = seeded(view, &[(c.clone(), Totals { llm_events: 7, llm_priced: 1, llm_unpriced: 6, ..Totals::default() })]).await;
+    let bo = one_limit(&c, LimitKind::Blackout, &[Field::LlmEvents], 2, 1, true, at);
+    assert_eq!(check(view, &q, &bo, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+}
+
+async fn suite_a_probe_reports_the_sum_and_never_refuses(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[(c.clone(), Totals { llm_events: 4, llm_unpriced: 3, llm_priced: 1, ..Totals::default() })]).await;
+    settle_one(view, &p, &c, tokens(1, 0, false), at).await;
+    let mut pl = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
+    // Even marked enforce, with a limit of 0 and a need, a probe does not refuse.
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmUnpriced], 0, 1, true, false, at);
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmEvents], 0, 0, false, false, at);
+    push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmPriced, Field::LlmUnpriced], 0, 0, false, false, at);
+    let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
+    assert_eq!(o, CheckOutcome { admitted: true, used: vec![4, 5, 5] });
+}
+
+async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
+    let at = Utc::now();
+    let fp = footprint();
+    let p = seeded(view, &[(fp.clone(), held(1_000, 3))]).await;
+    let q = [storage_quota(&p, 1_500, at)];
+    let write = |delta: i64| {
+        let input = CheckInput { caller: Caller::default(), storage_delta: Some(delta) };
+        plan_check(&q, Tz::UTC, &input, at)
+    };
+    let pl = write(500);
+    assert_eq!((pl.counters.len(), &pl.counters[0].key), (1, &fp.key), "a storage quota reads the footprint");
+    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![1_000] });
+    assert_eq!(check(view, &p, &write(501), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: false, used: vec![1_000] });
+    // A delete settled but not folded lowers the footprint at once.
+    let del = settle_one(view, &p, &fp, held(-300, 1), at).await;
+    let u = usage(view, &p, &fp, at).await;
+    assert_eq!((u.durable, u.pending), (held(1_000, 3), held(-300, 1)));
+    assert!(check(view, &p, &write(800), &hold(at + Duration::seconds(30)), at).await.admitted);
+    assert_eq!(check(view, &p, &write(801), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: false, used: vec![700] });
+    // Pending deletes beyond the footprint read as nothing held, not less.
+    settle_one(view, &p, &fp, held(-900, 1), at).await;
+    assert_eq!(usage(view, &p, &fp, at).await.pending, held(-1_200, 2));
+    assert_eq!(check(view, &p, &write(1_500), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+    // Taking the delete back restores the bytes it removed.
+    view.unsettle(&p, std::slice::from_ref(&del)).await.expect("unsettle");
+    assert_eq!(usage(view, &p, &fp, at).await.pending, held(-900, 1));
+    assert_eq!(check(view, &p, &write(1_400), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![100] });
+    assert!(!check(view, &p, &write(1_401), &hold(at + Duration::seconds(30)), at).await.admitted);
+}
+
+async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View) {
+    let at = Utc::now();
+    let fp = footprint();
+    let p = seeded(view, &[(fp.clone(), Totals { cost_storage: 50, ..held(1_000, 5) })]).await;
+    let e = settle_one(view, &p, &fp, held(-600, 1), at).await;
+    // The fold of the delete lowers the durable footprint and drops its pending delta.
+    view.apply_fold(&p, &[(fp.clone(), Totals { cost_storage: 40, ..held(400, 6) })], std::slice::from_ref(&e)).await.expect("fold");
+    let u = usage(view, &p, &fp, at).await;
+    assert_eq!((u.durable, u.pending), (Totals { cost_storage: 50, ..held(400, 6) }, Totals::default()), "sums still never go down");
+    // Stale totals (fewer or as many storage facts) change nothing, by fold or by seed.
+    view.apply_fold(&p, &[(fp.clone(), held(900, 4))], &[]).await.expect("stale fold");
+    view.apply_fold(&p, &[(fp.clone(), held(2_000, 6))], &[]).await.expect("same-count fold");
+    view.seed(&p, &[(fp.clone(), held(3_000, 5))]).await.expect("late seed");
+    assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(400, 6) });
+    // A total with no storage facts says nothing about the footprint.
+    view.apply_fold(&p, &[(fp.clone(), Totals::default())], &[]).await.expect("empty fold");
+    assert_eq!(usage(view, &p, &fp, at).await.durable.storage, 400);
+    // A newer footprint may be negative (deltas with no snapshot): kept exactly, read as 0.
+    view.apply_fold(&p, &[(fp.clone(), held(-50, 7))], &[]).await.expect("fold");
+    assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(-50, 7) });
+    let pl = one_limit(&fp, LimitKind::Cap, &[Field::Storage], 10, 10, true, at);
+    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+    // A view seeded with a footprint for the first time takes it whatever its count.
+    let fresh = seeded(view, &[(fp.clone(), held(0, 2))]).await;
+    assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
+    view.seed(&fresh, &[(fp.clone(), held(70, 2))]).await.expect("seed");
+    assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
+}
+
+async fn suite_unsettle_of_a_tokens_settlement_takes_back_every_field(view: &dyn View) {
+    let at = Utc::now();
+    let (wide, tight) = (project_counter(at), actor_counter(at));
+    let p = seeded(view, &[]).await;
+    let kept = settle_one(view, &p, &wide, tokens(7, 3, true), at).await;
+    // Beyond 2^53: pending amounts are stored exactly.
+    let big = Totals { cost_compute_execution: 12_345_678_901_234_567, ..tokens(1_000, 9_007_199_254_740_993, false) };
+    let s = Settlement { event: event(), reservation: None, deltas: vec![(wide.clone(), big), (tight.clone(), big)] };
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
+    let mut both = tokens(7, 3, true);
+    both.add(big);
+    assert_eq!(usage(view, &p, &wide, at).await.pending, both);
+    assert_eq!(usage(view, &p, &tight, at).await.pending, big);
+    view.unsettle(&p, std::slice::from_ref(&s.event)).await.expect("unsettle");
+    assert_eq!(usage(view, &p, &wide, at).await.pending, tokens(7, 3, true));
+    assert_eq!(usage(view, &p, &tight, at).await.pending, Totals::default());
+    // A fold drops every field of the event it folds.
+    view.apply_fold(&p, &[(wide.clone(), tokens(7, 3, true))], std::slice::from_ref(&kept)).await.expect("fold");
+    let u = usage(view, &p, &wide, at).await;
+    assert_eq!((u.durable, u.pending), (tokens(7, 3, true), Totals::default()));
 }
 
 // ---------------------------------------------------------------- Redis
@@ -413,6 +666,13 @@ macro_rules! conformance {
             suite_seed_never_lowers_a_total,
             suite_a_retried_check_counts_once,
             suite_counters_expire_an_hour_after_their_window_resets,
+            suite_token_and_cost_caps_refuse_at_the_limit,
+            suite_a_cost_cap_sums_its_cost_fields,
+            suite_a_blackout_refuses_the_third_unpriced_event_until_one_is_priced,
+            suite_a_probe_reports_the_sum_and_never_refuses,
+            suite_a_storage_cap_refuses_past_the_exact_byte,
+            suite_the_footprint_moves_only_with_more_storage_facts,
+            suite_unsettle_of_a_tokens_settlement_takes_back_every_field,
         );
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,6 +702,37 @@ mod redis {
     async fn a_prefix_with_a_hash_tag_is_refused() {
         let err = RedisView::connect(&url(), "tg:{x}:").await.expect_err("prefix with braces");
         assert!(!err.is_transient());
+    }
+
+    /// Event indexes written before the counters had 13 fields hold
+    /// `req,calls,rows`: a prefix of today's value list, so they still read.
+    #[tokio::test]
+    async fn an_event_index_of_an_older_version_is_taken_back() {
+        let fixture = Fresh::new().await;
+        let at = Utc::now();
+        let c = project_counter(at);
+        let p = seeded(&fixture.view, &[]).await;
+        let base = format!("{}{{{}}}:", fixture.prefix, p.as_str());
+        let e = event();
+        let client = ::redis::Client::open(url()).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let ckey = format!("{base}c:{}", c.key.encode());
+        let _: () = ::redis::cmd("HSET")
+            .arg(&ckey)
+            .arg("p_req")
+            .arg(1)
+            .arg("p_calls")
+            .arg(1)
+            .arg("p_rows")
+            .arg(5)
+            .query_async(&mut conn)
+            .await
+            .expect("hset");
+        let _: () = ::redis::cmd("HSET").arg(format!("{base}ev:{e}")).arg(c.key.encode()).arg("1,1,5").query_async(&mut conn).await.expect("hset");
+        assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals { requests: 1, ..calls(1, 5) });
+        fixture.view.unsettle(&p, &[e]).await.expect("unsettle");
+        assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals::default());
+        fixture.cleanup().await;
     }
 
     #[tokio::test]
@@ -503,7 +794,7 @@ mod memory {
         let view = MemoryView::new();
         let c = counter(Dimension::Project, t0());
         let resets = c.resets_at.expect("a day resets");
-        let p = seeded(&view, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1 })]).await;
+        let p = seeded(&view, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })]).await;
         let last = resets + Duration::hours(1) - Duration::milliseconds(1);
         assert_eq!(usage(&view, &p, &c, last).await.durable.calls, 1);
         let gone = resets + Duration::hours(1);

@@ -2,6 +2,7 @@
 //! and a Kafka-protocol broker (see `scripts/test`).
 
 mod harness;
+mod model;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -363,14 +364,12 @@ async fn validity(mode: Mode) {
                 let valid_scope = match m {
                     "requests" => ["project", "api_key"].contains(&s),
                     "calls" | "rows" => ["project", "api_key", "actor"].contains(&s),
-                    _ => false,
+                    "tokens" | "cost_usd" => ["project", "agent", "actor"].contains(&s),
+                    _ => s == "project",
                 };
-                let metered = ["requests", "calls", "rows"].contains(&m);
-                let expect_field = if !metered {
-                    Some("metric")
-                } else if !valid_scope {
+                let expect_field = if !valid_scope {
                     Some("scope")
-                } else if w == "current" {
+                } else if (m == "storage_bytes") != (w == "current") {
                     Some("window")
                 } else {
                     None
@@ -393,7 +392,7 @@ async fn validity(mode: Mode) {
             }
         }
     }
-    assert_eq!(accepted, 5 * (2 + 3 + 3));
+    assert_eq!(accepted, 5 * (2 + 3 + 3 + 3 + 3) + 1);
     let (_, list) = env.admin_get(&format!("/v1/quotas?project_id={pid}")).await;
     assert_eq!(list["data"].as_array().map(Vec::len), Some(accepted), "refusals changed nothing");
 

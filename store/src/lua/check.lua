@@ -17,14 +17,25 @@
 -- ARGV[5]        TTL of the event index (ms)
 -- ARGV[6]        N; then per counter 4 values: name, expire-at (ms, '' = never),
 --                counts the request ('1'/'0'), reserved when admitted ('1'/'0')
--- then           L; then per limit 5 values: counter index (1-based), metric
---                (requests|calls|rows), limit, need, enforce ('1'/'0')
+-- then           L; then per limit 6 values: counter index (1-based), kind
+--                (cap|blackout|probe), fields (short names joined by ','),
+--                limit, need, enforce ('1'/'0')
+--
+-- A limit reads its counter as meter's LimitKind says, with v(f) =
+-- max(0, t_f + p_f) for each of its fields f:
+--   cap       used = sum of v(f) (+ live reservations when calls is among the
+--             fields); refuses when enforce and used + need > limit
+--   blackout  used = sum of v(f) when v(llm_p) = 0 (nothing in the window is
+--             priced), else 0; refuses like a cap
+--   probe     used as a cap; never refuses
+-- Sums and comparisons are doubles (see common.lua for what is exact).
 --
 -- Returns nil when the project is not seeded (and changes nothing), else
--- { admitted (1/0), used_1, ..., used_L }, used = durable + pending (+ live
--- reservations for calls), after this request was counted and before this
--- check's own reservation. A refused check reserves nothing; the request
--- count stays (a refused request is still a request).
+-- decimal strings { admitted ('1'/'0'), used_1, ..., used_L }, each used
+-- after this request was counted and before this check's own reservation.
+-- A refused check reserves nothing; the request count stays (a refused
+-- request is still a request). A malformed plan is refused with an error
+-- before anything is written.
 -- Idempotent per request event and reservation id: a retried check neither
 -- counts its request twice nor counts its own earlier reservation.
 
@@ -36,19 +47,46 @@ local now = ARGV[1]
 local lease = ARGV[2]
 local rid = ARGV[3]
 local n = tonumber(ARGV[6])
-local a = 7
-local names, reserves, exps = {}, {}, {}
-local counted = false
 
+-- The limits, read (and checked) before anything is written.
+local a = 7 + 4 * n
+local limits = {}
+for j = 1, tonumber(ARGV[a]) do
+  local b = a + 1 + 6 * (j - 1)
+  local ci, kind = tonumber(ARGV[b]), ARGV[b + 1]
+  if not ci or ci < 1 or ci > n then
+    return redis.error_reply('tollgate: limit ' .. j .. ' names counter ' .. ARGV[b] .. ' of ' .. n)
+  end
+  if kind ~= 'cap' and kind ~= 'blackout' and kind ~= 'probe' then
+    return redis.error_reply('tollgate: unknown limit kind ' .. kind)
+  end
+  local fields = {}
+  for _, name in ipairs(split(ARGV[b + 2])) do
+    local f = FIELD_AT[name]
+    if not f then
+      return redis.error_reply('tollgate: the view has no counter field ' .. name)
+    end
+    fields[#fields + 1] = f
+  end
+  limits[j] = {
+    ci = ci, kind = kind, fields = fields,
+    limit = tonumber(ARGV[b + 3]), need = tonumber(ARGV[b + 4]), enforce = ARGV[b + 5] == '1',
+  }
+end
+
+-- Purge expired leases; count the request once per event and counter.
+local names, reserves = {}, {}
+local counted = false
+a = 7
 for i = 1, n do
   local ckey, rkey = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
-  names[i], exps[i], reserves[i] = ARGV[a], ARGV[a + 1], ARGV[a + 3]
-  local counts = ARGV[a + 2]
+  names[i], reserves[i] = ARGV[a], ARGV[a + 3]
+  local exp, counts = ARGV[a + 1], ARGV[a + 2]
   a = a + 4
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-  if counts == '1' and redis.call('HSETNX', KEYS[2], names[i], '1,0,0') == 1 then
+  if counts == '1' and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
     redis.call('HINCRBY', ckey, 'p_req', 1)
-    expire_at(ckey, exps[i])
+    expire_at(ckey, exp)
     counted = true
   end
 end
@@ -56,44 +94,51 @@ if counted then
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
 end
 
--- What each counter holds now.
-local req, calls, rows = {}, {}, {}
-for i = 1, n do
-  local ckey, rkey = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
-  local h = redis.call('HMGET', ckey, 't_req', 'p_req', 't_calls', 'p_calls', 't_rows', 'p_rows')
-  local live = redis.call('ZCARD', rkey)
+-- What each counter holds now, read only for the fields some limit needs.
+local seen = {}
+local function value(i, f)
+  local c = seen[i]
+  if not c then
+    c = {}
+    seen[i] = c
+  end
+  if c[f] == nil then
+    local h = redis.call('HMGET', KEYS[2 + 2 * i], T_FIELDS[f], P_FIELDS[f])
+    c[f] = math.max(0, num(h[1]) + num(h[2]))
+  end
+  return c[f]
+end
+
+-- Live reservations on a counter, without this check's own (a retry).
+local function live(i)
+  local rkey = KEYS[3 + 2 * i]
+  local held = redis.call('ZCARD', rkey)
   if redis.call('ZSCORE', rkey, rid) then
-    live = live - 1
+    held = held - 1
   end
-  req[i] = math.max(0, num(h[1]) + num(h[2]))
-  calls[i] = math.max(0, num(h[3]) + num(h[4])) + live
-  rows[i] = math.max(0, num(h[5]) + num(h[6]))
+  return held
 end
 
-local l = tonumber(ARGV[a])
-a = a + 1
-local out = { 1 }
-for j = 1, l do
-  local ci, metric = tonumber(ARGV[a]), ARGV[a + 1]
-  local limit, need, enforce = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
-  a = a + 5
-  local used
-  if metric == 'requests' then
-    used = req[ci]
-  elseif metric == 'calls' then
-    used = calls[ci]
-  elseif metric == 'rows' then
-    used = rows[ci]
-  else
-    return redis.error_reply('tollgate: the view does not count ' .. metric)
+local admitted = true
+local out = { '1' }
+for j, l in ipairs(limits) do
+  local used = 0
+  for _, f in ipairs(l.fields) do
+    used = used + value(l.ci, f)
+    if f == CALLS and l.kind ~= 'blackout' then
+      used = used + live(l.ci)
+    end
   end
-  out[j + 1] = used
-  if enforce == '1' and used + need > limit then
-    out[1] = 0
+  if l.kind == 'blackout' and value(l.ci, LLM_P) > 0 then
+    used = 0
+  end
+  out[j + 1] = string.format('%.0f', used)
+  if l.enforce and l.kind ~= 'probe' and used + l.need > l.limit then
+    admitted = false
   end
 end
 
-if out[1] == 1 then
+if admitted then
   local held = false
   for i = 1, n do
     if reserves[i] == '1' then
@@ -107,6 +152,8 @@ if out[1] == 1 then
   if held then
     extend_expiry(KEYS[3], ARGV[4])
   end
+else
+  out[1] = '0'
 end
 
 return out

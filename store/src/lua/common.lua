@@ -2,24 +2,56 @@
 -- script on its own.
 --
 -- Key layout (P = prefix, p = project id, n = CounterKey::encode()):
---   P{p}:c:<n>        hash  t_req t_calls t_rows (durable, from the projector)
---                           p_req p_calls p_rows (pending: settled, not folded)
+--   P{p}:c:<n>        hash  t_<f> (durable, from the projector) and
+--                           p_<f> (pending: settled, not folded) for each
+--                           field f of FIELDS below; a missing field is 0
 --   P{p}:r:<n>        zset  reservation id -> lease expiry (ms)
 --   P{p}:res:<rid>    set   the counter names a reservation holds
---   P{p}:ev:<event>   hash  counter name -> "req,calls,rows" pending of that event
+--   P{p}:ev:<event>   hash  counter name -> the value list that event added
+--                           to that counter's pending (see below)
 --   P{p}:loaded       the project's durable totals were seeded here
 -- All keys of a project share the hash tag {p}, so keys a script derives at
 -- run time (from `base` = "P{p}:") live in the same cluster slot.
 --
+-- A value list is signed decimals joined by ',' in FIELDS order, trailing
+-- zeros left out (a call with 7 rows is "0,1,7", a request "1"). Leaving the
+-- zeros out keeps the event indexes small, and it is why the three-value
+-- lists "req,calls,rows" of older versions still read correctly.
+--
 -- Numbers: amounts travel as decimal strings and are written with
--- HSET/HINCRBY from those strings, so what is stored is exact (i64). Sums and
--- limit comparisons are done in Lua numbers (doubles): exact below 2^53.
--- Durable totals are compared as canonical decimal strings (exact for u64).
+-- HSET/HINCRBY from those strings, so what is stored is exact (i64 pending,
+-- u64 durable sums). Durable sums are compared as canonical decimal strings
+-- (exact for every u64). Sums and limit comparisons in a check are done in
+-- Lua numbers (doubles): exact up to 2^53 (about 9.007e15). Counts and bytes
+-- stay far below that; costs are picodollars, so a cost comparison above
+-- about $9,007 is approximate, off by at most the doubles' spacing there (at
+-- most 4,096 picodollars below 2^64, i.e. under a millionth of a cent).
+
+-- The counter fields, in meter's Field::ALL order (Field::as_str). All are
+-- sums except sto, the storage footprint (absolute when durable, a delta
+-- when pending), which sto_n (the storage facts it reflects) orders.
+local FIELDS = { 'req', 'calls', 'rows', 'tok', 'c_llm', 'c_cpu', 'c_api', 'c_sto', 'llm', 'llm_p', 'llm_u', 'sto_n', 'sto' }
+local CALLS, LLM_P, STO_N, STO = 2, 10, 12, 13
+local FIELD_AT, T_FIELDS, P_FIELDS = {}, {}, {}
+for i, f in ipairs(FIELDS) do
+  FIELD_AT[f] = i
+  T_FIELDS[i] = 't_' .. f
+  P_FIELDS[i] = 'p_' .. f
+end
 
 -- a > b for canonical non-negative decimal strings.
 local function dec_gt(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
+end
+
+-- The parts of a comma-separated string ('' has none).
+local function split(s)
+  local out = {}
+  for v in string.gmatch(s, '[^,]+') do
+    out[#out + 1] = v
+  end
+  return out
 end
 
 -- Sets an absolute expiry (ms) unless `at` is '' (the counter never resets).
@@ -33,23 +65,51 @@ local function extend_expiry(key, at)
   if cur < 0 or cur < tonumber(at) then redis.call('PEXPIREAT', key, at) end
 end
 
--- t_* = max(current, new): a durable total never goes down.
-local function raise_totals(key, req, calls, rows)
-  local cur = redis.call('HMGET', key, 't_req', 't_calls', 't_rows')
-  local new = { req, calls, rows }
-  local fields = { 't_req', 't_calls', 't_rows' }
-  for i = 1, 3 do
-    if not cur[i] or dec_gt(new[i], cur[i]) then
-      redis.call('HSET', key, fields[i], new[i])
+-- Raises a counter's durable totals to new ones: ARGV[a .. a+12], decimal
+-- strings in FIELDS order.
+-- Sums: t = max(current, new), so a late or repeated fold never lowers one.
+-- The footprint can go down, so max does not apply: t_sto is replaced when
+-- the new one reflects more storage facts (t_sto_n greater, or none stored
+-- yet), and t_sto_n moves with it. A total with no storage facts and no
+-- footprint says nothing about storage (every flow counter) and leaves both.
+-- Zeros are not written where nothing is stored (a missing field reads 0).
+local function raise_totals(key, a)
+  local cur = redis.call('HMGET', key, unpack(T_FIELDS))
+  for i = 1, STO_N - 1 do
+    local new = ARGV[a + i - 1]
+    if (cur[i] or new ~= '0') and (not cur[i] or dec_gt(new, cur[i])) then
+      redis.call('HSET', key, T_FIELDS[i], new)
     end
+  end
+  local n, sto = ARGV[a + STO_N - 1], ARGV[a + STO - 1]
+  if (n ~= '0' or sto ~= '0') and (not cur[STO_N] or dec_gt(n, cur[STO_N])) then
+    redis.call('HSET', key, T_FIELDS[STO_N], n, T_FIELDS[STO], sto)
   end
 end
 
--- Adds (sign '') or subtracts (sign '-') one contribution to a counter's pending.
-local function add_pending(key, sign, req, calls, rows)
-  if req ~= '0' then redis.call('HINCRBY', key, 'p_req', sign .. req) end
-  if calls ~= '0' then redis.call('HINCRBY', key, 'p_calls', sign .. calls) end
-  if rows ~= '0' then redis.call('HINCRBY', key, 'p_rows', sign .. rows) end
+-- -v for a decimal string.
+local function neg(v)
+  if string.sub(v, 1, 1) == '-' then return string.sub(v, 2) end
+  return '-' .. v
+end
+
+-- Whether every part of a value list is a decimal integer.
+local function valid_list(vals)
+  if #vals > #FIELDS then return false end
+  for _, v in ipairs(vals) do
+    if not string.match(v, '^%-?%d+$') then return false end
+  end
+  return true
+end
+
+-- Adds one contribution (the parts of a value list) to a counter's pending,
+-- or takes it back (`back`).
+local function add_pending(key, vals, back)
+  for i, v in ipairs(vals) do
+    if v ~= '0' then
+      redis.call('HINCRBY', key, P_FIELDS[i], back and neg(v) or v)
+    end
+  end
 end
 
 -- Takes back every pending contribution an event recorded, then forgets the
@@ -58,9 +118,9 @@ local function drop_event(base, evkey)
   local kv = redis.call('HGETALL', evkey)
   for i = 1, #kv, 2 do
     local ckey = base .. 'c:' .. kv[i]
-    local req, calls, rows = string.match(kv[i + 1], '^(%d+),(%d+),(%d+)$')
-    if req and redis.call('EXISTS', ckey) == 1 then
-      add_pending(ckey, '-', req, calls, rows)
+    local vals = split(kv[i + 1])
+    if valid_list(vals) and redis.call('EXISTS', ckey) == 1 then
+      add_pending(ckey, vals, true)
     end
   end
   redis.call('DEL', evkey)
@@ -75,8 +135,7 @@ local function release(base, reskey, rid)
   redis.call('DEL', reskey)
 end
 
--- A counter's numbers from HMGET fields (missing = 0).
+-- A counter's number from an HMGET field (missing = 0).
 local function num(v)
   return tonumber(v or '0') or 0
 end
-

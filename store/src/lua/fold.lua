@@ -6,20 +6,23 @@
 -- check would count the event twice (or not at all).
 --
 -- ARGV[1]   base "P{p}:"
--- ARGV[2]   C, the number of counters; then per counter 4 values:
---             expire-at (ms, '' = never), t_req, t_calls, t_rows
+-- ARGV[2]   C, the number of counters; then per counter 14 values:
+--             expire-at (ms, '' = never), then the 13 durable totals in
+--             FIELDS order (decimal strings)
 -- KEYS[1..C]    P{p}:c:<name> per counter
 -- KEYS[C+1..]   P{p}:ev:<event> per folded event
--- A total is never lowered (t = max(current, new)). Does not read or set the
--- loaded marker. Returns C.
+-- Totals are raised as raise_totals says: a sum is never lowered, the
+-- footprint only by one that reflects more storage facts (so a stale fold
+-- delivered late cannot bring back an old footprint). Does not read or set
+-- the loaded marker. Returns C.
 
 local base = ARGV[1]
 local c = tonumber(ARGV[2])
 local a = 3
 for i = 1, c do
-  raise_totals(KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
+  raise_totals(KEYS[i], a + 1)
   expire_at(KEYS[i], ARGV[a])
-  a = a + 4
+  a = a + 1 + #FIELDS
 end
 for i = c + 1, #KEYS do
   drop_event(base, KEYS[i])

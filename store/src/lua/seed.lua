@@ -5,14 +5,17 @@
 --
 -- KEYS[1]       P{p}:loaded
 -- KEYS[2..]     P{p}:c:<name> per counter
--- ARGV          per counter 4 values: expire-at (ms, '' = never), t_req, t_calls, t_rows
--- A total is never lowered (t = max(current, new)). Returns the number of counters.
+-- ARGV          per counter 14 values: expire-at (ms, '' = never), then the
+--               13 durable totals in FIELDS order (decimal strings)
+-- Totals are raised as raise_totals says: a sum is never lowered, the
+-- footprint only by one that reflects more storage facts. Returns the
+-- number of counters.
 
 local a = 1
 for i = 2, #KEYS do
-  raise_totals(KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
+  raise_totals(KEYS[i], a + 1)
   expire_at(KEYS[i], ARGV[a])
-  a = a + 4
+  a = a + 1 + #FIELDS
 end
 redis.call('SET', KEYS[1], '1')
 return #KEYS - 1

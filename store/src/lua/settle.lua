@@ -9,11 +9,14 @@
 -- ARGV[2]   TTL of an event index (ms)
 -- ARGV[3]   S, the number of settlements; then per settlement:
 --             event id, reservation id ('' = none), D = number of deltas,
---             then per delta 5 values: counter name, expire-at (ms, '' = never),
---             req, calls, rows (decimal strings; one delta per counter)
+--             then per delta 3 values: counter name, expire-at (ms, '' =
+--             never), the delta as a value list (see common.lua; '' = all
+--             zero; one delta per counter; sto may be negative)
 -- KEYS, walked in the same order: per settlement
 --             P{p}:ev:<event>, P{p}:res:<rid> (only when a reservation is given),
 --             P{p}:c:<name> per delta
+-- The event index keeps each value list as given, so unsettle and fold take
+-- back exactly what was added, every field included.
 -- Returns the number of settlements whose deltas were added (not already pending).
 
 local base = ARGV[1]
@@ -34,14 +37,18 @@ for _ = 1, s do
   local fresh = redis.call('EXISTS', evkey) == 0
   local wrote = false
   for _ = 1, d do
-    local name, exp, req, calls, rows = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
-    a = a + 5
+    local name, exp, list = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+    a = a + 3
     local ckey = KEYS[k]
     k = k + 1
-    if fresh and (req ~= '0' or calls ~= '0' or rows ~= '0') then
-      add_pending(ckey, '', req, calls, rows)
+    if fresh and list ~= '' then
+      local vals = split(list)
+      if not valid_list(vals) then
+        return redis.error_reply('tollgate: bad value list ' .. list)
+      end
+      add_pending(ckey, vals, false)
       expire_at(ckey, exp)
-      redis.call('HSET', evkey, name, req .. ',' .. calls .. ',' .. rows)
+      redis.call('HSET', evkey, name, list)
       wrote = true
     end
   end

@@ -8,16 +8,18 @@
 -- KEYS[2]   P{p}:c:<name>
 -- KEYS[3]   P{p}:r:<name>
 -- ARGV[1]   now (ms)
--- Returns nil when the project is not seeded, else the decimal strings
--- { t_req, t_calls, t_rows, p_req, p_calls, p_rows, live reservations }.
+-- Returns nil when the project is not seeded, else 27 decimal strings: the
+-- 13 t_<f> in FIELDS order, the 13 p_<f>, then the live reservations.
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return false
 end
-local h = redis.call('HMGET', KEYS[2], 't_req', 't_calls', 't_rows', 'p_req', 'p_calls', 'p_rows')
+local h = redis.call('HMGET', KEYS[2], unpack(T_FIELDS))
+local p = redis.call('HMGET', KEYS[2], unpack(P_FIELDS))
 local out = {}
-for i = 1, 6 do
+for i = 1, #FIELDS do
   out[i] = h[i] or '0'
+  out[#FIELDS + i] = p[i] or '0'
 end
-out[7] = tostring(redis.call('ZCOUNT', KEYS[3], '(' .. ARGV[1], '+inf'))
+out[2 * #FIELDS + 1] = tostring(redis.call('ZCOUNT', KEYS[3], '(' .. ARGV[1], '+inf'))
 return out

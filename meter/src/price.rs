@@ -1,0 +1,444 @@
+//! Money and the price book.
+//!
+//! Money is never a float. Every amount is a whole number of picodollars
+//! (10⁻¹² USD) in an `i64`: a price per token such as $0.01875 per million
+//! tokens (1.875 × 10⁻⁸ USD) is 18,750 picodollars, so quantity × price is
+//! exact and sums of costs are exact. Decimal strings are parsed and printed
+//! with `rust_decimal`; a value with more than 12 decimal places is refused
+//! rather than rounded. The largest amount is about $9.2 million
+//! (`i64::MAX` picodollars); sums saturate there.
+//!
+//! A price applies per (provider, model, component) from its `effective_from`
+//! on; an event is priced by the price in effect at its event time, so
+//! replaying the same events against the same book gives the same cost to the
+//! last picodollar.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+
+use crate::quota::FieldError;
+
+/// Picodollars per dollar.
+pub const PICOS_PER_USD: i64 = 1_000_000_000_000;
+/// Decimal places an amount may carry.
+pub const USD_SCALE: u32 = 12;
+
+/// An amount of US dollars, in picodollars.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Usd(pub i64);
+
+impl Usd {
+    pub const ZERO: Usd = Usd(0);
+
+    pub fn picos(self) -> i64 {
+        self.0
+    }
+
+    /// Whole dollars.
+    pub fn from_dollars(d: i64) -> Option<Usd> {
+        d.checked_mul(PICOS_PER_USD).map(Usd)
+    }
+
+    /// Parses a decimal string of dollars ("2.50", "0.000000018750").
+    pub fn parse(s: &str) -> Result<Usd, String> {
+        let d = Decimal::from_str_exact(s.trim()).map_err(|_| format!("{s:?} is not a decimal number"))?;
+        Usd::from_decimal(d)
+    }
+
+    pub fn from_decimal(d: Decimal) -> Result<Usd, String> {
+        let d = d.normalize();
+        if d.scale() > USD_SCALE {
+            return Err(format!("{d} has more than {USD_SCALE} decimal places"));
+        }
+        let picos = d
+            .checked_mul(Decimal::from(PICOS_PER_USD))
+            .and_then(|p| i64::try_from(p).ok())
+            .ok_or_else(|| format!("{d} is too large"))?;
+        Ok(Usd(picos))
+    }
+
+    pub fn to_decimal(self) -> Decimal {
+        Decimal::from_i128_with_scale(i128::from(self.0), USD_SCALE).normalize()
+    }
+
+    pub fn saturating_add(self, other: Usd) -> Usd {
+        Usd(self.0.saturating_add(other.0))
+    }
+}
+
+impl fmt::Display for Usd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.to_decimal())
+    }
+}
+
+impl FromStr for Usd {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Usd, String> {
+        Usd::parse(s)
+    }
+}
+
+impl TryFrom<String> for Usd {
+    type Error = String;
+    fn try_from(s: String) -> Result<Usd, String> {
+        Usd::parse(&s)
+    }
+}
+
+impl From<Usd> for String {
+    fn from(u: Usd) -> String {
+        u.to_string()
+    }
+}
+
+/// A priced component of token usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Component {
+    /// Uncached input (prompt) tokens.
+    InputTokens,
+    OutputTokens,
+    /// Input tokens served from the provider's cache.
+    CachedTokens,
+}
+
+impl Component {
+    pub const ALL: [Component; 3] = [Component::InputTokens, Component::OutputTokens, Component::CachedTokens];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Component::InputTokens => "input_tokens",
+            Component::OutputTokens => "output_tokens",
+            Component::CachedTokens => "cached_tokens",
+        }
+    }
+}
+
+impl fmt::Display for Component {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Component {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        Component::ALL.into_iter().find(|c| c.as_str() == s).ok_or(())
+    }
+}
+
+/// What a price is for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PriceKey {
+    pub provider: String,
+    pub model: String,
+    pub component: Component,
+}
+
+/// One row of the price book: a unit price from a moment on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Price {
+    #[serde(flatten)]
+    pub key: PriceKey,
+    /// Dollars per unit (one token).
+    pub unit_price_usd: Usd,
+    pub effective_from: DateTime<Utc>,
+}
+
+/// Most characters of a provider or model name.
+pub const MAX_NAME: usize = 200;
+
+/// Checks a provider or model name.
+pub fn check_name(field: &str, s: &str) -> Result<(), FieldError> {
+    if s.is_empty() || s.len() > MAX_NAME || s.chars().any(char::is_control) {
+        return Err(FieldError::new(field, format!("must be 1-{MAX_NAME} printable characters")));
+    }
+    Ok(())
+}
+
+/// Checks a price the way the API does.
+pub fn check_price(p: &Price) -> Result<(), FieldError> {
+    check_name("provider", &p.key.provider)?;
+    check_name("model", &p.key.model)?;
+    if p.unit_price_usd.0 < 0 {
+        return Err(FieldError::new("unit_price_usd", "must not be negative"));
+    }
+    Ok(())
+}
+
+/// Prices by key, each key's rows ordered by `effective_from`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PriceBook {
+    rows: BTreeMap<PriceKey, Vec<(DateTime<Utc>, Usd)>>,
+}
+
+impl PriceBook {
+    pub fn new(prices: impl IntoIterator<Item = Price>) -> PriceBook {
+        let mut book = PriceBook::default();
+        for p in prices {
+            book.insert(p);
+        }
+        book
+    }
+
+    /// Adds a row; a row with the same key and `effective_from` replaces it.
+    pub fn insert(&mut self, p: Price) {
+        let rows = self.rows.entry(p.key).or_default();
+        match rows.binary_search_by(|(t, _)| t.cmp(&p.effective_from)) {
+            Ok(i) => rows[i].1 = p.unit_price_usd,
+            Err(i) => rows.insert(i, (p.effective_from, p.unit_price_usd)),
+        }
+    }
+
+    /// The unit price in effect at `at`, if any row covers it.
+    pub fn price_at(&self, key: &PriceKey, at: DateTime<Utc>) -> Option<Usd> {
+        let rows = self.rows.get(key)?;
+        let i = rows.partition_point(|(t, _)| *t <= at);
+        (i > 0).then(|| rows[i - 1].1)
+    }
+
+    pub fn prices(&self) -> impl Iterator<Item = Price> + '_ {
+        self.rows.iter().flat_map(|(k, rows)| {
+            rows.iter().map(|(t, u)| Price { key: k.clone(), unit_price_usd: *u, effective_from: *t })
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+/// The meters a `cost_usd` quota can name. `llm_tokens` is the AI meter; the
+/// others are platform meters, priced by the operator and never part of the
+/// unpriced verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MeterType {
+    LlmTokens,
+    ComputeExecution,
+    ApiRequest,
+    Storage,
+}
+
+impl MeterType {
+    pub const ALL: [MeterType; 4] =
+        [MeterType::LlmTokens, MeterType::ComputeExecution, MeterType::ApiRequest, MeterType::Storage];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MeterType::LlmTokens => "llm_tokens",
+            MeterType::ComputeExecution => "compute_execution",
+            MeterType::ApiRequest => "api_request",
+            MeterType::Storage => "storage",
+        }
+    }
+}
+
+impl fmt::Display for MeterType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for MeterType {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        MeterType::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
+    }
+}
+
+/// Tokens used from one model of one provider, as an event reports them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct TokenUsage {
+    pub provider: String,
+    pub model: String,
+    /// Uncached input tokens.
+    #[serde(default)]
+    pub input: u64,
+    #[serde(default)]
+    pub output: u64,
+    /// Input tokens served from the provider's cache.
+    #[serde(default)]
+    pub cached: u64,
+    /// Reasoning tokens: a detail, never billed or priced.
+    #[serde(default)]
+    pub reasoning: u64,
+    /// Embedding tokens: priced into the cost, held out of the unpriced verdict.
+    #[serde(default)]
+    pub embedding: bool,
+}
+
+impl TokenUsage {
+    fn components(&self) -> [(Component, u64); 3] {
+        [
+            (Component::InputTokens, self.input),
+            (Component::OutputTokens, self.output),
+            (Component::CachedTokens, self.cached),
+        ]
+    }
+
+    /// Billable tokens: input + output + cached (never reasoning).
+    pub fn billable(&self) -> u64 {
+        self.input.saturating_add(self.output).saturating_add(self.cached)
+    }
+}
+
+/// What pricing one tokens event found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Priced {
+    pub meter: Option<MeterType>,
+    /// Billable tokens (AI meter only).
+    pub tokens: u64,
+    /// The priced cost (the sum of the priced components).
+    pub cost: Usd,
+    /// Whether the event is a metered LLM event for the unpriced verdict:
+    /// on the AI meter, not only embeddings, with a billable quantity.
+    pub llm_event: bool,
+    /// An LLM event with at least one priced (non-embedding) component.
+    pub llm_priced: bool,
+    /// An LLM event with at least one unpriced (non-embedding) component.
+    pub llm_unpriced: bool,
+    /// The distinct (provider, model, component) the verdict reads as unpriced.
+    pub unpriced_rows: BTreeSet<PriceKey>,
+}
+
+/// Prices one event's token usage at its event time.
+pub fn price_tokens(
+    usage: &[TokenUsage],
+    meter: MeterType,
+    at: DateTime<Utc>,
+    book: &PriceBook,
+) -> Priced {
+    let mut out = Priced { meter: Some(meter), ..Priced::default() };
+    let ai = meter == MeterType::LlmTokens;
+    for u in usage {
+        if ai {
+            out.tokens = out.tokens.saturating_add(u.billable());
+        }
+        let verdict = ai && !u.embedding;
+        for (component, qty) in u.components() {
+            if qty == 0 {
+                continue;
+            }
+            let key = PriceKey { provider: u.provider.clone(), model: u.model.clone(), component };
+            match book.price_at(&key, at) {
+                Some(unit) => {
+                    let cost = i128::from(qty) * i128::from(unit.0);
+                    let cost = i64::try_from(cost).unwrap_or(i64::MAX);
+                    out.cost = out.cost.saturating_add(Usd(cost));
+                    if verdict {
+                        out.llm_event = true;
+                        out.llm_priced = true;
+                    }
+                }
+                None => {
+                    if verdict {
+                        out.llm_event = true;
+                        out.llm_unpriced = true;
+                        out.unpriced_rows.insert(key);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether a window's LLM events make a blackout: at least 3 metered, none priced.
+pub fn is_blackout(llm_events: u64, llm_priced_events: u64) -> bool {
+    llm_events >= BLACKOUT_EVENTS && llm_priced_events == 0
+}
+
+/// LLM events a window needs, none of them priced, to be a blackout.
+pub const BLACKOUT_EVENTS: u64 = 3;
+/// Most `unpriced_rows` a refusal or an exception lists.
+pub const MAX_UNPRICED_ROWS: usize = 10;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc)
+    }
+
+    fn key(model: &str, c: Component) -> PriceKey {
+        PriceKey { provider: "openai".into(), model: model.into(), component: c }
+    }
+
+    #[test]
+    fn usd_parses_exactly_and_refuses_what_it_cannot_hold() {
+        assert_eq!(Usd::parse("2.50"), Ok(Usd(2_500_000_000_000)));
+        assert_eq!(Usd::parse("0.000000018750"), Ok(Usd(18_750)));
+        assert_eq!(Usd::parse("0.000000000001"), Ok(Usd(1)));
+        assert!(Usd::parse("0.0000000000001").is_err(), "13 places");
+        assert!(Usd::parse("1e3").is_err());
+        assert!(Usd::parse("abc").is_err());
+        assert!(Usd::parse("99999999").is_err(), "beyond i64 picodollars");
+        assert_eq!(Usd(2_500_000_000_000).to_string(), "2.5");
+        assert_eq!(Usd(18_750).to_string(), "0.00000001875");
+        assert_eq!(Usd(0).to_string(), "0");
+        assert_eq!(Usd::from_dollars(25), Some(Usd(25 * PICOS_PER_USD)));
+    }
+
+    #[test]
+    fn the_price_in_effect_at_the_event_time_applies() {
+        let k = key("gpt-4o", Component::InputTokens);
+        let book = PriceBook::new([
+            Price { key: k.clone(), unit_price_usd: Usd(2_500_000), effective_from: utc("2026-01-01T00:00:00Z") },
+            Price { key: k.clone(), unit_price_usd: Usd(2_000_000), effective_from: utc("2026-07-01T00:00:00Z") },
+        ]);
+        assert_eq!(book.price_at(&k, utc("2025-12-31T23:59:59Z")), None);
+        assert_eq!(book.price_at(&k, utc("2026-01-01T00:00:00Z")), Some(Usd(2_500_000)));
+        assert_eq!(book.price_at(&k, utc("2026-06-30T23:59:59Z")), Some(Usd(2_500_000)));
+        assert_eq!(book.price_at(&k, utc("2026-07-01T00:00:00Z")), Some(Usd(2_000_000)));
+        assert_eq!(book.price_at(&key("gpt-4o", Component::OutputTokens), utc("2026-08-01T00:00:00Z")), None);
+    }
+
+    #[test]
+    fn pricing_keeps_priced_and_unpriced_apart() {
+        let at = utc("2026-07-07T12:00:00Z");
+        let book = PriceBook::new([Price {
+            key: key("gpt-4o", Component::InputTokens),
+            unit_price_usd: Usd(2_500_000),
+            effective_from: utc("2026-01-01T00:00:00Z"),
+        }]);
+        let usage = [TokenUsage {
+            provider: "openai".into(),
+            model: "gpt-4o".into(),
+            input: 1000,
+            output: 200,
+            cached: 0,
+            reasoning: 50,
+            embedding: false,
+        }];
+        let p = price_tokens(&usage, MeterType::LlmTokens, at, &book);
+        assert_eq!(p.tokens, 1200, "reasoning is not billable");
+        assert_eq!(p.cost, Usd(2_500_000_000), "1000 × $0.0000025 = $0.0025");
+        assert!(p.llm_event && p.llm_priced && p.llm_unpriced);
+        assert_eq!(p.unpriced_rows.into_iter().collect::<Vec<_>>(), vec![key("gpt-4o", Component::OutputTokens)]);
+
+        // Embeddings: priced into the cost if a price exists, never in the verdict.
+        let emb = [TokenUsage { provider: "openai".into(), model: "te-3".into(), input: 10, embedding: true, ..Default::default() }];
+        let p = price_tokens(&emb, MeterType::LlmTokens, at, &book);
+        assert!(!p.llm_event && p.unpriced_rows.is_empty());
+        assert_eq!(p.tokens, 10);
+
+        // A platform meter: cost only, no tokens, no verdict.
+        let p = price_tokens(&usage, MeterType::ComputeExecution, at, &book);
+        assert_eq!((p.tokens, p.cost, p.llm_event), (0, Usd(2_500_000_000), false));
+    }
+
+    #[test]
+    fn blackout_needs_three_events_and_none_priced() {
+        assert!(!is_blackout(2, 0));
+        assert!(is_blackout(3, 0));
+        assert!(!is_blackout(3, 1));
+        assert!(!is_blackout(0, 0));
+    }
+}
