@@ -15,6 +15,16 @@
 //!   it ran: a call is admitted while the window's rows are below the limit,
 //!   so the window can end over it by at most the rows of the calls in flight
 //!   at that moment, each bounded by the key's `max_rows`.
+//! - **`tokens` and `cost_usd` are checked before a generation and counted
+//!   after it**: a check is refused once the window's usage is at or over
+//!   the limit, so a budget overshoots by at most the generations in flight.
+//!   Cost is exact money (picodollars, see [`price`]); the view compares it
+//!   in doubles, exactly up to about $9,007 per counter and within 4,096
+//!   picodollars above, while the durable totals stay exact.
+//! - **`storage_bytes` is approximate on the way up**: the footprint is the
+//!   last snapshot plus the deltas settled since, and a write is refused when
+//!   footprint + its delta exceeds the limit; concurrent writes are not
+//!   reserved against each other. Deletes are never refused.
 //! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
 //!   at 12:00:59 and 60 more at 12:01:00.
 //! - **Freshness**: a settled call is in the view before its event is

@@ -349,6 +349,54 @@ pub fn price_tokens(
     out
 }
 
+/// One priced-or-not component of a tokens event, for the usage breakdown
+/// by (provider, model, component): priced and unpriced quantities apart.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ComponentUsage {
+    pub key: PriceKey,
+    pub meter: MeterType,
+    pub embedding: bool,
+    pub priced_quantity: u64,
+    pub unpriced_quantity: u64,
+    /// The cost of the priced quantity.
+    pub cost: Usd,
+}
+
+/// Breaks one event's token usage down by (provider, model, component),
+/// priced at its event time. Components that measured zero are left out;
+/// reasoning tokens are never priced and never listed.
+pub fn component_usage(usage: &[TokenUsage], meter: MeterType, at: DateTime<Utc>, book: &PriceBook) -> Vec<ComponentUsage> {
+    let mut out = Vec::new();
+    for u in usage {
+        for (component, qty) in u.components() {
+            if qty == 0 {
+                continue;
+            }
+            let key = PriceKey { provider: u.provider.clone(), model: u.model.clone(), component };
+            let row = match book.price_at(&key, at) {
+                Some(unit) => ComponentUsage {
+                    cost: Usd(i64::try_from(i128::from(qty) * i128::from(unit.0)).unwrap_or(i64::MAX)),
+                    key,
+                    meter,
+                    embedding: u.embedding,
+                    priced_quantity: qty,
+                    unpriced_quantity: 0,
+                },
+                None => ComponentUsage {
+                    key,
+                    meter,
+                    embedding: u.embedding,
+                    priced_quantity: 0,
+                    unpriced_quantity: qty,
+                    cost: Usd::ZERO,
+                },
+            };
+            out.push(row);
+        }
+    }
+    out
+}
+
 /// Whether a window's LLM events make a blackout: at least 3 metered, none priced.
 pub fn is_blackout(llm_events: u64, llm_priced_events: u64) -> bool {
     llm_events >= BLACKOUT_EVENTS && llm_priced_events == 0
@@ -432,6 +480,23 @@ mod tests {
         // A platform meter: cost only, no tokens, no verdict.
         let p = price_tokens(&usage, MeterType::ComputeExecution, at, &book);
         assert_eq!((p.tokens, p.cost, p.llm_event), (0, Usd(2_500_000_000), false));
+    }
+
+    #[test]
+    fn the_breakdown_adds_up_to_the_priced_cost() {
+        let at = utc("2026-07-07T12:00:00Z");
+        let book = PriceBook::new([Price {
+            key: key("gpt-4o", Component::InputTokens),
+            unit_price_usd: Usd(2_500_000),
+            effective_from: utc("2026-01-01T00:00:00Z"),
+        }]);
+        let usage = [TokenUsage { provider: "openai".into(), model: "gpt-4o".into(), input: 1000, output: 200, cached: 0, reasoning: 9, embedding: false }];
+        let rows = component_usage(&usage, MeterType::LlmTokens, at, &book);
+        assert_eq!(rows.len(), 2, "input and output; cached measured zero, reasoning is never listed");
+        assert_eq!((rows[0].priced_quantity, rows[0].unpriced_quantity, rows[0].cost), (1000, 0, Usd(2_500_000_000)));
+        assert_eq!((rows[1].priced_quantity, rows[1].unpriced_quantity, rows[1].cost), (0, 200, Usd::ZERO));
+        let total = rows.iter().fold(Usd::ZERO, |a, r| a.saturating_add(r.cost));
+        assert_eq!(total, price_tokens(&usage, MeterType::LlmTokens, at, &book).cost);
     }
 
     #[test]

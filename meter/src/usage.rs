@@ -530,6 +530,15 @@ pub fn delta_of(fact: &UsageFact, book: &PriceBook) -> Totals {
     }
 }
 
+/// A tokens fact broken down by (provider, model, component), priced at its
+/// event time; empty for other kinds.
+pub fn component_usage(fact: &UsageFact, book: &PriceBook) -> Vec<crate::price::ComponentUsage> {
+    if fact.kind != EventKind::Tokens {
+        return Vec::new();
+    }
+    crate::price::component_usage(&fact.tokens, fact.meter(), fact.occurred_at, book)
+}
+
 /// Prices a tokens fact at its event time.
 pub fn priced(fact: &UsageFact, book: &PriceBook) -> Priced {
     price_tokens(&fact.tokens, fact.meter(), fact.occurred_at, book)

@@ -3,6 +3,7 @@
 
 mod harness;
 mod model;
+mod roles;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -146,17 +146,46 @@ async fn cost(mode: Mode) {
     assert!(rows.contains(&json!({"provider": "openai", "model": "mystery", "component": "input_tokens"})), "{b}");
     assert_eq!(b["error"]["meta"]["limit"], "25");
 
-    // on_unpriced lives on the quota; monitor never blocks.
-    let (s, _) = env
-        .admin_req(reqwest::Method::PATCH, &format!("/v1/quotas/{cap2}"), Some(json!({"mode": "monitor"})))
+    // Pricing the model's input lifts the blackout: a partly priced window
+    // passes, and the exception keeps counting (output is still unpriced).
+    let (s, b) = env
+        .admin_req(
+            reqwest::Method::PUT,
+            "/v1/prices",
+            Some(json!({"prices": [{"provider": "openai", "model": "mystery", "component": "input_tokens",
+                                    "unit_price_usd": "0.000001", "effective_from": "2026-01-01T00:00:00Z"}]})),
+        )
         .await;
-    assert_eq!(s, 200);
-    tokio::time::sleep(std::time::Duration::from_millis(1200)).await; // the gateway's config cache
+    assert_eq!(s, 200, "{b}");
+    post_ok(&env, vec![tokens_event("u4", &pid2, None, "mystery", 10, 10)]).await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret2, json!({})).await).await;
+    assert_eq!(s, 200, "a partly priced window never refuses: {b}");
+    let mut count = 0;
+    for _ in 0..50 {
+        let (_, ex) = env.admin_get(&format!("/v1/exceptions?project_id={pid2}")).await;
+        assert_eq!(ex["data"].as_array().map(Vec::len), Some(1), "deduplicated on the quota: {ex}");
+        count = ex["data"][0]["occurrence_count"].as_u64().unwrap_or(0);
+        if count >= 3 && ex["data"][0]["llm_events"] == json!(4) {
+            assert_eq!(ex["data"][0]["unpriced_events"], json!(4), "every event has unpriced output: {ex}");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(count >= 3, "one occurrence per check under the degraded cap");
+
+    // Monitor never blocks, whatever on_unpriced says; it still files.
+    let (pid3, _, secret3) = env.project_with_key("UTC").await;
+    env.quota(json!({"project_id": pid3, "scope": "project", "metric": "cost_usd", "window": "day", "limit": 1,
+                     "mode": "monitor", "on_unpriced": "block"}))
+        .await;
+    post_ok(&env, (1..=3).map(|i| tokens_event(&format!("m{i}"), &pid3, None, "mystery2", 10, 10)).collect()).await;
+    let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret3, json!({})).await).await;
     assert_eq!(s, 200, "monitor never blocks: {b}");
-    let (_, ex) = env.admin_get(&format!("/v1/exceptions?project_id={pid2}")).await;
-    assert!(ex["data"][0]["occurrence_count"].as_u64().unwrap_or(0) >= 2, "one item, counted per check: {ex}");
-    assert_eq!(ex["data"].as_array().map(Vec::len), Some(1), "deduplicated on the quota");
+    env.eventually(10, "the monitor quota's exception", || async {
+        let (_, ex) = env.admin_get(&format!("/v1/exceptions?project_id={pid3}")).await;
+        ex["data"].as_array().is_some_and(|d| d.len() == 1)
+    })
+    .await;
 
     // on_unpriced is only for cost_usd; meter types are checked.
     for (body, field) in [
