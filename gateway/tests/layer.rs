@@ -1,6 +1,8 @@
-//! The tower layer, driven through `oneshot` (no sockets) on real backends:
-//! PostgreSQL, Redis and a Kafka-protocol broker on 127.0.0.1, with a fresh
-//! database, Redis prefix and topic prefix per test.
+//! The tower layer, driven through `oneshot` (no sockets), on both kinds of
+//! backend: the distributed ones (PostgreSQL, Redis and a Kafka-protocol
+//! broker on 127.0.0.1, with a fresh database, Redis prefix and topic prefix
+//! per test) and the embedded ones (`gateway::embedded::Embedded`: SQLite log
+//! and store in a fresh file, the in-memory view, the projector as a task).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,7 +50,9 @@ fn safe_timezone() -> chrono_tz::Tz {
 /// One isolated environment with a project and a key in it.
 struct Env {
     state: AppState,
-    view: Arc<RedisView>,
+    view: Arc<dyn View>,
+    /// The embedded deployment and its data directory, kept alive.
+    _embedded: Option<(gateway::embedded::Embedded, std::path::PathBuf)>,
     project: Project,
     key: ApiKey,
     secret: String,
@@ -56,7 +60,67 @@ struct Env {
     hits: Arc<AtomicUsize>,
 }
 
-async fn env() -> Env {
+/// Which backends a test runs on.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Distributed,
+    Embedded,
+}
+
+async fn env(backend: Backend) -> Env {
+    match backend {
+        Backend::Distributed => distributed().await,
+        Backend::Embedded => embedded().await,
+    }
+}
+
+/// A project and a key in it, created through the store.
+async fn project_and_key(store: &dyn Store) -> (Project, ApiKey, String) {
+    let now = Utc::now();
+    let project = Project {
+        id: ProjectId::parse(new_id("proj")).expect("project id"),
+        name: "layer".into(),
+        timezone: safe_timezone(),
+        created_at: now,
+    };
+    store.create_project(&project).await.expect("create project");
+    let secret = format!("tg_{}", random_token(40));
+    let key = ApiKey {
+        id: ApiKeyId::parse(new_id("key")).expect("key id"),
+        project_id: project.id.clone(),
+        name: "k".into(),
+        prefix: secret[..10].to_owned(),
+        grants: Grants::default(),
+        role_id: None,
+        created_at: now,
+    };
+    store.create_api_key(&key, &hash_secret(&secret)).await.expect("create key");
+    (project, key, secret)
+}
+
+async fn embedded() -> Env {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let dir = std::env::temp_dir().join(format!("tg-layer-{id}"));
+    std::fs::create_dir_all(&dir).expect("data dir");
+    let mut settings = Settings::new("admin-token-layer", "gateway-token-layer");
+    settings.instance = format!("layer-{id}");
+    let e = gateway::embedded::Embedded::open(&dir.join("tollgate.db"), settings, Arc::new(SystemClock))
+        .await
+        .expect("open the embedded deployment");
+    let (project, key, secret) = project_and_key(e.state.store.as_ref()).await;
+    let (state, view) = (e.state.clone(), e.state.view.clone());
+    Env { state, view, _embedded: Some((e, dir)), project, key, secret, hits: Arc::default() }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some((_, dir)) = &self._embedded {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+async fn distributed() -> Env {
     let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let db = format!("tg_layer_{id}");
     let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
@@ -81,31 +145,13 @@ async fn env() -> Env {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let log = KafkaLog::new(&kcfg).expect("kafka producer");
-
-    let now = Utc::now();
-    let project = Project {
-        id: ProjectId::parse(new_id("proj")).expect("project id"),
-        name: "layer".into(),
-        timezone: safe_timezone(),
-        created_at: now,
-    };
-    store.create_project(&project).await.expect("create project");
-    let secret = format!("tg_{}", random_token(40));
-    let key = ApiKey {
-        id: ApiKeyId::parse(new_id("key")).expect("key id"),
-        project_id: project.id.clone(),
-        name: "k".into(),
-        prefix: secret[..10].to_owned(),
-        grants: Grants::default(),
-        role_id: None,
-        created_at: now,
-    };
-    store.create_api_key(&key, &hash_secret(&secret)).await.expect("create key");
+    let (project, key, secret) = project_and_key(&store).await;
 
     let mut settings = Settings::new("admin-token-layer", "gateway-token-layer");
     settings.instance = format!("layer-{id}");
+    let view: Arc<dyn View> = view;
     let state = AppState::new(Arc::new(store), view.clone(), Arc::new(log), Arc::new(SystemClock), settings);
-    Env { state, view, project, key, secret, hits: Arc::default() }
+    Env { state, view, _embedded: None, project, key, secret, hits: Arc::default() }
 }
 
 impl Env {
@@ -213,9 +259,8 @@ fn header<'a>(res: &'a Response, name: &str) -> Option<&'a str> {
     res.headers().get(name).map(|v| v.to_str().expect("ascii header"))
 }
 
-#[tokio::test]
-async fn a_calls_quota_refuses_exactly_the_call_after_the_limit() {
-    let env = env().await;
+async fn a_calls_quota_refuses_exactly_the_call_after_the_limit(backend: Backend) {
+    let env = env(backend).await;
     let q = env.quota(Metric::Calls, 3).await;
     for left in [2, 1, 0] {
         let res = env.get("/nothing").await;
@@ -244,9 +289,8 @@ async fn a_calls_quota_refuses_exactly_the_call_after_the_limit() {
     assert_eq!(env.usage().await.calls, 3);
 }
 
-#[tokio::test]
-async fn rows_are_counted_from_the_header_and_the_header_is_stripped() {
-    let env = env().await;
+async fn rows_are_counted_from_the_header_and_the_header_is_stripped(backend: Backend) {
+    let env = env(backend).await;
     env.quota(Metric::Rows, 1000).await;
     let res = env.get("/reports").await;
     assert_eq!(res.status(), StatusCode::OK);
@@ -266,9 +310,8 @@ async fn rows_are_counted_from_the_header_and_the_header_is_stripped() {
     assert_eq!((u.calls, u.rows), (2, 7));
 }
 
-#[tokio::test]
-async fn a_failing_handler_releases_its_reservation_and_counts_nothing() {
-    let env = env().await;
+async fn a_failing_handler_releases_its_reservation_and_counts_nothing(backend: Backend) {
+    let env = env(backend).await;
     env.quota(Metric::Calls, 1).await;
     let res = env.get("/fail").await;
     assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "the service's own answer");
@@ -288,9 +331,8 @@ async fn a_failing_handler_releases_its_reservation_and_counts_nothing() {
     assert_eq!((u.calls, u.rows), (1, 7));
 }
 
-#[tokio::test]
-async fn a_missing_or_unknown_key_is_unauthenticated() {
-    let env = env().await;
+async fn a_missing_or_unknown_key_is_unauthenticated(backend: Backend) {
+    let env = env(backend).await;
     env.quota(Metric::Calls, 10).await;
     for h in [
         None,
@@ -313,9 +355,8 @@ async fn a_missing_or_unknown_key_is_unauthenticated() {
     assert_eq!(env.hits.load(Ordering::SeqCst), 1);
 }
 
-#[tokio::test]
-async fn concurrent_calls_admit_exactly_the_quota() {
-    let env = env().await;
+async fn concurrent_calls_admit_exactly_the_quota(backend: Backend) {
+    let env = env(backend).await;
     env.quota(Metric::Calls, 30).await;
     let app = env.app();
     let mut tasks = Vec::new();
@@ -340,4 +381,54 @@ async fn concurrent_calls_admit_exactly_the_quota() {
     assert_eq!(env.hits.load(Ordering::SeqCst), 30);
     let u = env.usage().await;
     assert_eq!((u.calls, u.rows), (30, 210));
+}
+
+#[tokio::test]
+async fn a_calls_quota_refuses_exactly_the_call_after_the_limit_distributed() {
+    a_calls_quota_refuses_exactly_the_call_after_the_limit(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_calls_quota_refuses_exactly_the_call_after_the_limit_embedded() {
+    a_calls_quota_refuses_exactly_the_call_after_the_limit(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn rows_are_counted_from_the_header_and_the_header_is_stripped_distributed() {
+    rows_are_counted_from_the_header_and_the_header_is_stripped(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn rows_are_counted_from_the_header_and_the_header_is_stripped_embedded() {
+    rows_are_counted_from_the_header_and_the_header_is_stripped(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_failing_handler_releases_its_reservation_and_counts_nothing_distributed() {
+    a_failing_handler_releases_its_reservation_and_counts_nothing(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_failing_handler_releases_its_reservation_and_counts_nothing_embedded() {
+    a_failing_handler_releases_its_reservation_and_counts_nothing(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_missing_or_unknown_key_is_unauthenticated_distributed() {
+    a_missing_or_unknown_key_is_unauthenticated(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_missing_or_unknown_key_is_unauthenticated_embedded() {
+    a_missing_or_unknown_key_is_unauthenticated(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn concurrent_calls_admit_exactly_the_quota_distributed() {
+    concurrent_calls_admit_exactly_the_quota(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn concurrent_calls_admit_exactly_the_quota_embedded() {
+    concurrent_calls_admit_exactly_the_quota(Backend::Embedded).await;
 }
