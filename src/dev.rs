@@ -61,11 +61,10 @@ fn tokens(dir: &Path, admin: Option<String>, gateway: Option<String>) -> anyhow:
 /// The demo project, key and quota, created once; returns (project, key id, secret).
 async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Result<(String, String, String)> {
     let path = dir.join("demo.json");
-    if let Some(v) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()) {
-        if let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str()) {
+    if let Some(v) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        && let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str()) {
             return Ok((p.to_owned(), k.to_owned(), s.to_owned()));
         }
-    }
     let now = clock.now();
     let project = Project {
         id: ProjectId::parse(new_id("proj"))?,

@@ -82,11 +82,10 @@ pub fn parse_grants(v: Option<&Value>) -> ApiResult<Grants> {
     let Value::Object(o) = v else { return Err(ApiError::invalid("grants", "must be an object")) };
     fields::only(o, "grants.", &["max_concurrent", "query_timeout", "max_rows"])?;
     let max_concurrent = fields::opt_count(o, "grants.", "max_concurrent")?;
-    if let Some(c) = max_concurrent {
-        if !(1..=1000).contains(&c) {
+    if let Some(c) = max_concurrent
+        && !(1..=1000).contains(&c) {
             return Err(ApiError::invalid("grants.max_concurrent", "must be between 1 and 1000"));
         }
-    }
     let query_timeout = fields::opt_count(o, "grants.", "query_timeout")?;
     let max_rows = fields::opt_count(o, "grants.", "max_rows")?;
     for (f, v) in [("query_timeout", query_timeout), ("max_rows", max_rows)] {
@@ -163,10 +162,10 @@ pub async fn get_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id)
     // The period is the role quota's when the key has one, else the month.
     let period = role.as_ref().and_then(|r| r.quota).map_or(WindowKind::CalendarMonth, |q| q.per.window());
     let month = window_at(period, project.timezone, now);
-    let counter = CounterKey { dimension: Dimension::ApiKey(kid.clone()), window: month.kind, window_key: month.key.clone() };
-    let (calls, rows) = match counter_count(&s, &project.id, &counter, now).await? {
-        (u, reserved) => (u.calls + reserved, u.rows),
-    };
+    let counter =
+        CounterKey { dimension: Dimension::ApiKey(kid.clone()), window: month.kind, window_key: month.key.clone() };
+    let (u, reserved) = counter_count(&s, &project.id, &counter, now).await?;
+    let (calls, rows) = (u.calls + reserved, u.rows);
     let effective = meter::role::effective_grants(&key.grants, role.as_ref());
     let mut body = key_json(&key);
     body["effective_limits"] = json!({
@@ -369,11 +368,10 @@ pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id)
     // Restating an immutable field at its current value is fine; changing it is not.
     let current = quota_json(&q);
     for f in meter::quota::IMMUTABLE_FIELDS {
-        if let Some(v) = obj.get(f) {
-            if *v != current[f] {
+        if let Some(v) = obj.get(f)
+            && *v != current[f] {
                 return Err(ApiError::invalid(f, "is immutable; replace the quota to change it"));
             }
-        }
     }
     let limit = match fields::limit(&obj, "")? {
         (None, None) => None,

@@ -12,12 +12,14 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub meta: Value,
-    pub headers: HeaderMap,
+    /// Boxed: most errors carry none, and a small error keeps every
+    /// `Result` on the request path small.
+    pub headers: Box<HeaderMap>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into(), meta: json!({}), headers: HeaderMap::new() }
+        ApiError { status, code, message: message.into(), meta: json!({}), headers: Box::default() }
     }
     pub fn with_meta(mut self, meta: Value) -> Self {
         self.meta = meta;
@@ -73,7 +75,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({ "error": { "code": self.code, "message": self.message, "meta": self.meta } });
         let mut res = (self.status, axum::Json(body)).into_response();
-        res.headers_mut().extend(self.headers);
+        res.headers_mut().extend(*self.headers);
         res
     }
 }

@@ -14,11 +14,14 @@ use crate::ids::{EventId, ProjectId};
 use crate::price::PriceBook;
 use crate::usage::{Counter, CounterKey, Totals, UsageFact, counters_for};
 
+/// A counter's folded totals and when its window resets.
+type Entry = (Totals, Option<chrono::DateTime<chrono::Utc>>);
+
 /// Totals folded so far, by project and counter.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fold {
     seen: HashSet<(ProjectId, EventId)>,
-    totals: BTreeMap<(ProjectId, CounterKey), (Totals, Option<chrono::DateTime<chrono::Utc>>)>,
+    totals: BTreeMap<(ProjectId, CounterKey), Entry>,
 }
 
 impl Fold {

@@ -175,7 +175,8 @@ impl<R: LogReader> Projector<R> {
 
         // The view: per project, the new durable totals and the events whose
         // pending deltas they now contain (folded or duplicate alike).
-        let mut per_project: BTreeMap<ProjectId, (Vec<(Counter, Totals)>, Vec<EventId>)> = BTreeMap::new();
+        type Folded = (Vec<(Counter, Totals)>, Vec<EventId>);
+        let mut per_project: BTreeMap<ProjectId, Folded> = BTreeMap::new();
         for (p, c, t) in folded.totals {
             per_project.entry(p).or_default().0.push((c, t));
         }

@@ -116,7 +116,7 @@ fn fact(project: &str, n: usize) -> UsageFact {
         user_id: (n % 4 == 1).then(|| format!("user:u{n}")),
         occurred_at: at() + chrono::Duration::milliseconds(n as i64),
         kind: EventKind::ALL[n % EventKind::ALL.len()],
-        outcome: if n % 3 == 0 { Outcome::Failure } else { Outcome::Success },
+        outcome: if n.is_multiple_of(3) { Outcome::Failure } else { Outcome::Success },
         rows: n as u64 * 7,
         tokens: if n % 5 == 2 {
             vec![meter::TokenUsage { provider: "openai".into(), model: format!("m{n}"), input: n as u64, ..Default::default() }]

@@ -163,12 +163,11 @@ impl Env {
         self.children.push(("gateway".into(), child));
         let url = format!("http://127.0.0.1:{port}");
         for _ in 0..600 {
-            if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await {
-                if r.status().is_success() {
+            if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await
+                && r.status().is_success() {
                     self.gateways.push(url.clone());
                     return url;
                 }
-            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         panic!("gateway did not start on {url}");

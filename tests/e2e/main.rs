@@ -72,7 +72,7 @@ async fn exact_admission(mode: Mode) {
                         assert_eq!(meta["window"], "day");
                         assert!(meta["resets_at"].is_string());
                         let ra: u64 = headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
-                        assert!(ra >= 1 && ra <= 86_400);
+                        assert!((1..=86_400).contains(&ra));
                         assert_eq!(headers["x-quota-remaining-calls"], "0");
                         assert!(headers.contains_key("x-quota-reset"));
                     }
