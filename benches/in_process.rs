@@ -1,0 +1,680 @@
+//! In-process check: an axum service wrapped in [`gateway::TollgateLayer`]
+//! over the embedded backends, against the same axum hello-world baseline as
+//! `hot_path` (baseline B), measured in one run on one machine.
+//!
+//! Everything runs in this process on one tokio multi-thread runtime:
+//!
+//! - baseline: an axum `POST /hello` returning small JSON on `127.0.0.1:0`;
+//! - the Layer: the same app under `TollgateLayer`, over
+//!   [`gateway::embedded::Embedded`] (the SQLite store and log in one file in
+//!   a fresh temporary directory, the in-memory view, the projector as a
+//!   task), with a project, an API key and an enforce `calls`/`day` quota
+//!   with a huge limit on that key, so every call is checked, reserved and
+//!   settled (and its request and call events published);
+//! - diagnostic: the same Layer with the Redis view (`RedisView` at
+//!   `TOLLGATE_TEST_REDIS_URL`, default `redis://127.0.0.1:6379`, under a key
+//!   prefix of its own that is deleted afterwards); skipped when Redis does
+//!   not answer;
+//! - diagnostics, to see where the time goes: the same Layer with the SQLite
+//!   file at `synchronous = NORMAL` instead of `FULL`; with the SQLite log
+//!   but no projector; and with a no-op log and no projector (the layer's own
+//!   cost: identify, check, reserve and settle in the memory view).
+//!
+//! The same HTTP client (reqwest), body and headers drive every variant:
+//! 5,000 sequential requests after 500 warm-up (p50, p99), then 64
+//! concurrent clients for 5 s after a 1 s warm-up (requests/s).
+//!
+//! Run it with `cargo bench --bench in_process` (or `scripts/bench`). Under
+//! `cargo test --all-targets` it returns at once. It never asserts: it prints
+//! a markdown report and writes it to `target/bench-in-process.md`.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::routing::post;
+use chrono::Utc;
+use gateway::embedded::Embedded;
+use gateway::state::{SystemClock, hash_secret, new_id, random_token};
+use gateway::{AppState, Settings, TollgateLayer};
+use meter::{
+    ApiKey, ApiKeyId, Clock, Grants, Metric, Mode, PortError, PortResult, Project, ProjectId, Quota, QuotaId,
+    QuotaSpec, Scope, Store, View, WindowKind,
+};
+use projector::{Projector, ProjectorConfig};
+use serde_json::{Value, json};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use store::{MemoryView, SqliteLog, SqliteStore};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Sequential HTTP requests per latency measurement (after warm-up).
+const HTTP_N: usize = 5_000;
+const HTTP_WARMUP: usize = 500;
+/// Concurrent clients, warm-up and duration of a throughput measurement.
+const CLIENTS: usize = 64;
+const THROUGHPUT_WARMUP_SECS: f64 = 1.0;
+const THROUGHPUT_SECS: f64 = 5.0;
+/// The quota's limit: never reached, so every call is admitted.
+const HUGE_LIMIT: u64 = 1_000_000_000_000;
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this
+    // target without it.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("benchmarks run with cargo bench");
+        return;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("in_process: cannot build the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run()) {
+        eprintln!("in_process: benchmark failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn base_redis() -> String {
+    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Latency percentiles of one sequential run, in microseconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Latency {
+    p50: f64,
+    p99: f64,
+    n: usize,
+    errors: usize,
+}
+
+impl Latency {
+    fn of(mut us: Vec<f64>, errors: usize) -> Latency {
+        us.sort_by(f64::total_cmp);
+        let pick = |p: f64| {
+            if us.is_empty() {
+                return f64::NAN;
+            }
+            let i = ((p * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1;
+            us[i]
+        };
+        Latency { p50: pick(0.50), p99: pick(0.99), n: us.len(), errors }
+    }
+}
+
+/// Requests per second of one run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    per_sec: f64,
+    done: u64,
+    errors: u64,
+    secs: f64,
+}
+
+/// Runs `op` `n` times in sequence (after `warmup` untimed runs).
+async fn sequential<F, Fut>(warmup: usize, n: usize, mut op: F) -> Latency
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    for _ in 0..warmup {
+        op().await;
+    }
+    let mut us = Vec::with_capacity(n);
+    let mut errors = 0;
+    for _ in 0..n {
+        let t = Instant::now();
+        let ok = op().await;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+        if !ok {
+            errors += 1;
+        }
+    }
+    Latency::of(us, errors)
+}
+
+/// `clients` tasks calling `op` in a loop for `secs` seconds.
+async fn throughput<F, Fut>(clients: usize, secs: f64, op: F) -> Rate
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send,
+{
+    let ok = Arc::new(AtomicU64::new(0));
+    let bad = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let (op, ok, bad) = (op.clone(), ok.clone(), bad.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                if op().await {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    bad.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let done = ok.load(Ordering::Relaxed);
+    Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed }
+}
+
+/// One POST of `body` with the key as `Authorization: Bearer`, the way the
+/// layer reads it; true on a 2xx answer whose body was read completely.
+async fn post_json(http: &reqwest::Client, url: &str, secret: &str, body: &Value) -> bool {
+    match http.post(url).bearer_auth(secret).json(body).send().await {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            r.bytes().await.is_ok() && ok
+        }
+        Err(_) => false,
+    }
+}
+
+async fn serve(router: axum::Router) -> AnyResult<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(format!("http://{addr}"))
+}
+
+/// The baseline handler: `hot_path`'s baseline B.
+async fn hello() -> Json<Value> {
+    Json(json!({"allowed": true}))
+}
+
+fn hello_app() -> axum::Router {
+    axum::Router::new().route("/hello", post(hello))
+}
+
+/// One variant's numbers: latency, throughput, and what it wrote.
+#[derive(Debug, Clone, Default)]
+struct Variant {
+    lat: Latency,
+    rate: Rate,
+    /// 2xx answers over every run of this variant, warm-ups included.
+    answered: u64,
+    /// Records in the SQLite log after the runs (a request and a call event
+    /// per admitted call), when they could be counted.
+    log_records: Option<i64>,
+}
+
+/// Sequential latency, then throughput, of POST `url`.
+async fn measure(http: &reqwest::Client, url: &str, secret: &str, body: &Value) -> Variant {
+    let answered = Arc::new(AtomicU64::new(0));
+    let op = {
+        let (h, u, s, b, answered) = (http.clone(), url.to_owned(), secret.to_owned(), body.clone(), answered.clone());
+        move || {
+            let (h, u, s, b, answered) = (h.clone(), u.clone(), s.clone(), b.clone(), answered.clone());
+            async move {
+                let ok = post_json(&h, &u, &s, &b).await;
+                if ok {
+                    answered.fetch_add(1, Ordering::Relaxed);
+                }
+                ok
+            }
+        }
+    };
+    eprintln!("in_process:   {HTTP_N} sequential (after {HTTP_WARMUP} warm-up)");
+    let lat = sequential(HTTP_WARMUP, HTTP_N, op.clone()).await;
+    eprintln!("in_process:   {CLIENTS} clients for {THROUGHPUT_SECS} s (after {THROUGHPUT_WARMUP_SECS} s warm-up)");
+    throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
+    let rate = throughput(CLIENTS, THROUGHPUT_SECS, op).await;
+    Variant { lat, rate, answered: answered.load(Ordering::Relaxed), log_records: None }
+}
+
+/// A project, an API key (its secret is returned) and an enforce `calls`
+/// quota on that key that is never reached, through the Store port.
+async fn project_with_quota(store: &dyn Store, name: &str) -> AnyResult<String> {
+    let now = Utc::now();
+    let project = Project {
+        id: ProjectId::parse(new_id("proj"))?,
+        name: name.into(),
+        timezone: chrono_tz::Tz::UTC,
+        created_at: now,
+    };
+    store.create_project(&project).await?;
+    let secret = format!("tg_{}", random_token(40));
+    let key = ApiKey {
+        id: ApiKeyId::parse(new_id("key"))?,
+        project_id: project.id.clone(),
+        name: "bench".into(),
+        prefix: secret.chars().take(10).collect(),
+        grants: Grants::default(),
+        role_id: None,
+        created_at: now,
+    };
+    store.create_api_key(&key, &hash_secret(&secret)).await?;
+    let quota = Quota {
+        id: QuotaId::parse(new_id("quota"))?,
+        spec: QuotaSpec {
+            project_id: project.id.clone(),
+            scope: Scope::ApiKey,
+            scope_ref: Some(key.id.to_string()),
+            metric: Metric::Calls,
+            window: WindowKind::Day,
+            limit: HUGE_LIMIT,
+            mode: Mode::Enforce,
+            meter_type: None,
+            on_unpriced: None,
+        },
+        created_at: now,
+        updated_at: now,
+    };
+    store.create_quota(&quota).await?;
+    Ok(secret)
+}
+
+/// One request through the layer, to see that it admits and meters before
+/// anything is timed: a 2xx with the admission's `X-Quota-*` headers.
+async fn probe(http: &reqwest::Client, url: &str, secret: &str, body: &Value) -> AnyResult<String> {
+    let r = http.post(url).bearer_auth(secret).json(body).send().await?;
+    let status = r.status();
+    let quota: Vec<String> = r
+        .headers()
+        .iter()
+        .filter(|(n, _)| n.as_str().starts_with("x-quota"))
+        .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap_or("?")))
+        .collect();
+    let text = r.text().await?;
+    if !status.is_success() {
+        return Err(format!("the layer answered {status}: {text}").into());
+    }
+    if quota.is_empty() {
+        return Err("the layer answered without X-Quota-* headers: is the quota planned?".into());
+    }
+    Ok(quota.join(", "))
+}
+
+/// Records in the SQLite log of `path`, counted on a connection of our own.
+async fn log_records(path: &Path) -> Option<i64> {
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(path).read_only(true);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.ok()?;
+    let n: Option<i64> = sqlx::query_scalar("SELECT COUNT(*) FROM log_records").fetch_one(&pool).await.ok();
+    pool.close().await;
+    n
+}
+
+/// What the layer runs on.
+enum Backend {
+    /// `Embedded::open`: the SQLite store and log, the in-memory view.
+    Memory,
+    /// `Embedded::open_with_view` with this view (Redis).
+    View(Arc<dyn View>),
+    /// Diagnostic: as `Embedded::open`, built by hand the same way, but the
+    /// SQLite file with `synchronous = NORMAL` (no fsync per commit in WAL
+    /// mode) instead of `FULL`: what durability costs.
+    SyncNormal,
+    /// Diagnostic: as `Embedded::open` (`synchronous = FULL`) but without
+    /// the projector: what its folds, writing to the same file, cost.
+    NoProjector,
+    /// Diagnostic: the SQLite store and the in-memory view with a log that
+    /// keeps nothing, and no projector: the layer's own cost.
+    NullLog,
+}
+
+/// A running backend, to stop once measured.
+enum Running {
+    Embedded(Embedded),
+    Projector(oneshot::Sender<()>, JoinHandle<PortResult<()>>),
+    Nothing,
+}
+
+impl Running {
+    async fn stop(self) {
+        let r = match self {
+            Running::Embedded(e) => e.shutdown().await,
+            Running::Projector(stop, task) => {
+                let _ = stop.send(());
+                task.await.unwrap_or_else(|e| Err(PortError::Permanent(format!("projector task: {e}"))))
+            }
+            Running::Nothing => Ok(()),
+        };
+        if let Err(e) = r {
+            eprintln!("in_process: projector stopped with an error: {e}");
+        }
+    }
+}
+
+/// The SQLite pool of `SqliteStore::open`, with `synchronous` as given.
+async fn sqlite_pool(path: &Path, synchronous: SqliteSynchronous) -> AnyResult<SqlitePool> {
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(synchronous)
+        .foreign_keys(true)
+        .busy_timeout(Duration::from_secs(10));
+    Ok(SqlitePoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await?)
+}
+
+/// Starts `backend` on the SQLite file at `path`.
+async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> {
+    let mut settings = Settings::new(random_token(32), random_token(32));
+    settings.instance = format!("bench-{}", random_token(6));
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    Ok(match backend {
+        Backend::Memory => {
+            let e = Embedded::open(path, settings, clock).await?;
+            (e.state.clone(), Running::Embedded(e))
+        }
+        Backend::View(view) => {
+            let e = Embedded::open_with_view(path, settings, clock, view).await?;
+            (e.state.clone(), Running::Embedded(e))
+        }
+        Backend::SyncNormal => {
+            // What `Embedded::open_with_view` does, on a pool of our own.
+            let store = SqliteStore::from_pool(sqlite_pool(path, SqliteSynchronous::Normal).await?);
+            store.migrate().await?;
+            let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+            log.ensure_schema().await?;
+            let reader = log.reader();
+            let topic = log.usage_topic().to_owned();
+            let store: Arc<dyn Store> = Arc::new(store);
+            let view: Arc<dyn View> = Arc::new(MemoryView::new());
+            let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
+            let projector = Projector::new(reader, store, view, clock, ProjectorConfig::new(topic));
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(projector.run(async move {
+                let _ = stopped.await;
+            }));
+            (state, Running::Projector(stop, task))
+        }
+        Backend::NoProjector => {
+            let store = SqliteStore::open(path).await?;
+            store.migrate().await?;
+            let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+            log.ensure_schema().await?;
+            let view: Arc<dyn View> = Arc::new(MemoryView::new());
+            (AppState::new(Arc::new(store), view, Arc::new(log), clock, settings), Running::Nothing)
+        }
+        Backend::NullLog => {
+            let store = SqliteStore::open(path).await?;
+            store.migrate().await?;
+            let state = AppState::new(Arc::new(store), Arc::new(MemoryView::new()), Arc::new(NullLog), clock, settings);
+            (state, Running::Nothing)
+        }
+    })
+}
+
+/// A log that accepts everything and keeps nothing (diagnostics only).
+struct NullLog;
+
+#[async_trait::async_trait]
+impl meter::Log for NullLog {
+    async fn publish(&self, _facts: &[meter::UsageFact]) -> PortResult<()> {
+        Ok(())
+    }
+}
+
+/// A Tollgate on `backend` in `path`, the hello-world app under its layer,
+/// and the measurements of it (and the admission headers of a probe).
+async fn layered(http: &reqwest::Client, path: &Path, backend: Backend, body: &Value) -> AnyResult<(Variant, String)> {
+    let (state, running) = start(path, backend).await?;
+    let secret = project_with_quota(state.store.as_ref(), "bench-in-process").await?;
+    let url = format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?);
+    let headers = probe(http, &url, &secret, body).await?;
+    let mut v = measure(http, &url, &secret, body).await;
+    v.answered += 1; // the probe
+    // Let the background request-event publishes drain, then stop the projector.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    v.log_records = log_records(path).await;
+    running.stop().await;
+    Ok((v, headers))
+}
+
+/// Deletes every key under `prefix`.
+async fn delete_prefix(prefix: &str) {
+    let Ok(client) = redis::Client::open(base_redis()) else { return };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return };
+    let mut cursor = 0u64;
+    loop {
+        let page: Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await;
+        let Ok((next, keys)) = page else { break };
+        if !keys.is_empty() {
+            let _: Result<(), _> = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await;
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+}
+
+/// The Redis view, or why it is not there.
+async fn redis_view(prefix: &str) -> Result<Arc<dyn View>, String> {
+    let url = base_redis();
+    let ping = async {
+        let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+        let mut conn = client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await.map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(Duration::from_secs(3), ping).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(format!("Redis at {url} does not answer: {e}")),
+        Err(_) => return Err(format!("Redis at {url} does not answer within 3 s")),
+    }
+    match store::RedisView::connect(&url, prefix).await {
+        Ok(v) => Ok(Arc::new(v)),
+        Err(e) => Err(format!("RedisView at {url}: {e}")),
+    }
+}
+
+struct Results {
+    load_before: String,
+    load_after: String,
+    workers: usize,
+    dir: PathBuf,
+    hello: Variant,
+    layer: Variant,
+    layer_headers: String,
+    redis: Result<Variant, String>,
+    sync_normal: Variant,
+    no_projector: Variant,
+    null_log: Variant,
+}
+
+async fn run() -> AnyResult<()> {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    eprintln!("in_process: run {id}; {workers} worker threads");
+    let load_before = loadavg();
+
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-{id}"));
+    std::fs::create_dir_all(&dir)?;
+    let redis_prefix = format!("tgbench-inproc:{id}:");
+    let result = measure_all(&dir, &redis_prefix, workers, load_before).await;
+    delete_prefix(&redis_prefix).await;
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        eprintln!("in_process: could not remove {}: {e}", dir.display());
+    }
+
+    let r = result?;
+    let report = report(&r);
+    println!("\n{report}");
+    let target =
+        std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target").into());
+    let path = Path::new(&target).join("bench-in-process.md");
+    match std::fs::write(&path, &report) {
+        Ok(()) => eprintln!("in_process: report written to {}", path.display()),
+        Err(e) => eprintln!("in_process: could not write {}: {e}", path.display()),
+    }
+    Ok(())
+}
+
+async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before: String) -> AnyResult<Results> {
+    // One client for every HTTP measurement, as in hot_path.
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
+    // hot_path's check body; the key itself goes in `Authorization: Bearer`.
+    let secret_shape = format!("tg_{}", random_token(40));
+    let body = json!({ "api_key": secret_shape });
+
+    eprintln!("in_process: hello-world");
+    let hello_url = format!("{}/hello", serve(hello_app()).await?);
+    let hello = measure(&http, &hello_url, &secret_shape, &body).await;
+
+    eprintln!("in_process: TollgateLayer over the embedded view (SQLite store and log, in-memory view)");
+    let (layer, layer_headers) = layered(&http, &dir.join("memory.db"), Backend::Memory, &body).await?;
+
+    eprintln!("in_process: diagnostics: TollgateLayer with the Redis view (SQLite store and log)");
+    let redis = match redis_view(redis_prefix).await {
+        Ok(view) => layered(&http, &dir.join("redis.db"), Backend::View(view), &body)
+            .await
+            .map(|(v, _)| v)
+            .map_err(|e| e.to_string()),
+        Err(why) => Err(why),
+    };
+    if let Err(why) = &redis {
+        eprintln!("in_process: Redis variant skipped: {why}");
+    }
+
+    eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite with synchronous = NORMAL");
+    let (sync_normal, _) = layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body).await?;
+
+    eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite log, no projector");
+    let (no_projector, _) = layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body).await?;
+
+    eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, no-op log");
+    let (null_log, _) = layered(&http, &dir.join("nulllog.db"), Backend::NullLog, &body).await?;
+
+    Ok(Results {
+        load_before,
+        load_after: loadavg(),
+        workers,
+        dir: dir.to_owned(),
+        hello,
+        layer,
+        layer_headers,
+        redis,
+        sync_normal,
+        no_projector,
+        null_log,
+    })
+}
+
+/// The 1, 5 and 15 minute load averages (Linux), to judge how quiet the machine was.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn ms(us: f64) -> String {
+    format!("{:.3} ms", us / 1000.0)
+}
+
+fn lat_row(name: &str, l: &Latency) -> String {
+    let err = if l.errors > 0 { format!(" ({} errors)", l.errors) } else { String::new() };
+    format!("| {name} | HTTP POST, sequential | {} | {} | n = {}{err} |\n", ms(l.p50), ms(l.p99), l.n)
+}
+
+fn rate_row(name: &str, r: &Rate) -> String {
+    let err = if r.errors > 0 { format!(", {} errors", r.errors) } else { String::new() };
+    format!(
+        "| {name} | {CLIENTS} concurrent clients, {THROUGHPUT_SECS} s | {:.0} req/s | | {} in {:.2} s{err} |\n",
+        r.per_sec, r.done, r.secs
+    )
+}
+
+fn ratio_rows(name: &str, v: &Variant, hello: &Variant) -> String {
+    format!(
+        "| {name} | {:+.3} ms | {:+.3} ms | {:.3} ({:.0} / {:.0} req/s) |\n",
+        (v.lat.p50 - hello.lat.p50) / 1000.0,
+        (v.lat.p99 - hello.lat.p99) / 1000.0,
+        v.rate.per_sec / hello.rate.per_sec,
+        v.rate.per_sec,
+        hello.rate.per_sec,
+    )
+}
+
+fn log_note(v: &Variant) -> String {
+    match v.log_records {
+        Some(n) => format!(
+            "{n} records in the SQLite log for {} admitted calls ({:.2} per call; a request and a call event each)",
+            v.answered,
+            n as f64 / v.answered.max(1) as f64
+        ),
+        None => format!("{} admitted calls; the SQLite log could not be counted", v.answered),
+    }
+}
+
+const LAYER: &str = "Layer, embedded (memory view)";
+const REDIS: &str = "Layer, Redis view (diagnostic)";
+const NORMAL: &str = "Layer, memory view, SQLite `synchronous = NORMAL` (diagnostic)";
+const NO_PROJECTOR: &str = "Layer, memory view, SQLite log, no projector (diagnostic)";
+const NULL_LOG: &str = "Layer, memory view, no-op log, no projector (diagnostic)";
+
+fn report(r: &Results) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "{} worker threads ({} cores); load average {} before, {} after (anything else running skews every number). \
+         SQLite files in {}.\n\n",
+        r.workers,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        r.load_before,
+        r.load_after,
+        r.dir.display(),
+    ));
+    let mut variants: Vec<(&str, &Variant)> = vec![("hello-world", &r.hello), (LAYER, &r.layer)];
+    if let Ok(v) = &r.redis {
+        variants.push((REDIS, v));
+    }
+    variants.push((NORMAL, &r.sync_normal));
+    variants.push((NO_PROJECTOR, &r.no_projector));
+    variants.push((NULL_LOG, &r.null_log));
+
+    s.push_str("### In-process check: measurements\n\n");
+    s.push_str("| Measurement | What | p50 / rate | p99 | Notes |\n|---|---|---|---|---|\n");
+    for (name, v) in &variants {
+        s.push_str(&lat_row(name, &v.lat));
+    }
+    for (name, v) in &variants {
+        s.push_str(&rate_row(name, &v.rate));
+    }
+
+    s.push_str("\n### Against hello-world\n\n");
+    s.push_str("| Variant | p50 − hello p50 | p99 − hello p99 | throughput / hello |\n|---|---|---|---|\n");
+    s.push_str(&ratio_rows(LAYER, &r.layer, &r.hello));
+    match &r.redis {
+        Ok(v) => s.push_str(&ratio_rows(REDIS, v, &r.hello)),
+        Err(why) => s.push_str(&format!("| {REDIS} | skipped: {why} | | |\n")),
+    }
+    s.push_str(&ratio_rows(NORMAL, &r.sync_normal, &r.hello));
+    s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello));
+    s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello));
+
+    s.push_str(&format!("\nLayer probe headers: {}.\n", r.layer_headers));
+    s.push_str(&format!("{LAYER}: {}.\n", log_note(&r.layer)));
+    if let Ok(v) = &r.redis {
+        s.push_str(&format!("{REDIS}: {}.\n", log_note(v)));
+    }
+    s.push_str(&format!("{NORMAL}: {}.\n", log_note(&r.sync_normal)));
+    s.push_str(&format!("{NO_PROJECTOR}: {}.\n", log_note(&r.no_projector)));
+    s
+}
