@@ -72,6 +72,8 @@ impl Settings {
 pub struct ProjectConfig {
     pub project: Project,
     pub quotas: Arc<Vec<Quota>>,
+    /// The counters its checks can read: where facts are settled.
+    pub watched: Arc<meter::Watched>,
 }
 
 type Cached<T> = Mutex<HashMap<String, (Instant, T)>>;
@@ -172,7 +174,8 @@ impl AppState {
             None => None,
             Some(project) => {
                 let quotas = self.store.quotas(id).await?;
-                Some(ProjectConfig { project, quotas: Arc::new(quotas) })
+                let watched = Arc::new(meter::Watched::of(&quotas));
+                Some(ProjectConfig { project, quotas: Arc::new(quotas), watched })
             }
         };
         put(&self.cache.projects, id.as_str().to_owned(), cfg.clone());

@@ -124,6 +124,71 @@ pub fn dimension_for(quota: &Quota, caller: &Caller) -> Option<Dimension> {
     }
 }
 
+/// The counters a project's checks can read: those of its quotas, plus each
+/// key's and signed-in user's `day` and `calendar_month` counters (a role's
+/// quota lands there, and a key's `usage_this_period` reads them).
+///
+/// Why: the gateway settles a fact into the view only on these counters, so
+/// a call event costs the view two to a few counter updates instead of
+/// fifteen. Every counter still gets its durable total when the projector
+/// folds the event; a counter outside this set lags the settle by that fold
+/// (normally well under a second). The one case it matters: a quota created
+/// while events are in flight counts those events once they are folded,
+/// not from their settle.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Watched {
+    exact: std::collections::BTreeSet<(Dimension, WindowKind)>,
+    all_keys: std::collections::BTreeSet<WindowKind>,
+    any_actor: std::collections::BTreeSet<WindowKind>,
+}
+
+impl Watched {
+    pub fn of(quotas: &[Quota]) -> Watched {
+        let mut w = Watched::default();
+        for q in quotas {
+            let win = q.spec.window;
+            match (q.spec.scope, q.spec.scope_ref.as_deref()) {
+                (Scope::Project, _) | (Scope::Agent, None) => {
+                    w.exact.insert((Dimension::Project, win));
+                }
+                (Scope::ApiKey, None) => {
+                    w.all_keys.insert(win);
+                }
+                (Scope::ApiKey, Some(r)) => {
+                    if let Ok(k) = ApiKeyId::parse(r) {
+                        w.exact.insert((Dimension::ApiKey(k), win));
+                    }
+                }
+                (Scope::Agent, Some(r)) => {
+                    w.exact.insert((Dimension::Agent(r.to_owned()), win));
+                }
+                (Scope::Actor, None) => {
+                    w.any_actor.insert(win);
+                }
+                (Scope::Actor, Some(r)) => {
+                    w.exact.insert((Dimension::Actor(r.to_owned()), win));
+                }
+                (Scope::User, Some(r)) => {
+                    w.exact.insert((Dimension::User(r.to_owned()), win));
+                }
+                (Scope::User, None) => {}
+            }
+        }
+        w
+    }
+
+    /// Whether a check (or a key's detail) can read this counter.
+    pub fn covers(&self, key: &CounterKey) -> bool {
+        let own = matches!(key.window, WindowKind::Day | WindowKind::CalendarMonth);
+        match &key.dimension {
+            Dimension::ApiKey(_) | Dimension::User(_) if own => true,
+            Dimension::AllApiKeys => self.all_keys.contains(&key.window),
+            Dimension::Actor(_) if self.any_actor.contains(&key.window) => true,
+            d => self.exact.contains(&(d.clone(), key.window)),
+        }
+    }
+}
+
 /// What one check is: who asks, when, and the bytes the write adds (storage
 /// quotas apply only to a write that adds bytes; deletes are never refused).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -558,6 +623,34 @@ mod tests {
         let every = quota("q_keys", Scope::ApiKey, None, Metric::Calls, WindowKind::Day, 1);
         assert_eq!(dimension_for(&every, &Caller::key(&key("k1"), None)), Some(Dimension::AllApiKeys));
         assert_eq!(dimension_for(&every, &Caller::key(&key("k2"), None)), Some(Dimension::AllApiKeys));
+    }
+
+    #[test]
+    fn the_watched_counters_are_exactly_those_a_check_can_plan() {
+        let quotas = [
+            quota("q_p", Scope::Project, None, Metric::Calls, WindowKind::Rolling1m, 5),
+            quota("q_k", Scope::ApiKey, Some("k1"), Metric::Rows, WindowKind::Rolling1h, 5),
+            quota("q_keys", Scope::ApiKey, None, Metric::Requests, WindowKind::Rolling24h, 5),
+            quota("q_actors", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5),
+            quota("q_store", Scope::Project, None, Metric::StorageBytes, WindowKind::Current, 5),
+        ];
+        let w = Watched::of(&quotas);
+        let at = utc(AT);
+        // Everything a plan reads is watched, for any caller.
+        for (k, a) in [("k1", Some("u1")), ("k2", Some("u9")), ("k1", None)] {
+            let input = CheckInput { caller: Caller::key(&key(k), a), storage_delta: Some(10) };
+            for c in plan_check(&quotas, Tz::UTC, &input, at).counters {
+                assert!(w.covers(&c.key), "{:?} is planned but not watched", c.key);
+            }
+        }
+        let ck = |d: Dimension, win: WindowKind| CounterKey { dimension: d, window: win, window_key: "x".into() };
+        assert!(!w.covers(&ck(Dimension::Project, WindowKind::Day)), "no project/day quota");
+        assert!(!w.covers(&ck(Dimension::ApiKey(key("k2")), WindowKind::Rolling1h)), "only k1's hour");
+        assert!(w.covers(&ck(Dimension::ApiKey(key("k2")), WindowKind::CalendarMonth)), "every key's month (usage_this_period)");
+        assert!(w.covers(&ck(Dimension::User("user:a".into()), WindowKind::Day)), "role quotas of users");
+        assert!(!w.covers(&ck(Dimension::Actor("u1".into()), WindowKind::CalendarMonth)));
+        assert!(!w.covers(&ck(Dimension::Agent("bot".into()), WindowKind::Day)));
+        assert!(w.covers(&CounterKey::footprint()));
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub mod usage;
 pub mod window;
 
 pub use admission::{
-    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, LimitKind, PlannedLimit, UnpricedFinding, Verdict, decide,
+    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, LimitKind, PlannedLimit, UnpricedFinding, Verdict, Watched, decide,
     plan_check,
 };
 pub use apply::{DesiredQuota, QuotaPlan};
