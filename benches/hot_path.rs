@@ -588,10 +588,11 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
                             reservation_id: None,
                             gateway: "gw-bench0".into(),
                         };
-                        let deltas = meter::usage::counters_for(&fact, chrono_tz::Tz::UTC, &meter::PriceBook::default())
-                            .into_iter()
-                            .filter(|(c, _)| c.resets_at.is_none_or(|r| r > now))
-                            .collect();
+                        let deltas =
+                            meter::usage::counters_for(&fact, chrono_tz::Tz::UTC, &meter::PriceBook::default())
+                                .into_iter()
+                                .filter(|(c, _)| c.resets_at.is_none_or(|r| r > now))
+                                .collect();
                         Settlement { event: fact.id, reservation: None, deltas }
                     })
                     .collect();
@@ -641,12 +642,8 @@ async fn raw_consume(kafka: &KafkaConfig) -> AnyResult<(u64, Rate)> {
         .set("fetch.wait.max.ms", "20")
         .create()?;
     let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
-    let partitions: Vec<i32> = md
-        .topics()
-        .iter()
-        .filter(|t| t.name() == topic)
-        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-        .collect();
+    let partitions: Vec<i32> =
+        md.topics().iter().filter(|t| t.name() == topic).flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
     let mut total = 0u64;
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
@@ -708,7 +705,11 @@ async fn replay_log(
     let secs = start.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let after = commits().await?;
-    Ok((Rate { per_sec: read as f64 / secs, done: read, errors: total.saturating_sub(read), secs }, after - before, folded))
+    Ok((
+        Rate { per_sec: read as f64 / secs, done: read, errors: total.saturating_sub(read), secs },
+        after - before,
+        folded,
+    ))
 }
 
 /// One call of the check script, planned as the gateway plans it.
@@ -886,7 +887,10 @@ fn report(r: &Results) -> String {
     ));
     s.push_str(&rate_row(
         "projector replay",
-        &format!("the same records, decoded, deduplicated, folded into PostgreSQL and Redis ({} folded)", r.replay_folded),
+        &format!(
+            "the same records, decoded, deduplicated, folded into PostgreSQL and Redis ({} folded)",
+            r.replay_folded
+        ),
         &r.replay,
         "rec",
     ));

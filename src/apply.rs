@@ -75,7 +75,14 @@ fn describe(q: &Quota) -> String {
         Some(r) => format!("{} {r}", s.scope),
         None => s.scope.to_string(),
     };
-    format!("{} {}/{} for {subject}, limit {} ({})", q.id, s.metric, s.window, meter::quota::limit_json(s.metric, s.limit), s.mode.as_str())
+    format!(
+        "{} {}/{} for {subject}, limit {} ({})",
+        q.id,
+        s.metric,
+        s.window,
+        meter::quota::limit_json(s.metric, s.limit),
+        s.mode.as_str()
+    )
 }
 
 fn print_plan(plan: &QuotaPlan, dry_run: bool) {
@@ -86,7 +93,11 @@ fn print_plan(plan: &QuotaPlan, dry_run: bool) {
         let (b, a) = (&u.before.spec, &u.after.spec);
         let mut what = Vec::new();
         if b.limit != a.limit {
-            what.push(format!("limit {} -> {}", meter::quota::limit_json(b.metric, b.limit), meter::quota::limit_json(a.metric, a.limit)));
+            what.push(format!(
+                "limit {} -> {}",
+                meter::quota::limit_json(b.metric, b.limit),
+                meter::quota::limit_json(a.metric, a.limit)
+            ));
         }
         if b.mode != a.mode {
             what.push(format!("mode {} -> {}", b.mode.as_str(), a.mode.as_str()));

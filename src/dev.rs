@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use gateway::state::{SystemClock, hash_secret, new_id, random_token};
 use gateway::Settings;
 use gateway::embedded::Embedded;
+use gateway::state::{SystemClock, hash_secret, new_id, random_token};
 use meter::{ApiKey, ApiKeyId, Clock, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
 use serde_json::json;
 use tracing::info;
@@ -43,10 +43,8 @@ pub struct DevArgs {
 /// Tokens kept across restarts so curl lines keep working.
 fn tokens(dir: &Path, admin: Option<String>, gateway: Option<String>) -> anyhow::Result<(String, String)> {
     let path = dir.join("tokens.json");
-    let saved: serde_json::Value = std::fs::read(&path)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_else(|| json!({}));
+    let saved: serde_json::Value =
+        std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_else(|| json!({}));
     let admin = admin
         .or_else(|| saved["admin"].as_str().map(str::to_owned))
         .unwrap_or_else(|| format!("adm_{}", random_token(32)));
@@ -62,9 +60,10 @@ fn tokens(dir: &Path, admin: Option<String>, gateway: Option<String>) -> anyhow:
 async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Result<(String, String, String)> {
     let path = dir.join("demo.json");
     if let Some(v) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        && let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str()) {
-            return Ok((p.to_owned(), k.to_owned(), s.to_owned()));
-        }
+        && let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str())
+    {
+        return Ok((p.to_owned(), k.to_owned(), s.to_owned()));
+    }
     let now = clock.now();
     let project = Project {
         id: ProjectId::parse(new_id("proj"))?,
@@ -114,13 +113,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     settings.lease = args.lease;
     settings.instance = "dev".into();
     let db = args.data_dir.join("tollgate.db");
-    let embedded = Embedded::open(&db, settings, clock.clone())
-        .await
-        .with_context(|| format!("opening {}", db.display()))?;
+    let embedded =
+        Embedded::open(&db, settings, clock.clone()).await.with_context(|| format!("opening {}", db.display()))?;
     let state = embedded.state.clone();
-    let demo = if args.no_demo { None } else { Some(demo(state.store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
+    let demo =
+        if args.no_demo { None } else { Some(demo(state.store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
 
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let url = format!("http://{}", listener.local_addr()?);
     print_banner(&url, &admin, &gateway_token, &args.data_dir, demo.as_ref());
     info!(%url, "tollgate dev listening");

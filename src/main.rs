@@ -193,7 +193,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         settings.instance = i;
     }
     let state = AppState::new(Arc::new(store), Arc::new(view), Arc::new(log), Arc::new(SystemClock), settings);
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
     Ok(())

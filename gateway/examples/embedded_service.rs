@@ -26,9 +26,9 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Extension, Json, Router};
 use chrono::Utc;
+use gateway::embedded::Embedded;
 use gateway::hot::Admission;
 use gateway::state::{SystemClock, hash_secret, new_id, random_token};
-use gateway::embedded::Embedded;
 use gateway::{Settings, TollgateLayer};
 use meter::{ApiKey, ApiKeyId, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
 use serde_json::json;
@@ -122,10 +122,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     println!("listening on http://{}", listener.local_addr()?);
     println!("try: curl -i -H 'Authorization: Bearer {secret}' http://{listen}/reports   (5 calls a day)");
-    axum::serve(listener, app).with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
     embedded.shutdown().await?;
     Ok(())
 }

@@ -11,8 +11,8 @@ use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, AuditEntry, AuditId, Clock, CounterKey, Dimension, Grants, Metric, Mode, PortError,
-    Principal, Project, ProjectId, Quota, QuotaDraft, QuotaPatch, QuotaPlan, RoleId, Scope, WindowKind, window_at,
+    ApiKey, ApiKeyId, AuditEntry, AuditId, Clock, CounterKey, Dimension, Grants, Metric, Mode, PortError, Principal,
+    Project, ProjectId, Quota, QuotaDraft, QuotaPatch, QuotaPlan, RoleId, Scope, WindowKind, window_at,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -47,7 +47,11 @@ fn project_json(p: &Project) -> Value {
 
 #[utoipa::path(post, path = "/v1/projects", tag = "admin",
     responses((status = 201, description = "The project"), (status = 400, description = "INVALID_REQUEST")))]
-pub async fn create_project(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn create_project(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     auth::admin(&s, &headers)?;
     let obj = fields::object(&body)?;
     fields::only(&obj, "", &["name", "timezone"])?;
@@ -57,7 +61,9 @@ pub async fn create_project(State(s): State<AppState>, headers: HeaderMap, body:
     }
     let timezone = match fields::opt_str(&obj, "", "timezone")? {
         None => Tz::UTC,
-        Some(t) => Tz::from_str(&t).map_err(|_| ApiError::invalid("timezone", format!("{t:?} is not an IANA time zone")))?,
+        Some(t) => {
+            Tz::from_str(&t).map_err(|_| ApiError::invalid("timezone", format!("{t:?} is not an IANA time zone")))?
+        }
     };
     let project = Project {
         id: ProjectId::parse(new_id("proj")).map_err(|e| ApiError::invalid("id", e.to_string()))?,
@@ -70,7 +76,11 @@ pub async fn create_project(State(s): State<AppState>, headers: HeaderMap, body:
 }
 
 #[utoipa::path(get, path = "/v1/projects/{id}", tag = "admin", responses((status = 200, description = "The project")))]
-pub async fn get_project(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get_project(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     auth::admin(&s, &headers)?;
     let pid = ProjectId::parse(id.clone()).map_err(|_| ApiError::not_found("project", &id))?;
     let p = s.store.project(&pid).await?.ok_or_else(|| ApiError::not_found("project", &id))?;
@@ -83,9 +93,10 @@ pub fn parse_grants(v: Option<&Value>) -> ApiResult<Grants> {
     fields::only(o, "grants.", &["max_concurrent", "query_timeout", "max_rows"])?;
     let max_concurrent = fields::opt_count(o, "grants.", "max_concurrent")?;
     if let Some(c) = max_concurrent
-        && !(1..=1000).contains(&c) {
-            return Err(ApiError::invalid("grants.max_concurrent", "must be between 1 and 1000"));
-        }
+        && !(1..=1000).contains(&c)
+    {
+        return Err(ApiError::invalid("grants.max_concurrent", "must be between 1 and 1000"));
+    }
     let query_timeout = fields::opt_count(o, "grants.", "query_timeout")?;
     let max_rows = fields::opt_count(o, "grants.", "max_rows")?;
     for (f, v) in [("query_timeout", query_timeout), ("max_rows", max_rows)] {
@@ -149,11 +160,19 @@ fn key_json(k: &ApiKey) -> Value {
 
 #[utoipa::path(get, path = "/v1/api-keys/{id}", tag = "admin",
     responses((status = 200, description = "The key with effective limits and usage this period")))]
-pub async fn get_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get_api_key(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     auth::admin(&s, &headers)?;
     let kid = ApiKeyId::parse(id.clone()).map_err(|_| ApiError::not_found("api key", &id))?;
     let key = s.store.api_key(&kid).await?.ok_or_else(|| ApiError::not_found("api key", &id))?;
-    let project = s.store.project(&key.project_id).await?.ok_or_else(|| ApiError::not_found("project", key.project_id.as_str()))?;
+    let project = s
+        .store
+        .project(&key.project_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("project", key.project_id.as_str()))?;
     let now = s.clock.now();
     let role = match &key.role_id {
         Some(r) => s.store.role(r).await?,
@@ -185,7 +204,12 @@ pub async fn get_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id)
 
 /// A counter's usage (durable + pending) and live reservations: from the
 /// view, or from the store when the view holds nothing for the project.
-async fn counter_count(s: &AppState, project: &ProjectId, key: &CounterKey, at: chrono::DateTime<chrono::Utc>) -> ApiResult<(meter::Totals, u64)> {
+async fn counter_count(
+    s: &AppState,
+    project: &ProjectId,
+    key: &CounterKey,
+    at: chrono::DateTime<chrono::Utc>,
+) -> ApiResult<(meter::Totals, u64)> {
     let mut usage = s.view.usage(project, key, at).await;
     if let Ok(None) = usage {
         // Not seeded (new, or the view was lost): seed it as a check would.
@@ -221,7 +245,11 @@ const QUOTA_FIELDS: [&str; 9] =
 #[utoipa::path(post, path = "/v1/quotas", tag = "admin",
     responses((status = 201, description = "The quota"), (status = 400, description = "INVALID_REQUEST naming the field"),
               (status = 409, description = "QUOTA_CONFLICT")))]
-pub async fn create_quota(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn create_quota(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     auth::admin(&s, &headers)?;
     let obj = fields::object(&body)?;
     fields::only(&obj, "", &QUOTA_FIELDS)?;
@@ -276,7 +304,11 @@ pub struct ListQuery {
 
 #[utoipa::path(get, path = "/v1/quotas", tag = "admin", params(("project_id" = String, Query, description = "The project")),
     responses((status = 200, description = "The project's quotas")))]
-pub async fn list_quotas(State(s): State<AppState>, headers: HeaderMap, Query(q): Query<ListQuery>) -> ApiResult<Json<Value>> {
+pub async fn list_quotas(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<Value>> {
     auth::admin(&s, &headers)?;
     let raw = q.project_id.ok_or_else(|| ApiError::invalid("project_id", "is required"))?;
     let pid = ProjectId::parse(raw).map_err(|e| ApiError::invalid("project_id", e.to_string()))?;
@@ -315,10 +347,18 @@ async fn load_quota(s: &AppState, id: &str) -> ApiResult<Quota> {
 
 #[utoipa::path(get, path = "/v1/quotas/{id}", tag = "admin",
     responses((status = 200, description = "The quota with current_usage (durable + settled + reserved)")))]
-pub async fn get_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get_quota(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     auth::admin(&s, &headers)?;
     let q = load_quota(&s, &id).await?;
-    let project = s.store.project(&q.spec.project_id).await?.ok_or_else(|| ApiError::not_found("project", q.spec.project_id.as_str()))?;
+    let project = s
+        .store
+        .project(&q.spec.project_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("project", q.spec.project_id.as_str()))?;
     let mut body = quota_json(&q);
     let inert = is_inert(&s, &q, &mut HashMap::new()).await?;
     body["inert"] = json!(inert);
@@ -360,7 +400,12 @@ pub async fn get_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): 
 
 #[utoipa::path(patch, path = "/v1/quotas/{id}", tag = "admin",
     responses((status = 200, description = "The quota"), (status = 400, description = "An immutable field was changed")))]
-pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> ApiResult<Json<Value>> {
+pub async fn patch_quota(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
     auth::admin(&s, &headers)?;
     let q = load_quota(&s, &id).await?;
     let obj = fields::object(&body)?;
@@ -369,9 +414,10 @@ pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id)
     let current = quota_json(&q);
     for f in meter::quota::IMMUTABLE_FIELDS {
         if let Some(v) = obj.get(f)
-            && *v != current[f] {
-                return Err(ApiError::invalid(f, "is immutable; replace the quota to change it"));
-            }
+            && *v != current[f]
+        {
+            return Err(ApiError::invalid(f, "is immutable; replace the quota to change it"));
+        }
     }
     let limit = match fields::limit(&obj, "")? {
         (None, None) => None,
@@ -397,7 +443,11 @@ pub async fn patch_quota(State(s): State<AppState>, headers: HeaderMap, Path(id)
 }
 
 #[utoipa::path(delete, path = "/v1/quotas/{id}", tag = "admin", responses((status = 204, description = "Deleted")))]
-pub async fn delete_quota(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn delete_quota(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     auth::admin(&s, &headers)?;
     let q = load_quota(&s, &id).await?;
     let now = now_micros(s.clock.as_ref());
@@ -412,7 +462,11 @@ pub async fn delete_quota(State(s): State<AppState>, headers: HeaderMap, Path(id
 #[utoipa::path(delete, path = "/v1/api-keys/{id}", tag = "admin",
     responses((status = 204, description = "Deleted: the key no longer authenticates; quotas naming it go inert"),
               (status = 404, description = "NOT_FOUND (never existed, or already deleted)")))]
-pub async fn delete_api_key(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn delete_api_key(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     auth::admin(&s, &headers)?;
     let kid = ApiKeyId::parse(id.clone()).map_err(|_| ApiError::not_found("api key", &id))?;
     if !s.store.delete_api_key(&kid, now_micros(s.clock.as_ref())).await? {
@@ -484,7 +538,7 @@ pub async fn audit(
         Some(p) if p.saturating_mul(limit) > MAX_PAGED_ROWS => {
             return Err(ApiError::invalid(
                 "page",
-"page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>",
+                "page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>",
             ));
         }
         Some(p) => (p - 1) * limit,
@@ -522,12 +576,14 @@ pub async fn put_project_quotas(
         Some(_) => return Err(ApiError::invalid("dry_run", "must be true or false")),
     };
     let pid = ProjectId::parse(id.clone()).map_err(|_| ApiError::not_found("project", &id))?;
-    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", format!("is not valid JSON: {e}")))?;
+    let value: Value =
+        serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", format!("is not valid JSON: {e}")))?;
     let doc = crate::apply::parse_document(&value)?;
     if doc.project_id.as_ref().is_some_and(|p| p != pid.as_str()) {
         return Err(ApiError::invalid("project_id", "is not the project of the path"));
     }
-    let plan = crate::apply::apply(s.store.as_ref(), s.clock.as_ref(), &pid, &doc.quotas, &api_principal(), dry_run).await?;
+    let plan =
+        crate::apply::apply(s.store.as_ref(), s.clock.as_ref(), &pid, &doc.quotas, &api_principal(), dry_run).await?;
     if !dry_run && !plan.is_empty() {
         s.invalidate_project(&pid);
     }

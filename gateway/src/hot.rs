@@ -17,9 +17,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use meter::{
-    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, EventId, EventKind, Grants, Hold, MeterType,
-    Outcome, PortError, ProjectId, ReservationId, Role, RoleId, Settlement, TokenUsage, UnpricedException, UnpricedRow,
-    UsageFact, Verdict,
+    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, EventId, EventKind, Grants, Hold,
+    MeterType, Outcome, PortError, ProjectId, ReservationId, Role, RoleId, Settlement, TokenUsage, UnpricedException,
+    UnpricedRow, UsageFact, Verdict,
 };
 use serde_json::{Value, json};
 use tracing::warn;
@@ -83,7 +83,10 @@ pub struct Admission {
 pub enum Subject {
     Key(ApiKey),
     /// A signed-in user, named by the gateway (`user:<subject>`).
-    User { project: ProjectId, user: String },
+    User {
+        project: ProjectId,
+        user: String,
+    },
 }
 
 /// What a check granted, whoever asked.
@@ -109,7 +112,14 @@ pub async fn admit(
     };
     let limits = meter::role::effective_grants(&key.grants, role.as_ref());
     let g = admit_subject(s, Subject::Key(key.clone()), role, agent, actor, storage_delta).await?;
-    Ok(Admission { reservation: g.reservation, key, limits, headers: g.headers, degraded: g.degraded, exempt: g.exempt })
+    Ok(Admission {
+        reservation: g.reservation,
+        key,
+        limits,
+        headers: g.headers,
+        degraded: g.degraded,
+        exempt: g.exempt,
+    })
 }
 
 /// Runs one check: one view round trip, the verdict, and the request event
@@ -127,7 +137,12 @@ pub async fn admit_subject(
     let new_reservation = || ReservationId::parse(new_id("res")).map_err(|e| ApiError::invalid("id", e.to_string()));
     if role.as_ref().is_some_and(|r| r.exempt) {
         metrics::counter!("tollgate_exempt_checks_total").increment(1);
-        return Ok(Granted { reservation: new_reservation()?, headers: HeaderMap::new(), degraded: false, exempt: true });
+        return Ok(Granted {
+            reservation: new_reservation()?,
+            headers: HeaderMap::new(),
+            degraded: false,
+            exempt: true,
+        });
     }
     let (project, caller) = match &subject {
         Subject::Key(k) => (
@@ -172,7 +187,10 @@ pub async fn admit_subject(
                 })
                 .increment(1);
                 if s.settings.view_down == ViewDownPolicy::Deny {
-                    return Err(ApiError::unavailable("VIEW_UNAVAILABLE", "quota view unreachable; the check is refused by policy"));
+                    return Err(ApiError::unavailable(
+                        "VIEW_UNAVAILABLE",
+                        "quota view unreachable; the check is refused by policy",
+                    ));
                 }
                 None
             }
@@ -216,11 +234,15 @@ async fn refusal(s: &AppState, project: &ProjectId, b: &Breach) -> ApiError {
     let limit = meter::quota::limit_json(b.metric, b.limit);
     match b.kind {
         BreachKind::Exceeded => {
-            let e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "QUOTA_EXCEEDED", format!("Quota exceeded for {subject}."))
-                .with_meta(json!({
-                    "quota_id": b.quota_id, "metric": b.metric.as_str(), "limit": limit,
-                    "window": b.window.as_str(), "resets_at": b.resets_at,
-                }));
+            let e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "QUOTA_EXCEEDED",
+                format!("Quota exceeded for {subject}."),
+            )
+            .with_meta(json!({
+                "quota_id": b.quota_id, "metric": b.metric.as_str(), "limit": limit,
+                "window": b.window.as_str(), "resets_at": b.resets_at,
+            }));
             match b.retry_after_secs {
                 Some(secs) => e.header("retry-after", &secs.to_string()),
                 None => e,
@@ -318,8 +340,16 @@ pub async fn check(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -
         &obj,
         "",
         &[
-            "api_key", "api_key_id", "user", "role_id", "break_glass", "project_id", "agent_id", "actor_id",
-            "storage_bytes_delta", "permit",
+            "api_key",
+            "api_key_id",
+            "user",
+            "role_id",
+            "break_glass",
+            "project_id",
+            "agent_id",
+            "actor_id",
+            "storage_bytes_delta",
+            "permit",
         ],
     )?;
     let agent = fields::opt_id(&obj, "", "agent_id")?;
@@ -337,15 +367,18 @@ pub async fn check(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -
     // The break-glass caller is never limited or counted (ADR-0011).
     if break_glass {
         metrics::counter!("tollgate_exempt_checks_total").increment(1);
-        return Ok((StatusCode::OK, Json(json!({ "allowed": true, "exempt": true, "reservation_id": null }))).into_response());
+        return Ok(
+            (StatusCode::OK, Json(json!({ "allowed": true, "exempt": true, "reservation_id": null }))).into_response()
+        );
     }
     let (granted, limits) = if let Some(user) = fields::opt_str(&obj, "", "user")? {
         if obj.get("api_key").is_some_and(|v| !v.is_null()) || obj.get("api_key_id").is_some_and(|v| !v.is_null()) {
             return Err(ApiError::invalid("user", "give api_key, api_key_id or user, not several"));
         }
         meter::usage::check_user(&user).map_err(|m| ApiError::invalid("user", m))?;
-        let role_raw = fields::opt_id(&obj, "", "role_id")?
-            .ok_or_else(|| ApiError::invalid("role_id", "a signed-in user is checked against its role: role_id is required"))?;
+        let role_raw = fields::opt_id(&obj, "", "role_id")?.ok_or_else(|| {
+            ApiError::invalid("role_id", "a signed-in user is checked against its role: role_id is required")
+        })?;
         let role = match RoleId::parse(role_raw.clone()) {
             Ok(r) => s.role_by_id(&r).await?,
             Err(_) => None,
@@ -370,7 +403,9 @@ pub async fn check(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -
         (Granted { reservation: a.reservation, headers: a.headers, degraded: a.degraded, exempt: a.exempt }, limits)
     };
     if granted.exempt {
-        return Ok((StatusCode::OK, Json(json!({ "allowed": true, "exempt": true, "reservation_id": null }))).into_response());
+        return Ok(
+            (StatusCode::OK, Json(json!({ "allowed": true, "exempt": true, "reservation_id": null }))).into_response()
+        );
     }
     let limits = json!({ "query_timeout": limits.query_timeout, "max_rows": limits.max_rows });
     let mut body = json!({ "allowed": true, "reservation_id": granted.reservation, "limits": limits });
@@ -436,7 +471,14 @@ fn record_monitor_breaches(
 
 /// Publishes the check's request event in the background; if it never
 /// reaches the log, its pending count is taken back.
-fn publish_request(s: &AppState, key: &ApiKey, agent: Option<String>, actor: Option<String>, hold: &Hold, now: DateTime<Utc>) {
+fn publish_request(
+    s: &AppState,
+    key: &ApiKey,
+    agent: Option<String>,
+    actor: Option<String>,
+    hold: &Hold,
+    now: DateTime<Utc>,
+) {
     let fact = UsageFact {
         api_key_id: Some(key.id.clone()),
         agent_id: agent,
@@ -456,8 +498,20 @@ fn publish_request(s: &AppState, key: &ApiKey, agent: Option<String>, actor: Opt
 }
 
 const EVENT_FIELDS: [&str; 14] = [
-    "id", "type", "project_id", "api_key_id", "agent_id", "actor_id", "user", "occurred_at", "reservation_id",
-    "outcome", "rows", "tokens", "storage_bytes", "meter_type",
+    "id",
+    "type",
+    "project_id",
+    "api_key_id",
+    "agent_id",
+    "actor_id",
+    "user",
+    "occurred_at",
+    "reservation_id",
+    "outcome",
+    "rows",
+    "tokens",
+    "storage_bytes",
+    "meter_type",
 ];
 
 const TOKEN_FIELDS: [&str; 7] = ["provider", "model", "input", "output", "cached", "reasoning", "embedding"];
@@ -499,10 +553,14 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
     let p = format!("events[{i}].");
     let Value::Object(o) = v else { return Err(ApiError::invalid(format!("events[{i}]"), "must be an object")) };
     fields::only(o, &p, &EVENT_FIELDS)?;
-    let id = EventId::parse(fields::req_str(o, &p, "id")?).map_err(|e| ApiError::invalid(format!("{p}id"), e.to_string()))?;
+    let id = EventId::parse(fields::req_str(o, &p, "id")?)
+        .map_err(|e| ApiError::invalid(format!("{p}id"), e.to_string()))?;
     let kind_raw = fields::req_str(o, &p, "type")?;
     let kind = EventKind::from_str(&kind_raw).map_err(|_| {
-        ApiError::invalid(format!("{p}type"), "must be one of request, call, tokens, storage_delta, storage_snapshot, correction")
+        ApiError::invalid(
+            format!("{p}type"),
+            "must be one of request, call, tokens, storage_delta, storage_snapshot, correction",
+        )
     })?;
     if !kind.is_folded() {
         return Err(ApiError::invalid(format!("{p}type"), format!("{kind} events are not metered by this release")));
@@ -518,7 +576,12 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
             let kid = ApiKeyId::parse(k).map_err(|e| ApiError::invalid(format!("{p}api_key_id"), e.to_string()))?;
             match s.key_by_id(&kid).await? {
                 Some(key) if key.project_id == project_id => Some(kid),
-                _ => return Err(ApiError::invalid(format!("{p}api_key_id"), format!("no api key {kid} in project {project_id}"))),
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{p}api_key_id"),
+                        format!("no api key {kid} in project {project_id}"),
+                    ));
+                }
             }
         }
     };
@@ -530,7 +593,9 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
         .map_err(|e| ApiError::invalid(format!("{p}occurred_at"), e.message))?;
     let outcome = match fields::opt_str(o, &p, "outcome")? {
         None => Outcome::Success,
-        Some(x) => Outcome::from_str(&x).map_err(|_| ApiError::invalid(format!("{p}outcome"), "must be success or failure"))?,
+        Some(x) => {
+            Outcome::from_str(&x).map_err(|_| ApiError::invalid(format!("{p}outcome"), "must be success or failure"))?
+        }
     };
     let rows = fields::opt_count(o, &p, "rows")?.unwrap_or(0);
     let reservation_id = fields::opt_id(o, &p, "reservation_id")?
@@ -540,12 +605,17 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
     let user_id = fields::opt_str(o, &p, "user")?;
     let storage_bytes = match o.get("storage_bytes") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| ApiError::invalid(format!("{p}storage_bytes"), "must be a whole number"))?),
+        Some(v) => {
+            Some(v.as_i64().ok_or_else(|| ApiError::invalid(format!("{p}storage_bytes"), "must be a whole number"))?)
+        }
     };
     let meter_type = match fields::opt_str(o, &p, "meter_type")? {
         None => None,
         Some(m) => Some(m.parse::<MeterType>().map_err(|_| {
-            ApiError::invalid(format!("{p}meter_type"), "must be one of llm_tokens, compute_execution, api_request, storage")
+            ApiError::invalid(
+                format!("{p}meter_type"),
+                "must be one of llm_tokens, compute_execution, api_request, storage",
+            )
         })?),
     };
     let fact = UsageFact {
@@ -572,7 +642,11 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
 #[utoipa::path(post, path = "/v1/events", tag = "hot path",
     responses((status = 202, description = "Every event is on the log"),
               (status = 400, description = "INVALID_REQUEST naming the field; nothing was written")))]
-pub async fn events(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn events(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     auth::gateway(&s, &headers)?;
     let obj = fields::object(&body)?;
     fields::only(&obj, "", &["events"])?;
@@ -603,7 +677,8 @@ pub async fn events(State(s): State<AppState>, headers: HeaderMap, body: Bytes) 
 /// acknowledged every one (or takes the settlement back and fails).
 pub async fn record(s: &AppState, facts: &[UsageFact]) -> ApiResult<()> {
     let now = s.clock.now();
-    let book = if facts.iter().any(|f| f.kind == EventKind::Tokens) { s.price_book().await? } else { Default::default() };
+    let book =
+        if facts.iter().any(|f| f.kind == EventKind::Tokens) { s.price_book().await? } else { Default::default() };
     // Settle into the view first, per project, so a fold never precedes it.
     let mut by_project: BTreeMap<ProjectId, Vec<Settlement>> = BTreeMap::new();
     let mut unpriced: BTreeMap<ProjectId, Vec<UnpricedRow>> = BTreeMap::new();
@@ -653,7 +728,10 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> ApiResult<()> {
             let ids: Vec<EventId> = settlements.iter().map(|x| x.event.clone()).collect();
             let _ = s.view.unsettle(project, &ids).await;
         }
-        return Err(ApiError::unavailable("LOG_UNAVAILABLE", "the event log did not acknowledge the events; retry with the same ids"));
+        return Err(ApiError::unavailable(
+            "LOG_UNAVAILABLE",
+            "the event log did not acknowledge the events; retry with the same ids",
+        ));
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //!
 //! The hot path (`/v1/check`, `/v1/events`), the admin API (projects, API
 //! keys, quotas, the declarative quota set, the audit log, prices and
-//! exceptions), `/healthz` and
+//! exceptions, usage reports by model, actor, agent or key), `/healthz` and
 //! `/openapi.json`. Handlers parse the body
 //! field by field (a wrong field is a 400 naming it), call the rules in
 //! `meter` and the ports in [`AppState`], and map the result.
@@ -18,6 +18,7 @@ pub mod layer;
 pub mod pricing;
 pub mod roles;
 pub mod state;
+pub mod usage;
 
 use axum::Router;
 use axum::routing::{get, post, put};
@@ -31,11 +32,26 @@ pub use state::{AppState, Settings, ViewDownPolicy};
 #[openapi(
     info(title = "Tollgate", description = "Usage metering and exact quota enforcement on an event log"),
     paths(
-        hot::check, hot::events,
-        admin::create_project, admin::get_project, admin::create_api_key, admin::get_api_key, admin::delete_api_key,
-        admin::create_quota, admin::list_quotas, admin::get_quota, admin::patch_quota, admin::delete_quota,
-        admin::put_project_quotas, admin::audit, pricing::put_prices, pricing::get_prices, pricing::exceptions,
-        roles::create_role, roles::get_role,
+        hot::check,
+        hot::events,
+        admin::create_project,
+        admin::get_project,
+        admin::create_api_key,
+        admin::get_api_key,
+        admin::delete_api_key,
+        admin::create_quota,
+        admin::list_quotas,
+        admin::get_quota,
+        admin::patch_quota,
+        admin::delete_quota,
+        admin::put_project_quotas,
+        admin::audit,
+        pricing::put_prices,
+        pricing::get_prices,
+        pricing::exceptions,
+        roles::create_role,
+        roles::get_role,
+        usage::usage,
     )
 )]
 pub struct ApiDoc;
@@ -67,5 +83,6 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/exceptions", get(pricing::exceptions))
         .route("/v1/projects/{id}/roles", post(roles::create_role))
         .route("/v1/roles/{id}", get(roles::get_role))
+        .route("/v1/usage", get(usage::usage))
         .with_state(state)
 }

@@ -37,7 +37,11 @@ fn parse_quota(v: Option<&Value>) -> ApiResult<Option<RoleQuota>> {
         "month" => Per::Month,
         _ => return Err(ApiError::invalid("quota.per", "must be day or month")),
     };
-    let q = RoleQuota { calls: fields::opt_count(o, "quota.", "calls")?, rows: fields::opt_count(o, "quota.", "rows")?, per };
+    let q = RoleQuota {
+        calls: fields::opt_count(o, "quota.", "calls")?,
+        rows: fields::opt_count(o, "quota.", "rows")?,
+        per,
+    };
     q.check()?;
     Ok(Some(q))
 }

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use meter::{
-    ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, PriceBook, Project, ProjectId, Quota, QuotaId, Role, RoleId, Store,
-    View,
+    ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, PriceBook, Project, ProjectId, Quota, QuotaId, Role, RoleId,
+    Store, View,
 };
 use rand::Rng;
 use rand::distr::Alphanumeric;

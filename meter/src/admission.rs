@@ -109,11 +109,9 @@ pub fn dimension_for(quota: &Quota, caller: &Caller) -> Option<Dimension> {
     match (s.scope, s.scope_ref.as_deref()) {
         (Scope::Project, _) => Some(Dimension::Project),
         (Scope::ApiKey, None) => caller.api_key.as_ref().map(|_| Dimension::AllApiKeys),
-        (Scope::ApiKey, Some(r)) => caller
-            .api_key
-            .as_ref()
-            .filter(|k| k.as_str() == r)
-            .map(|k| Dimension::ApiKey(k.clone())),
+        (Scope::ApiKey, Some(r)) => {
+            caller.api_key.as_ref().filter(|k| k.as_str() == r).map(|k| Dimension::ApiKey(k.clone()))
+        }
         // A null agent ref is the whole project.
         (Scope::Agent, None) => Some(Dimension::Project),
         (Scope::Agent, Some(r)) => (caller.agent.as_deref() == Some(r)).then(|| Dimension::Agent(r.to_owned())),
@@ -463,7 +461,12 @@ mod tests {
 
     /// Plans for key `k1` and actor `u1` at `at`, and decides with `used`.
     fn check(quotas: &[Quota], used: &[u64], at: DateTime<Utc>) -> (CheckPlan, Verdict) {
-        let plan = plan_check(quotas, Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None }, at);
+        let plan = plan_check(
+            quotas,
+            Tz::UTC,
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None },
+            at,
+        );
         assert_eq!(plan.limits.len(), used.len(), "one usage per planned limit");
         let admitted = plan.limits.iter().zip(used).all(|(l, u)| !l.enforce || u + l.need <= l.limit);
         let verdict = decide(quotas, &plan, &CheckOutcome { admitted, used: used.to_vec() }, at);
@@ -565,7 +568,12 @@ mod tests {
         // A day in the project's zone: Kathmandu's day ends at 18:15 UTC.
         let day = quota("q_day", Scope::Project, None, Metric::Requests, WindowKind::Day, 3);
         let at = utc("2026-07-07T18:00:00Z");
-        let plan = plan_check(std::slice::from_ref(&day), chrono_tz::Asia::Kathmandu, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, at);
+        let plan = plan_check(
+            std::slice::from_ref(&day),
+            chrono_tz::Asia::Kathmandu,
+            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+            at,
+        );
         let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome { admitted: false, used: vec![4] }, at);
         let b = v.breach.expect("refused");
         assert_eq!(b.resets_at, Some(utc("2026-07-07T18:15:00Z")));
@@ -578,7 +586,12 @@ mod tests {
         let calls = quota("q_calls", Scope::Project, None, Metric::Calls, WindowKind::Day, 3);
         let rows = quota("q_rows", Scope::Project, None, Metric::Rows, WindowKind::Day, 3);
         let quotas = [requests, calls, rows];
-        let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, utc(AT));
+        let plan = plan_check(
+            &quotas,
+            Tz::UTC,
+            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+            utc(AT),
+        );
         // One counter (project, day) carries all three limits.
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.count_request, vec![0]);
@@ -596,13 +609,27 @@ mod tests {
     #[test]
     fn a_null_actor_ref_gives_each_actor_a_budget() {
         let q = quota("q_actor", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
-        let plan = plan_check(std::slice::from_ref(&q), Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u7")), storage_delta: None }, utc(AT));
+        let plan = plan_check(
+            std::slice::from_ref(&q),
+            Tz::UTC,
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u7")), storage_delta: None },
+            utc(AT),
+        );
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.counters[0].key.dimension, Dimension::Actor("u7".into()));
         assert_eq!(plan.counters[0].key.window_key, "2026-07-07");
         assert_eq!(dimension_for(&q, &Caller::key(&key("k1"), Some("u8"))), Some(Dimension::Actor("u8".into())));
         // No actor named: an actor quota does not apply at all.
-        assert!(plan_check(std::slice::from_ref(&q), Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None }, utc(AT)).limits.is_empty());
+        assert!(
+            plan_check(
+                std::slice::from_ref(&q),
+                Tz::UTC,
+                &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+                utc(AT)
+            )
+            .limits
+            .is_empty()
+        );
 
         // A named actor matches only itself.
         let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 5);
@@ -646,7 +673,10 @@ mod tests {
         let ck = |d: Dimension, win: WindowKind| CounterKey { dimension: d, window: win, window_key: "x".into() };
         assert!(!w.covers(&ck(Dimension::Project, WindowKind::Day)), "no project/day quota");
         assert!(!w.covers(&ck(Dimension::ApiKey(key("k2")), WindowKind::Rolling1h)), "only k1's hour");
-        assert!(w.covers(&ck(Dimension::ApiKey(key("k2")), WindowKind::CalendarMonth)), "every key's month (usage_this_period)");
+        assert!(
+            w.covers(&ck(Dimension::ApiKey(key("k2")), WindowKind::CalendarMonth)),
+            "every key's month (usage_this_period)"
+        );
         assert!(w.covers(&ck(Dimension::User("user:a".into()), WindowKind::Day)), "role quotas of users");
         assert!(!w.covers(&ck(Dimension::Actor("u1".into()), WindowKind::CalendarMonth)));
         assert!(!w.covers(&ck(Dimension::Agent("bot".into()), WindowKind::Day)));
@@ -657,7 +687,12 @@ mod tests {
     fn quotas_that_share_a_counter_reserve_once() {
         let every = quota("q_actors", Scope::Actor, None, Metric::Calls, WindowKind::Day, 5);
         let one = quota("q_u1", Scope::Actor, Some("u1"), Metric::Calls, WindowKind::Day, 2);
-        let plan = plan_check(&[every, one], Tz::UTC, &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None }, utc(AT));
+        let plan = plan_check(
+            &[every, one],
+            Tz::UTC,
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None },
+            utc(AT),
+        );
         assert_eq!(plan.counters.len(), 1);
         assert_eq!(plan.limits.len(), 2);
         assert_eq!(plan.reserved_counters(), vec![0]);

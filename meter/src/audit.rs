@@ -222,7 +222,10 @@ mod tests {
         let plan = plan_check(
             &quotas,
             chrono_tz::Tz::UTC,
-            &crate::CheckInput { caller: crate::Caller::key(&ApiKeyId::parse("k1").expect("key"), None), storage_delta: None },
+            &crate::CheckInput {
+                caller: crate::Caller::key(&ApiKeyId::parse("k1").expect("key"), None),
+                storage_delta: None,
+            },
             at,
         );
         // (used, over?) per quota: requests 4 > 3; calls 2 + 1 > 2; rows 9 < 10.

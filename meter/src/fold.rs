@@ -39,10 +39,7 @@ impl Fold {
         }
         for (counter, delta) in counters_for(fact, tz, book) {
             let Counter { key, resets_at } = counter;
-            let entry = self
-                .totals
-                .entry((fact.project_id.clone(), key))
-                .or_insert((Totals::default(), resets_at));
+            let entry = self.totals.entry((fact.project_id.clone(), key)).or_insert((Totals::default(), resets_at));
             entry.0.add(delta);
         }
         true
@@ -50,9 +47,9 @@ impl Fold {
 
     /// The folded totals, ordered by project then counter.
     pub fn totals(&self) -> impl Iterator<Item = (&ProjectId, Counter, Totals)> + '_ {
-        self.totals.iter().map(|((p, key), (t, resets_at))| {
-            (p, Counter { key: key.clone(), resets_at: *resets_at }, *t)
-        })
+        self.totals
+            .iter()
+            .map(|((p, key), (t, resets_at))| (p, Counter { key: key.clone(), resets_at: *resets_at }, *t))
     }
 
     pub fn is_empty(&self) -> bool {

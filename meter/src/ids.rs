@@ -26,10 +26,7 @@ pub fn check_id(s: &str) -> Result<(), IdError> {
     if s.len() > 128 {
         return Err(IdError::TooLong);
     }
-    if !s
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
-    {
+    if !s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':')) {
         return Err(IdError::BadCharacter);
     }
     Ok(())

@@ -47,16 +47,16 @@ pub mod usage;
 pub mod window;
 
 pub use admission::{
-    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, LimitKind, PlannedLimit, UnpricedFinding, Verdict, Watched, decide,
-    plan_check,
+    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, LimitKind, PlannedLimit, UnpricedFinding, Verdict,
+    Watched, decide, plan_check,
 };
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use fold::Fold;
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
-pub use role::{Per, Role, RoleQuota};
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
 pub use quota::{FieldError, Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
+pub use role::{Per, Role, RoleQuota};
 pub use usage::{Counter, CounterKey, Dimension, EventKind, Field, Footprint, Outcome, Totals, UsageFact};
 pub use window::{Window, WindowKind, window_at};

@@ -17,10 +17,11 @@ use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::AuditEntry;
 use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId, RoleId};
-use crate::role::Role;
 use crate::price::{Price, PriceKey};
 use crate::quota::{Quota, QuotaPatch};
+use crate::role::Role;
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
+use crate::window::WindowKind;
 
 /// An adapter failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -165,6 +166,18 @@ pub struct UnpricedRow {
     pub key: PriceKey,
 }
 
+/// Token usage of one (provider, model, component, meter) in one window of a
+/// project, priced and unpriced quantities apart (the finance breakdown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelUsageRow {
+    pub key: PriceKey,
+    pub meter: crate::price::MeterType,
+    pub embedding: bool,
+    pub priced_quantity: u64,
+    pub unpriced_quantity: u64,
+    pub cost: crate::price::Usd,
+}
+
 /// The durable store: configuration, aggregates and offsets.
 #[async_trait]
 pub trait Store: Send + Sync {
@@ -206,13 +219,37 @@ pub trait Store: Send + Sync {
     /// them when it accepts an event, the fold again from the log.
     async fn record_unpriced(&self, project: &ProjectId, rows: &[UnpricedRow]) -> PortResult<()>;
     /// The distinct unpriced rows of one counter, ordered, at most `limit`.
-    async fn unpriced_rows(&self, project: &ProjectId, counter: &CounterKey, limit: usize) -> PortResult<Vec<PriceKey>>;
+    async fn unpriced_rows(&self, project: &ProjectId, counter: &CounterKey, limit: usize)
+    -> PortResult<Vec<PriceKey>>;
     /// Files a `quota_unpriced` exception, or counts one more occurrence of
     /// the quota's (replacing its counts and rows, keeping `first_seen`).
     /// `occurrence_count` of the argument is ignored. Returns the stored one.
     async fn file_exception(&self, exception: &UnpricedException) -> PortResult<UnpricedException>;
     /// A project's exceptions ordered by quota id, after the cursor, at most `limit`.
-    async fn exceptions(&self, project: &ProjectId, after: Option<&QuotaId>, limit: usize) -> PortResult<Vec<UnpricedException>>;
+    async fn exceptions(
+        &self,
+        project: &ProjectId,
+        after: Option<&QuotaId>,
+        limit: usize,
+    ) -> PortResult<Vec<UnpricedException>>;
+    /// The token usage breakdown of a project in one window (`day` or
+    /// `calendar_month`, by window key), ordered by key, meter, embedding.
+    async fn model_usage(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<ModelUsageRow>>;
+    /// The durable totals of every counter of a project in one window whose
+    /// dimension encoding starts with `prefix` (`a:` actors, `g:` agents,
+    /// `k:` keys, `u:` users), ordered by dimension.
+    async fn window_totals(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+        prefix: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of the given counters (missing ones are zero).
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.
@@ -258,7 +295,13 @@ pub struct CounterUsage {
 pub trait View: Send + Sync {
     /// Runs a plan atomically. `Ok(None)` means the view holds nothing for
     /// this project (new, or flushed): seed it, then check again.
-    async fn check(&self, project: &ProjectId, plan: &CheckPlan, hold: &Hold, at: DateTime<Utc>) -> PortResult<Option<CheckOutcome>>;
+    async fn check(
+        &self,
+        project: &ProjectId,
+        plan: &CheckPlan,
+        hold: &Hold,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CheckOutcome>>;
     /// Loads durable totals into an unseeded project (never lowers a total).
     async fn seed(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()>;
     /// Records settled facts as pending and releases their reservations.
@@ -270,9 +313,15 @@ pub trait View: Send + Sync {
     async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()>;
     /// After a durable fold: raises durable totals and drops the pending
     /// deltas of the folded events.
-    async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId]) -> PortResult<()>;
+    async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId])
+    -> PortResult<()>;
     /// A counter's state, or `None` if the project is not seeded.
-    async fn usage(&self, project: &ProjectId, counter: &CounterKey, at: DateTime<Utc>) -> PortResult<Option<CounterUsage>>;
+    async fn usage(
+        &self,
+        project: &ProjectId,
+        counter: &CounterKey,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CounterUsage>>;
 }
 
 /// The write side of the log.

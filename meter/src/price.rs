@@ -308,12 +308,7 @@ pub struct Priced {
 }
 
 /// Prices one event's token usage at its event time.
-pub fn price_tokens(
-    usage: &[TokenUsage],
-    meter: MeterType,
-    at: DateTime<Utc>,
-    book: &PriceBook,
-) -> Priced {
+pub fn price_tokens(usage: &[TokenUsage], meter: MeterType, at: DateTime<Utc>, book: &PriceBook) -> Priced {
     let mut out = Priced { meter: Some(meter), ..Priced::default() };
     let ai = meter == MeterType::LlmTokens;
     for u in usage {
@@ -365,7 +360,12 @@ pub struct ComponentUsage {
 /// Breaks one event's token usage down by (provider, model, component),
 /// priced at its event time. Components that measured zero are left out;
 /// reasoning tokens are never priced and never listed.
-pub fn component_usage(usage: &[TokenUsage], meter: MeterType, at: DateTime<Utc>, book: &PriceBook) -> Vec<ComponentUsage> {
+pub fn component_usage(
+    usage: &[TokenUsage],
+    meter: MeterType,
+    at: DateTime<Utc>,
+    book: &PriceBook,
+) -> Vec<ComponentUsage> {
     let mut out = Vec::new();
     for u in usage {
         for (component, qty) in u.components() {
@@ -472,7 +472,13 @@ mod tests {
         assert_eq!(p.unpriced_rows.into_iter().collect::<Vec<_>>(), vec![key("gpt-4o", Component::OutputTokens)]);
 
         // Embeddings: priced into the cost if a price exists, never in the verdict.
-        let emb = [TokenUsage { provider: "openai".into(), model: "te-3".into(), input: 10, embedding: true, ..Default::default() }];
+        let emb = [TokenUsage {
+            provider: "openai".into(),
+            model: "te-3".into(),
+            input: 10,
+            embedding: true,
+            ..Default::default()
+        }];
         let p = price_tokens(&emb, MeterType::LlmTokens, at, &book);
         assert!(!p.llm_event && p.unpriced_rows.is_empty());
         assert_eq!(p.tokens, 10);
@@ -490,7 +496,15 @@ mod tests {
             unit_price_usd: Usd(2_500_000),
             effective_from: utc("2026-01-01T00:00:00Z"),
         }]);
-        let usage = [TokenUsage { provider: "openai".into(), model: "gpt-4o".into(), input: 1000, output: 200, cached: 0, reasoning: 9, embedding: false }];
+        let usage = [TokenUsage {
+            provider: "openai".into(),
+            model: "gpt-4o".into(),
+            input: 1000,
+            output: 200,
+            cached: 0,
+            reasoning: 9,
+            embedding: false,
+        }];
         let rows = component_usage(&usage, MeterType::LlmTokens, at, &book);
         assert_eq!(rows.len(), 2, "input and output; cached measured zero, reasoning is never listed");
         assert_eq!((rows[0].priced_quantity, rows[0].unpriced_quantity, rows[0].cost), (1000, 0, Usd(2_500_000_000)));

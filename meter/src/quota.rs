@@ -28,14 +28,8 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 6] = [
-        Metric::Requests,
-        Metric::Calls,
-        Metric::Rows,
-        Metric::Tokens,
-        Metric::CostUsd,
-        Metric::StorageBytes,
-    ];
+    pub const ALL: [Metric; 6] =
+        [Metric::Requests, Metric::Calls, Metric::Rows, Metric::Tokens, Metric::CostUsd, Metric::StorageBytes];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -254,9 +248,7 @@ fn required<'a>(v: &'a Option<String>, field: &str) -> Result<&'a str, FieldErro
 }
 
 fn one_of<T: FromStr>(raw: &str, field: &str, allowed: &[&str]) -> Result<T, FieldError> {
-    raw.parse().map_err(|_| {
-        FieldError::new(field, format!("must be one of {}; got {raw:?}", allowed.join(", ")))
-    })
+    raw.parse().map_err(|_| FieldError::new(field, format!("must be one of {}; got {raw:?}", allowed.join(", "))))
 }
 
 /// The largest limit a counter can hold (PostgreSQL `bigint`).
@@ -266,21 +258,10 @@ pub const MAX_LIMIT: i64 = i64::MAX;
 pub fn validate(draft: &QuotaDraft) -> Result<QuotaSpec, FieldError> {
     let project_id = ProjectId::parse(required(&draft.project_id, "project_id")?)
         .map_err(|e| FieldError::new("project_id", e.to_string()))?;
-    let metric: Metric = one_of(
-        required(&draft.metric, "metric")?,
-        "metric",
-        &Metric::ALL.map(Metric::as_str),
-    )?;
-    let scope: Scope = one_of(
-        required(&draft.scope, "scope")?,
-        "scope",
-        &Scope::ALL.map(Scope::as_str),
-    )?;
-    let window: WindowKind = one_of(
-        required(&draft.window, "window")?,
-        "window",
-        &WindowKind::ALL.map(WindowKind::as_str),
-    )?;
+    let metric: Metric = one_of(required(&draft.metric, "metric")?, "metric", &Metric::ALL.map(Metric::as_str))?;
+    let scope: Scope = one_of(required(&draft.scope, "scope")?, "scope", &Scope::ALL.map(Scope::as_str))?;
+    let window: WindowKind =
+        one_of(required(&draft.window, "window")?, "window", &WindowKind::ALL.map(WindowKind::as_str))?;
     check_combination(metric, scope, window)?;
     if let Some(r) = &draft.scope_ref {
         if scope == Scope::Project {
@@ -332,13 +313,15 @@ pub fn parse_limit(metric: Metric, whole: Option<i64>, decimal: Option<&str>) ->
         (_, None, None) => return Err(bad("is required")),
         (false, Some(n), _) => n,
         (false, None, Some(_)) => return Err(bad("must be a whole number greater than 0")),
-        (true, Some(n), _) => {
-            Usd::from_dollars(n).ok_or_else(|| bad("is too large"))?.picos()
-        }
+        (true, Some(n), _) => Usd::from_dollars(n).ok_or_else(|| bad("is too large"))?.picos(),
         (true, None, Some(d)) => Usd::parse(d).map_err(|e| bad(&format!("must be dollars as a decimal: {e}")))?.picos(),
     };
     if v <= 0 {
-        return Err(bad(if metric.is_money() { "must be greater than 0" } else { "must be a whole number greater than 0" }));
+        return Err(bad(if metric.is_money() {
+            "must be greater than 0"
+        } else {
+            "must be a whole number greater than 0"
+        }));
     }
     Ok(v as u64)
 }
@@ -356,17 +339,13 @@ pub fn limit_json(metric: Metric, v: u64) -> serde_json::Value {
 pub fn check_combination(metric: Metric, scope: Scope, window: WindowKind) -> Result<(), FieldError> {
     if !metric.valid_scopes().contains(&scope) {
         let valid: Vec<&str> = metric.valid_scopes().iter().map(|s| s.as_str()).collect();
-        return Err(FieldError::new(
-            "scope",
-            format!("{metric} can only be scoped to {}", valid.join(", ")),
-        ));
+        return Err(FieldError::new("scope", format!("{metric} can only be scoped to {}", valid.join(", "))));
     }
     match (metric.is_stock(), window == WindowKind::Current) {
         (true, false) => Err(FieldError::new("window", format!("{metric} only accepts current"))),
-        (false, true) => Err(FieldError::new(
-            "window",
-            format!("current is only valid for storage_bytes; {metric} needs a window"),
-        )),
+        (false, true) => {
+            Err(FieldError::new("window", format!("current is only valid for storage_bytes; {metric} needs a window")))
+        }
         _ => Ok(()),
     }
 }

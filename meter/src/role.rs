@@ -199,7 +199,10 @@ mod tests {
     #[test]
     fn a_role_quota_needs_a_count() {
         assert_eq!(RoleQuota { calls: None, rows: None, per: Per::Day }.check().expect_err("empty").field, "quota");
-        assert_eq!(RoleQuota { calls: Some(0), rows: None, per: Per::Day }.check().expect_err("zero").field, "quota.calls");
+        assert_eq!(
+            RoleQuota { calls: Some(0), rows: None, per: Per::Day }.check().expect_err("zero").field,
+            "quota.calls"
+        );
         assert!(RoleQuota { calls: None, rows: Some(5), per: Per::Month }.check().is_ok());
     }
 }

@@ -164,11 +164,7 @@ pub const DEFAULT_DEDUP_HORIZON: Duration = Duration::days(35);
 pub const MAX_FUTURE_SKEW: Duration = Duration::minutes(5);
 
 /// Why a fact cannot be counted, as a DLQ reason or an API error.
-pub fn check_fact_time(
-    occurred_at: DateTime<Utc>,
-    at: DateTime<Utc>,
-    horizon: Duration,
-) -> Result<(), FieldError> {
+pub fn check_fact_time(occurred_at: DateTime<Utc>, at: DateTime<Utc>, horizon: Duration) -> Result<(), FieldError> {
     if occurred_at > at + MAX_FUTURE_SKEW {
         return Err(FieldError::new("occurred_at", "is more than 5 minutes in the future"));
     }
@@ -206,7 +202,9 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
         for (i, t) in fact.tokens.iter().enumerate() {
             check_name(&format!("tokens[{i}].provider"), &t.provider)?;
             check_name(&format!("tokens[{i}].model"), &t.model)?;
-            for (name, v) in [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)] {
+            for (name, v) in
+                [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)]
+            {
                 if v > i64::MAX as u64 {
                     return Err(FieldError::new(format!("tokens[{i}].{name}"), "is too large"));
                 }
@@ -499,7 +497,9 @@ impl Totals {
     pub fn cost(&self, meter: Option<MeterType>) -> u64 {
         match meter {
             Some(m) => u64::try_from(self.get(Field::cost_of(m))).unwrap_or(0),
-            None => Field::COSTS.iter().map(|f| u64::try_from(self.get(*f)).unwrap_or(0)).fold(0u64, u64::saturating_add),
+            None => {
+                Field::COSTS.iter().map(|f| u64::try_from(self.get(*f)).unwrap_or(0)).fold(0u64, u64::saturating_add)
+            }
         }
     }
 }

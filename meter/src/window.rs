@@ -72,10 +72,7 @@ impl fmt::Display for WindowKind {
 impl FromStr for WindowKind {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {
-        WindowKind::ALL
-            .into_iter()
-            .find(|w| w.as_str() == s)
-            .ok_or(())
+        WindowKind::ALL.into_iter().find(|w| w.as_str() == s).ok_or(())
     }
 }
 
@@ -131,12 +128,9 @@ pub fn window_at(kind: WindowKind, tz: Tz, at: DateTime<Utc>) -> Window {
                 resets_at: Some(local_midnight(tz, next)),
             }
         }
-        WindowKind::Current => Window {
-            kind,
-            key: "current".to_owned(),
-            start: DateTime::<Utc>::UNIX_EPOCH,
-            resets_at: None,
-        },
+        WindowKind::Current => {
+            Window { kind, key: "current".to_owned(), start: DateTime::<Utc>::UNIX_EPOCH, resets_at: None }
+        }
     }
 }
 

@@ -21,8 +21,9 @@ use proptest::sample::select;
 
 use meter::usage::counters_for;
 use meter::{
-    ApiKeyId, Caller, CheckInput, CheckOutcome, CounterKey, Dimension, EventId, EventKind, Fold, Metric, Mode, Outcome, PriceBook, ProjectId, Quota,
-    QuotaId, QuotaSpec, Scope, Totals, UsageFact, WindowKind, decide, plan_check, window_at,
+    ApiKeyId, Caller, CheckInput, CheckOutcome, CounterKey, Dimension, EventId, EventKind, Fold, Metric, Mode, Outcome,
+    PriceBook, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Totals, UsageFact, WindowKind, decide, plan_check,
+    window_at,
 };
 
 fn utc(s: &str) -> DateTime<Utc> {
@@ -640,7 +641,12 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                 at += Duration::seconds(*advance_secs);
                 let api_key = ApiKeyId::parse(KEYS[*key]).expect("id");
                 let actor = actor.map(|a| ACTORS[a]);
-                let plan = plan_check(quotas, tz, &CheckInput { caller: Caller::key(&api_key, actor), storage_delta: None }, at);
+                let plan = plan_check(
+                    quotas,
+                    tz,
+                    &CheckInput { caller: Caller::key(&api_key, actor), storage_delta: None },
+                    at,
+                );
 
                 // The plan is what the rules say: each limit on a counter its quota governs.
                 for l in &plan.limits {

@@ -196,7 +196,13 @@ fn tokens_fact(id: &str, at: DateTime<Utc>, actor: Option<&str>, model: &str, in
     UsageFact {
         actor_id: actor.map(str::to_owned),
         agent_id: Some("bot".into()),
-        tokens: vec![TokenUsage { provider: "openai".into(), model: model.into(), input, output, ..TokenUsage::default() }],
+        tokens: vec![TokenUsage {
+            provider: "openai".into(),
+            model: model.into(),
+            input,
+            output,
+            ..TokenUsage::default()
+        }],
         ..UsageFact::new(EventId::parse(id).expect("id"), ProjectId::parse("p1").expect("id"), EventKind::Tokens, at)
     }
 }
@@ -309,7 +315,12 @@ fn storage_refuses_past_the_exact_byte_and_never_refuses_a_delete() {
     let mut view = Counters::default();
     let snap = UsageFact {
         storage_bytes: Some(600),
-        ..UsageFact::new(EventId::parse("s1").expect("id"), ProjectId::parse("p1").expect("id"), EventKind::StorageDelta, at)
+        ..UsageFact::new(
+            EventId::parse("s1").expect("id"),
+            ProjectId::parse("p1").expect("id"),
+            EventKind::StorageDelta,
+            at,
+        )
     };
     view.fold(&snap, Tz::UTC, &PriceBook::default());
     let write = |delta: i64| CheckInput { storage_delta: Some(delta), ..caller(None, None) };
@@ -320,7 +331,12 @@ fn storage_refuses_past_the_exact_byte_and_never_refuses_a_delete() {
     view.fold(
         &UsageFact {
             storage_bytes: Some(5000),
-            ..UsageFact::new(EventId::parse("s2").expect("id"), ProjectId::parse("p1").expect("id"), EventKind::StorageDelta, at)
+            ..UsageFact::new(
+                EventId::parse("s2").expect("id"),
+                ProjectId::parse("p1").expect("id"),
+                EventKind::StorageDelta,
+                at,
+            )
         },
         Tz::UTC,
         &PriceBook::default(),
@@ -337,7 +353,12 @@ fn the_agent_scope_with_a_null_ref_is_the_whole_project() {
     let plan = plan_check(&[all, one], Tz::UTC, &caller(None, Some("bot")), at);
     let dims: Vec<_> = plan.counters.iter().map(|c| c.key.dimension.clone()).collect();
     assert_eq!(dims, vec![Dimension::Project, Dimension::Agent("bot".into())]);
-    let plan = plan_check(&[quota("q_bot", Scope::Agent, Some("bot"), Metric::Tokens, WindowKind::Day, 100)], Tz::UTC, &caller(None, Some("other")), at);
+    let plan = plan_check(
+        &[quota("q_bot", Scope::Agent, Some("bot"), Metric::Tokens, WindowKind::Day, 100)],
+        Tz::UTC,
+        &caller(None, Some("other")),
+        at,
+    );
     assert!(plan.limits.is_empty());
 }
 
@@ -353,13 +374,19 @@ fn calendar_months_in_new_york_across_dst_and_in_kathmandu() {
     assert_eq!(w.resets_at, Some(utc("2026-04-01T04:00:00Z")));
     // November 2026 starts in EDT and ends in EST.
     let w = window_at(WindowKind::CalendarMonth, ny, utc("2026-11-01T06:30:00Z"));
-    assert_eq!((w.key.as_str(), w.start, w.resets_at), ("2026-11", utc("2026-11-01T04:00:00Z"), Some(utc("2026-12-01T05:00:00Z"))));
+    assert_eq!(
+        (w.key.as_str(), w.start, w.resets_at),
+        ("2026-11", utc("2026-11-01T04:00:00Z"), Some(utc("2026-12-01T05:00:00Z")))
+    );
     // Late on the last evening in New York is still the old month.
     assert_eq!(window_at(WindowKind::CalendarMonth, ny, utc("2026-04-01T03:59:59Z")).key, "2026-03");
     // Kathmandu is UTC+05:45: its months begin at 18:15 UTC the day before.
     let ktm = chrono_tz::Asia::Kathmandu;
     let w = window_at(WindowKind::CalendarMonth, ktm, utc("2026-06-30T18:15:00Z"));
-    assert_eq!((w.key.as_str(), w.start, w.resets_at), ("2026-07", utc("2026-06-30T18:15:00Z"), Some(utc("2026-07-31T18:15:00Z"))));
+    assert_eq!(
+        (w.key.as_str(), w.start, w.resets_at),
+        ("2026-07", utc("2026-06-30T18:15:00Z"), Some(utc("2026-07-31T18:15:00Z")))
+    );
     assert_eq!(window_at(WindowKind::CalendarMonth, ktm, utc("2026-06-30T18:14:59Z")).key, "2026-06");
 }
 
@@ -378,7 +405,15 @@ fn token_fact() -> impl Strategy<Value = UsageFact> {
     )
         .prop_map(move |(id, model, input, output, cached, secs, actor)| UsageFact {
             actor_id: actor.map(str::to_owned),
-            tokens: vec![TokenUsage { provider: "openai".into(), model: model.into(), input, output, cached, reasoning: 7, embedding: false }],
+            tokens: vec![TokenUsage {
+                provider: "openai".into(),
+                model: model.into(),
+                input,
+                output,
+                cached,
+                reasoning: 7,
+                embedding: false,
+            }],
             ..UsageFact::new(
                 EventId::parse(format!("t{id}")).expect("id"),
                 ProjectId::parse("p1").expect("id"),
@@ -485,12 +520,23 @@ proptest! {
 fn unpriced_rows_are_per_component_and_capped_where_they_are_read() {
     let at = utc("2026-07-07T12:00:00Z");
     let usage: Vec<TokenUsage> = (0..12)
-        .map(|i| TokenUsage { provider: "p".into(), model: format!("m{i:02}"), input: 1, output: 1, ..TokenUsage::default() })
+        .map(|i| TokenUsage {
+            provider: "p".into(),
+            model: format!("m{i:02}"),
+            input: 1,
+            output: 1,
+            ..TokenUsage::default()
+        })
         .collect();
     let p = price_tokens(&usage, MeterType::LlmTokens, at, &book());
     assert_eq!(p.unpriced_rows.len(), 24, "every (model, component) with a quantity");
     assert!(MAX_UNPRICED_ROWS < p.unpriced_rows.len(), "the store caps what a refusal lists");
     // A component that measured zero is left out.
-    let p = price_tokens(&[TokenUsage { provider: "p".into(), model: "m".into(), input: 5, ..TokenUsage::default() }], MeterType::LlmTokens, at, &book());
+    let p = price_tokens(
+        &[TokenUsage { provider: "p".into(), model: "m".into(), input: 5, ..TokenUsage::default() }],
+        MeterType::LlmTokens,
+        at,
+        &book(),
+    );
     assert_eq!(p.unpriced_rows.into_iter().map(|k| k.component).collect::<Vec<_>>(), vec![Component::InputTokens]);
 }

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use meter::{
-    Clock, Counter, EventId, FoldBatch, LogReader, LogRecord, OffsetMove, PortError, PortResult, ProjectId,
-    Store, Totals, UsageFact, View,
+    Clock, Counter, EventId, FoldBatch, LogReader, LogRecord, OffsetMove, PortError, PortResult, ProjectId, Store,
+    Totals, UsageFact, View,
 };
 use tracing::{debug, info, warn};
 
@@ -208,7 +208,11 @@ impl<R: LogReader> Projector<R> {
 
     /// Decodes and validates one record: `Ok(Ok(fact))` to fold,
     /// `Ok(Err(reason))` to dead-letter, `Err` when the store cannot answer.
-    async fn sort(&mut self, rec: &LogRecord, now: chrono::DateTime<chrono::Utc>) -> PortResult<Result<UsageFact, String>> {
+    async fn sort(
+        &mut self,
+        rec: &LogRecord,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> PortResult<Result<UsageFact, String>> {
         let fact = match schemas::decode_usage(&rec.payload) {
             Ok(f) => f,
             Err(e) => return Ok(Err(format!("malformed: {e}"))),

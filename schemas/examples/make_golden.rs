@@ -140,7 +140,12 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
                 id: EventId::parse("evt_01J9Z3Q8R7")?,
                 kind: EventKind::Tokens,
                 meter_type: Some(MeterType::ComputeExecution),
-                tokens: vec![TokenUsage { provider: "tollgate".into(), model: "sandbox-s".into(), input: 30, ..TokenUsage::default() }],
+                tokens: vec![TokenUsage {
+                    provider: "tollgate".into(),
+                    model: "sandbox-s".into(),
+                    input: 30,
+                    ..TokenUsage::default()
+                }],
                 ..base.clone()
             },
         ),

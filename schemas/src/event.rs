@@ -120,8 +120,9 @@ impl TryFrom<UsageEvent> for UsageFact {
         let mut tokens = Vec::new();
         for (i, t) in event.tokens.unwrap_or_default().into_iter().enumerate() {
             let q = |name: &str, v: i64| {
-                u64::try_from(v)
-                    .map_err(|_| SchemaError::invalid(&format!("tokens[{i}].{name}"), format!("must not be negative, got {v}")))
+                u64::try_from(v).map_err(|_| {
+                    SchemaError::invalid(&format!("tokens[{i}].{name}"), format!("must not be negative, got {v}"))
+                })
             };
             tokens.push(meter::TokenUsage {
                 input: q("input", t.input)?,
@@ -136,7 +137,10 @@ impl TryFrom<UsageEvent> for UsageFact {
         let meter_type = match event.meter_type {
             None => None,
             Some(m) => Some(m.parse::<MeterType>().map_err(|_| {
-                SchemaError::invalid("meter_type", format!("{m:?} is not one of llm_tokens, compute_execution, api_request, storage"))
+                SchemaError::invalid(
+                    "meter_type",
+                    format!("{m:?} is not one of llm_tokens, compute_execution, api_request, storage"),
+                )
             })?),
         };
         let fact = UsageFact {

@@ -36,10 +36,8 @@ use apache_avro::rabin::Rabin;
 use crate::SchemaError;
 
 /// The source of every shipped usage schema version, oldest first.
-pub const USAGE_SOURCES: &[(u32, &str)] = &[
-    (1, include_str!("../avro/usage_event.v1.avsc")),
-    (2, include_str!("../avro/usage_event.v2.avsc")),
-];
+pub const USAGE_SOURCES: &[(u32, &str)] =
+    &[(1, include_str!("../avro/usage_event.v1.avsc")), (2, include_str!("../avro/usage_event.v2.avsc"))];
 
 /// One known version of the usage schema.
 #[derive(Debug, Clone)]
@@ -123,8 +121,8 @@ pub fn canonical_form(schema: &Schema) -> String {
 /// bytes: it holds no logical types any more, and apache-avro's canonical
 /// form of such a schema is the specification's (a test checks this).
 fn fingerprint_of_canonical(pcf: &str) -> Result<u64, SchemaError> {
-    let plain = Schema::parse_str(pcf)
-        .map_err(|e| SchemaError::Malformed(format!("canonical form does not parse: {e}")))?;
+    let plain =
+        Schema::parse_str(pcf).map_err(|e| SchemaError::Malformed(format!("canonical form does not parse: {e}")))?;
     let bytes: [u8; 8] = plain
         .fingerprint::<Rabin>()
         .bytes
@@ -174,7 +172,8 @@ mod tests {
             };
             let n: u32 = n.parse().expect("usage_event.v<N>.avsc");
             let on_disk = std::fs::read_to_string(dir.join(&name)).expect("read");
-            let listed = USAGE_SOURCES.iter().find(|(v, _)| *v == n).unwrap_or_else(|| panic!("{name} not in USAGE_SOURCES"));
+            let listed =
+                USAGE_SOURCES.iter().find(|(v, _)| *v == n).unwrap_or_else(|| panic!("{name} not in USAGE_SOURCES"));
             assert_eq!(listed.1, on_disk, "{name}");
         }
     }

@@ -66,9 +66,8 @@ pub fn decode_usage(bytes: &[u8]) -> Result<UsageFact, SchemaError> {
 /// [`SchemaError::Encode`] if the event does not fit the current schema.
 pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
     let current = usage_schema_version();
-    let value = to_value(event)
-        .and_then(|v| v.resolve(&current.schema))
-        .map_err(|e| SchemaError::Encode(e.to_string()))?;
+    let value =
+        to_value(event).and_then(|v| v.resolve(&current.schema)).map_err(|e| SchemaError::Encode(e.to_string()))?;
     let datum = to_avro_datum(&current.schema, value).map_err(|e| SchemaError::Encode(e.to_string()))?;
     let mut out = Vec::with_capacity(HEADER_LEN + datum.len());
     out.extend_from_slice(&MARKER);
@@ -130,9 +129,7 @@ mod tests {
             tokens: Vec::new(),
             storage_bytes: None,
             meter_type: None,
-            occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00.123456Z")
-                .expect("ts")
-                .with_timezone(&Utc),
+            occurred_at: DateTime::parse_from_rfc3339("2026-07-07T12:31:00.123456Z").expect("ts").with_timezone(&Utc),
             kind: EventKind::Call,
             outcome: Outcome::Success,
             rows: 12,
@@ -219,10 +216,7 @@ mod tests {
         assert!(matches!(decode_usage(&good[..good.len() - 1]), Err(SchemaError::Malformed(_))));
         let mut trailing = good.clone();
         trailing.push(0);
-        assert_eq!(
-            decode_usage(&trailing),
-            Err(SchemaError::Malformed("1 trailing bytes after the datum".into()))
-        );
+        assert_eq!(decode_usage(&trailing), Err(SchemaError::Malformed("1 trailing bytes after the datum".into())));
     }
 
     #[test]

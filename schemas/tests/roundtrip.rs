@@ -32,30 +32,40 @@ fn fact() -> impl Strategy<Value = UsageFact> {
             proptest::option::of(proptest::sample::select(MeterType::ALL.to_vec())),
         ),
     )
-        .prop_map(|((id, project, key, reservation), (agent, actor, gateway), occurred_at, kind, outcome, rows, (user_id, tokens, storage_bytes, meter_type))| {
-            UsageFact {
-                user_id,
-                tokens,
-                storage_bytes,
-                meter_type,
-                id: EventId::parse(id).expect("id alphabet"),
-                project_id: ProjectId::parse(project).expect("id alphabet"),
-                api_key_id: key.map(|k| ApiKeyId::parse(k).expect("id alphabet")),
-                agent_id: agent,
-                actor_id: actor,
+        .prop_map(
+            |(
+                (id, project, key, reservation),
+                (agent, actor, gateway),
                 occurred_at,
                 kind,
                 outcome,
                 rows,
-                reservation_id: reservation.map(|r| ReservationId::parse(r).expect("id alphabet")),
-                gateway,
-            }
-        })
+                (user_id, tokens, storage_bytes, meter_type),
+            )| {
+                UsageFact {
+                    user_id,
+                    tokens,
+                    storage_bytes,
+                    meter_type,
+                    id: EventId::parse(id).expect("id alphabet"),
+                    project_id: ProjectId::parse(project).expect("id alphabet"),
+                    api_key_id: key.map(|k| ApiKeyId::parse(k).expect("id alphabet")),
+                    agent_id: agent,
+                    actor_id: actor,
+                    occurred_at,
+                    kind,
+                    outcome,
+                    rows,
+                    reservation_id: reservation.map(|r| ReservationId::parse(r).expect("id alphabet")),
+                    gateway,
+                }
+            },
+        )
 }
 
 fn token_usage() -> impl Strategy<Value = TokenUsage> {
-    (".{1,20}", ".{1,20}", 0..=i64::MAX as u64, 0..1_000_000_u64, 0..1_000_000_u64, 0..1_000_000_u64, any::<bool>()).prop_map(
-        |(provider, model, input, output, cached, reasoning, embedding)| TokenUsage {
+    (".{1,20}", ".{1,20}", 0..=i64::MAX as u64, 0..1_000_000_u64, 0..1_000_000_u64, 0..1_000_000_u64, any::<bool>())
+        .prop_map(|(provider, model, input, output, cached, reasoning, embedding)| TokenUsage {
             provider,
             model,
             input,
@@ -63,8 +73,7 @@ fn token_usage() -> impl Strategy<Value = TokenUsage> {
             cached,
             reasoning,
             embedding,
-        },
-    )
+        })
 }
 
 proptest! {

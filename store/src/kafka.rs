@@ -144,10 +144,8 @@ impl Log for KafkaLog {
             payloads.push((f.project_id.as_str(), bytes));
         }
         let sends = payloads.iter().map(|(key, bytes)| {
-            self.producer.send(
-                FutureRecord::to(&self.topic).key(*key).payload(bytes),
-                Timeout::After(Duration::from_secs(30)),
-            )
+            self.producer
+                .send(FutureRecord::to(&self.topic).key(*key).payload(bytes), Timeout::After(Duration::from_secs(30)))
         });
         let results = futures::future::join_all(sends)
             .instrument(info_span!("datastore", op = "kafka.publish", n = facts.len()))
@@ -196,10 +194,7 @@ impl KafkaReader {
 impl LogReader for KafkaReader {
     async fn partitions(&mut self) -> PortResult<Vec<i32>> {
         // A short blocking call, made at start-up only.
-        let md = self
-            .consumer
-            .fetch_metadata(Some(&self.topic), Duration::from_secs(10))
-            .map_err(kafka_err)?;
+        let md = self.consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(10)).map_err(kafka_err)?;
         let topic = md
             .topics()
             .iter()
@@ -249,11 +244,7 @@ impl LogReader for KafkaReader {
         if let Some(k) = &record.key {
             rec = rec.key(k);
         }
-        self.dlq
-            .send(rec, Timeout::After(Duration::from_secs(30)))
-            .await
-            .map(|_| ())
-            .map_err(|(e, _)| kafka_err(e))
+        self.dlq.send(rec, Timeout::After(Duration::from_secs(30))).await.map(|_| ()).map_err(|(e, _)| kafka_err(e))
     }
 }
 

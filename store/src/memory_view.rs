@@ -55,8 +55,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError,
-    PortResult, ProjectId, ReservationId, Settlement, Totals, View,
+    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError, PortResult,
+    ProjectId, ReservationId, Settlement, Totals, View,
 };
 
 use crate::redis_view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, sum_field};
@@ -495,23 +495,24 @@ impl ProjectState {
     /// usage.lua (writes nothing).
     fn usage(&self, counter: &CounterKey, at: Ms, now: Ms) -> CounterUsage {
         let name = counter.encode();
-        let (durable, pending) = live_ref(&self.counters, name.as_str(), now)
-            .map(|c| (c.durable, c.pending.totals()))
-            .unwrap_or_default();
+        let (durable, pending) =
+            live_ref(&self.counters, name.as_str(), now).map(|c| (c.durable, c.pending.totals())).unwrap_or_default();
         let reserved = live_ref(&self.leases, name.as_str(), now)
             .map(|z| z.by.values().filter(|lease| **lease > at).count())
             .unwrap_or(0);
-        CounterUsage {
-            durable,
-            pending,
-            reserved_calls: reserved as u64,
-        }
+        CounterUsage { durable, pending, reserved_calls: reserved as u64 }
     }
 }
 
 #[async_trait]
 impl View for MemoryView {
-    async fn check(&self, project: &ProjectId, plan: &CheckPlan, hold: &Hold, at: DateTime<Utc>) -> PortResult<Option<CheckOutcome>> {
+    async fn check(
+        &self,
+        project: &ProjectId,
+        plan: &CheckPlan,
+        hold: &Hold,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CheckOutcome>> {
         // Validated before anything changes, as RedisView does before the script.
         if let Some(l) = plan.limits.iter().find(|l| l.counter >= plan.counters.len()) {
             return Err(PortError::Permanent(format!(
@@ -569,7 +570,12 @@ impl View for MemoryView {
         Ok(())
     }
 
-    async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId]) -> PortResult<()> {
+    async fn apply_fold(
+        &self,
+        project: &ProjectId,
+        totals: &[(Counter, Totals)],
+        events: &[EventId],
+    ) -> PortResult<()> {
         if totals.is_empty() && events.is_empty() {
             return Ok(());
         }
@@ -585,7 +591,12 @@ impl View for MemoryView {
         Ok(())
     }
 
-    async fn usage(&self, project: &ProjectId, counter: &CounterKey, at: DateTime<Utc>) -> PortResult<Option<CounterUsage>> {
+    async fn usage(
+        &self,
+        project: &ProjectId,
+        counter: &CounterKey,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CounterUsage>> {
         let mut st = self.lock();
         let now = st.advance(at);
         Ok(st.projects.get(project).filter(|p| p.loaded).map(|p| p.usage(counter, ms(at), now)))

@@ -7,7 +7,8 @@
 //! and adds the batch's totals, all in **one transaction** with a fixed
 //! number of statements per batch (one per partition for the fence, one for
 //! the dedup set, one for the time zones, one for the prices its tokens
-//! events need, one upsert, one for their unpriced rows, and three for the
+//! events need, one upsert, one for their unpriced rows, one for their
+//! breakdown by provider, model and component (`model_usage`), and three for the
 //! storage footprint), never one per event. That is what makes the fold
 //! exactly-once: a redelivered batch is fenced by its offsets, and a resent
 //! event id adds nothing.
@@ -28,13 +29,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
-use meter::usage::{counters_for, priced};
+use meter::usage::{component_usage, counters_for, priced};
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey,
-    Dimension, EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, Metric, Role, RoleId, RoleQuota, Mode,
-    OnUnpriced, PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId,
-    Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, Totals, UnpricedException,
-    UnpricedRow, UsageFact, Usd, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension,
+    EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, MeterType, Metric, Mode, ModelUsageRow, OnUnpriced,
+    PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch,
+    QuotaPlan, QuotaSpec, Role, RoleId, RoleQuota, Scope, Store, Totals, UnpricedException, UnpricedRow, UsageFact,
+    Usd, WindowKind, window_at,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
@@ -70,13 +71,10 @@ impl PgStore {
     /// Applies the migrations in `migrations/` (idempotent; concurrent
     /// callers are serialised by sqlx's advisory lock).
     pub async fn migrate(&self) -> PortResult<()> {
-        sqlx::migrate!("../migrations")
-            .run(&self.pool)
-            .await
-            .map_err(|e| match e {
-                sqlx::migrate::MigrateError::Execute(e) => db_err(e),
-                other => PortError::Permanent(format!("migrating: {other}")),
-            })
+        sqlx::migrate!("../migrations").run(&self.pool).await.map_err(|e| match e {
+            sqlx::migrate::MigrateError::Execute(e) => db_err(e),
+            other => PortError::Permanent(format!("migrating: {other}")),
+        })
     }
 
     /// Forgets folded event ids that occurred before `before` (the dedup
@@ -375,10 +373,7 @@ fn counter_key_from_row(row: &PgRow) -> PortResult<CounterKey> {
 
 fn counter_from_row(row: &PgRow) -> PortResult<(Counter, Totals)> {
     let key = counter_key_from_row(row)?;
-    let counter = Counter {
-        key,
-        resets_at: get(row, "resets_at")?,
-    };
+    let counter = Counter { key, resets_at: get(row, "resets_at")? };
     Ok((counter, totals_from_row(row)?))
 }
 
@@ -529,6 +524,116 @@ fn storage_kind(kind: EventKind) -> Option<&'static str> {
     }
 }
 
+/// The windows the token usage breakdown (`model_usage`) is kept for.
+const MODEL_USAGE_WINDOWS: [WindowKind; 2] = [WindowKind::Day, WindowKind::CalendarMonth];
+
+/// The token usage breakdown a batch adds, summed within the batch and in key
+/// order (so concurrent writers take row locks alike): `(project, window,
+/// window key, price key, meter, embedding)` to (priced quantity, unpriced
+/// quantity, cost).
+type ModelUsageSet = BTreeMap<(ProjectId, WindowKind, String, PriceKey, MeterType, bool), (u64, u64, Usd)>;
+
+/// Adds a new fact's breakdown by (provider, model, component), priced
+/// against `book`, to its day and month in the project's zone `tz`. Adds
+/// nothing for a fact that is not a tokens event.
+fn add_model_usage(set: &mut ModelUsageSet, fact: &UsageFact, tz: Tz, book: &PriceBook) {
+    let rows = component_usage(fact, book);
+    if rows.is_empty() {
+        return;
+    }
+    for kind in MODEL_USAGE_WINDOWS {
+        let window_key = window_at(kind, tz, fact.occurred_at).key;
+        for r in &rows {
+            let (priced, unpriced, cost) = set
+                .entry((fact.project_id.clone(), kind, window_key.clone(), r.key.clone(), r.meter, r.embedding))
+                .or_default();
+            *priced = priced.saturating_add(r.priced_quantity);
+            *unpriced = unpriced.saturating_add(r.unpriced_quantity);
+            *cost = cost.saturating_add(r.cost);
+        }
+    }
+}
+
+/// Adds a batch's breakdown to `model_usage` in one upsert.
+async fn insert_model_usage<'e, E>(ex: E, rows: &ModelUsageSet) -> PortResult<()>
+where
+    E: sqlx::PgExecutor<'e>,
+{
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let n = rows.len();
+    let (mut p, mut k, mut w) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut provider, mut model, mut component, mut meter, mut embedding) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut priced, mut unpriced, mut cost) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    for ((project, kind, window_key, key, m, e), (pq, uq, c)) in rows {
+        p.push(project.as_str());
+        k.push(kind.as_str());
+        w.push(window_key.as_str());
+        provider.push(key.provider.as_str());
+        model.push(key.model.as_str());
+        component.push(key.component.as_str());
+        meter.push(m.as_str());
+        embedding.push(*e);
+        priced.push(to_i64("priced quantity", *pq)?);
+        unpriced.push(to_i64("unpriced quantity", *uq)?);
+        cost.push(c.picos());
+    }
+    sqlx::query(
+        "INSERT INTO model_usage AS m \
+             (project_id, window_kind, window_key, provider, model, component, meter_type, embedding, \
+              priced_quantity, unpriced_quantity, cost_picos) \
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+                              $7::text[], $8::bool[], $9::bigint[], $10::bigint[], $11::bigint[]) \
+         ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
+         DO UPDATE SET priced_quantity = m.priced_quantity + EXCLUDED.priced_quantity, \
+                       unpriced_quantity = m.unpriced_quantity + EXCLUDED.unpriced_quantity, \
+                       cost_picos = m.cost_picos + EXCLUDED.cost_picos",
+    )
+    .bind(&p)
+    .bind(&k)
+    .bind(&w)
+    .bind(&provider)
+    .bind(&model)
+    .bind(&component)
+    .bind(&meter)
+    .bind(&embedding)
+    .bind(&priced)
+    .bind(&unpriced)
+    .bind(&cost)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+fn model_usage_from_row(row: &PgRow) -> PortResult<ModelUsageRow> {
+    let component: String = get(row, "component")?;
+    let meter: String = get(row, "meter_type")?;
+    let cost: i64 = get(row, "cost_picos")?;
+    if cost < 0 {
+        return Err(corrupt("cost_picos", &cost.to_string()));
+    }
+    Ok(ModelUsageRow {
+        key: PriceKey {
+            provider: get(row, "provider")?,
+            model: get(row, "model")?,
+            component: parse::<Component>("price component", &component)?,
+        },
+        meter: parse::<MeterType>("meter type", &meter)?,
+        embedding: get(row, "embedding")?,
+        priced_quantity: to_u64("priced_quantity", get(row, "priced_quantity")?)?,
+        unpriced_quantity: to_u64("unpriced_quantity", get(row, "unpriced_quantity")?)?,
+        cost: Usd(cost),
+    })
+}
+
 #[async_trait]
 impl Store for PgStore {
     #[tracing::instrument(
@@ -538,25 +643,18 @@ impl Store for PgStore {
         fields(db = "postgres", op = "create_project")
     )]
     async fn create_project(&self, project: &Project) -> PortResult<()> {
-        sqlx::query(
-            "INSERT INTO projects (id, name, timezone, created_at) VALUES ($1, $2, $3, $4)",
-        )
-        .bind(project.id.as_str())
-        .bind(&project.name)
-        .bind(project.timezone.name())
-        .bind(project.created_at)
-        .execute(&self.pool)
-        .await
-        .map_err(db_err)?;
+        sqlx::query("INSERT INTO projects (id, name, timezone, created_at) VALUES ($1, $2, $3, $4)")
+            .bind(project.id.as_str())
+            .bind(&project.name)
+            .bind(project.timezone.name())
+            .bind(project.created_at)
+            .execute(&self.pool)
+            .await
+            .map_err(db_err)?;
         Ok(())
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "project")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "project"))]
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>> {
         sqlx::query("SELECT id, name, timezone, created_at FROM projects WHERE id = $1")
             .bind(id.as_str())
@@ -614,11 +712,12 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "role"))]
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>> {
-        let Some(row) = sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db_err)?
+        let Some(row) =
+            sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_err)?
         else {
             return Ok(None);
         };
@@ -637,25 +736,16 @@ impl Store for PgStore {
         }))
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "api_key")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "api_key"))]
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>> {
-        sqlx::query(concat!(
-            "SELECT ",
-            api_key_columns!(),
-            " FROM api_keys WHERE id = $1 AND deleted_at IS NULL"
-        ))
-        .bind(id.as_str())
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db_err)?
-        .as_ref()
-        .map(api_key_from_row)
-        .transpose()
+        sqlx::query(concat!("SELECT ", api_key_columns!(), " FROM api_keys WHERE id = $1 AND deleted_at IS NULL"))
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?
+            .as_ref()
+            .map(api_key_from_row)
+            .transpose()
     }
 
     #[tracing::instrument(
@@ -679,80 +769,15 @@ impl Store for PgStore {
         .transpose()
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "create_quota")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "create_quota"))]
     async fn create_quota(&self, quota: &Quota) -> PortResult<()> {
         insert_quota(&self.pool, quota).await
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "quota")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "quota"))]
     async fn quota(&self, id: &QuotaId) -> PortResult<Option<Quota>> {
-        sqlx::query(concat!(
-            "SELECT ",
-            quota_columns!(),
-            " FROM quotas WHERE id = $1"
-        ))
-        .bind(id.as_str())
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db_err)?
-        .as_ref()
-        .map(quota_from_row)
-        .transpose()
-    }
-
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "quotas")
-    )]
-    async fn quotas(&self, project: &ProjectId) -> PortResult<Vec<Quota>> {
-        sqlx::query(concat!(
-            "SELECT ",
-            quota_columns!(),
-            " FROM quotas WHERE project_id = $1 ORDER BY created_at, id"
-        ))
-        .bind(project.as_str())
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db_err)?
-        .iter()
-        .map(quota_from_row)
-        .collect()
-    }
-
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "update_quota")
-    )]
-    async fn update_quota(
-        &self,
-        id: &QuotaId,
-        patch: &QuotaPatch,
-        at: DateTime<Utc>,
-    ) -> PortResult<Option<Quota>> {
-        let limit = patch.limit.map(|l| to_i64("limit", l)).transpose()?;
-        sqlx::query(concat!(
-            r#"UPDATE quotas SET "limit" = COALESCE($2, "limit"), mode = COALESCE($3, mode), updated_at = $4 "#,
-            "WHERE id = $1 RETURNING ",
-            quota_columns!()
-        ))
+        sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE id = $1"))
             .bind(id.as_str())
-            .bind(limit)
-            .bind(patch.mode.map(Mode::as_str))
-            .bind(at)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_err)?
@@ -761,12 +786,39 @@ impl Store for PgStore {
             .transpose()
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "delete_quota")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "quotas"))]
+    async fn quotas(&self, project: &ProjectId) -> PortResult<Vec<Quota>> {
+        sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE project_id = $1 ORDER BY created_at, id"))
+            .bind(project.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?
+            .iter()
+            .map(quota_from_row)
+            .collect()
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "update_quota"))]
+    async fn update_quota(&self, id: &QuotaId, patch: &QuotaPatch, at: DateTime<Utc>) -> PortResult<Option<Quota>> {
+        let limit = patch.limit.map(|l| to_i64("limit", l)).transpose()?;
+        sqlx::query(concat!(
+            r#"UPDATE quotas SET "limit" = COALESCE($2, "limit"), mode = COALESCE($3, mode), updated_at = $4 "#,
+            "WHERE id = $1 RETURNING ",
+            quota_columns!()
+        ))
+        .bind(id.as_str())
+        .bind(limit)
+        .bind(patch.mode.map(Mode::as_str))
+        .bind(at)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)?
+        .as_ref()
+        .map(quota_from_row)
+        .transpose()
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "delete_quota"))]
     async fn delete_quota(&self, id: &QuotaId) -> PortResult<bool> {
         let done = sqlx::query("DELETE FROM quotas WHERE id = $1")
             .bind(id.as_str())
@@ -783,14 +835,12 @@ impl Store for PgStore {
         fields(db = "postgres", op = "delete_api_key")
     )]
     async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
-        let done = sqlx::query(
-            "UPDATE api_keys SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL",
-        )
-        .bind(id.as_str())
-        .bind(at)
-        .execute(&self.pool)
-        .await
-        .map_err(db_err)?;
+        let done = sqlx::query("UPDATE api_keys SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL")
+            .bind(id.as_str())
+            .bind(at)
+            .execute(&self.pool)
+            .await
+            .map_err(db_err)?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -820,18 +870,15 @@ impl Store for PgStore {
             return Err(PortError::Permanent(format!("project {project} does not exist")));
         }
         if let Some(expected) = &plan.based_on {
-            let mut now: Vec<Quota> = sqlx::query(concat!(
-                "SELECT ",
-                quota_columns!(),
-                " FROM quotas WHERE project_id = $1"
-            ))
-            .bind(project)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db_err)?
-            .iter()
-            .map(quota_from_row)
-            .collect::<PortResult<_>>()?;
+            let mut now: Vec<Quota> =
+                sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE project_id = $1"))
+                    .bind(project)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db_err)?
+                    .iter()
+                    .map(quota_from_row)
+                    .collect::<PortResult<_>>()?;
             let mut expected = expected.clone();
             now.sort_by(|a, b| a.id.cmp(&b.id));
             expected.sort_by(|a, b| a.id.cmp(&b.id));
@@ -878,10 +925,7 @@ impl Store for PgStore {
         }
         for c in &plan.creates {
             if c.quota.spec.project_id != plan.project_id {
-                return Err(PortError::Permanent(format!(
-                    "quota {} is not of project {project}",
-                    c.quota.id
-                )));
+                return Err(PortError::Permanent(format!("quota {} is not of project {project}", c.quota.id)));
             }
             insert_quota(&mut *tx, &c.quota).await?;
         }
@@ -892,28 +936,13 @@ impl Store for PgStore {
         Ok(())
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "record_audit")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "record_audit"))]
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool> {
         insert_audit(&self.pool, entry).await
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "audit")
-    )]
-    async fn audit(
-        &self,
-        project: &ProjectId,
-        after: Option<&AuditId>,
-        limit: usize,
-    ) -> PortResult<Vec<AuditEntry>> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "audit"))]
+    async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         sqlx::query(concat!(
             "SELECT ",
@@ -981,19 +1010,12 @@ impl Store for PgStore {
         Ok(())
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "prices")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "prices"))]
     async fn prices(&self) -> PortResult<Vec<Price>> {
-        let rows = sqlx::query(
-            "SELECT provider, model, component, effective_from, unit_price_picos FROM prices",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db_err)?;
+        let rows = sqlx::query("SELECT provider, model, component, effective_from, unit_price_picos FROM prices")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?;
         // The book orders by key (meter's order of components, not their
         // names') then effective_from.
         let book = PriceBook::new(rows.iter().map(price_from_row).collect::<PortResult<Vec<_>>>()?);
@@ -1014,12 +1036,7 @@ impl Store for PgStore {
         insert_unpriced(&self.pool, &set).await
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "unpriced_rows")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "unpriced_rows"))]
     async fn unpriced_rows(
         &self,
         project: &ProjectId,
@@ -1103,12 +1120,7 @@ impl Store for PgStore {
         }
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "exceptions")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "exceptions"))]
     async fn exceptions(
         &self,
         project: &ProjectId,
@@ -1133,17 +1145,62 @@ impl Store for PgStore {
         .collect()
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "totals")
-    )]
-    async fn totals(
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "model_usage"))]
+    async fn model_usage(
         &self,
         project: &ProjectId,
-        counters: &[CounterKey],
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<ModelUsageRow>> {
+        let rows = sqlx::query(
+            "SELECT provider, model, component, meter_type, embedding, priced_quantity, unpriced_quantity, \
+                    cost_picos \
+             FROM model_usage WHERE project_id = $1 AND window_kind = $2 AND window_key = $3",
+        )
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows.iter().map(model_usage_from_row).collect::<PortResult<Vec<_>>>()?;
+        // meter's orders (components and meters are not in name order).
+        out.sort_by(|a, b| (&a.key, a.meter, a.embedding).cmp(&(&b.key, b.meter, b.embedding)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "window_totals"))]
+    async fn window_totals(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+        prefix: &str,
     ) -> PortResult<Vec<(CounterKey, Totals)>> {
+        // `starts_with`, not LIKE: the prefix is text, never a pattern.
+        let rows = sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, ",
+            totals_columns!(),
+            " FROM usage_aggregates
+               WHERE project_id = $1 AND window_kind = $2 AND window_key = $3 AND starts_with(dimension, $4)"
+        ))
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .bind(prefix)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows
+            .iter()
+            .map(|row| Ok((counter_key_from_row(row)?, totals_from_row(row)?)))
+            .collect::<PortResult<Vec<_>>>()?;
+        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "totals"))]
+    async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>> {
         if counters.is_empty() {
             return Ok(Vec::new());
         }
@@ -1169,23 +1226,11 @@ impl Store for PgStore {
         for row in &rows {
             found.insert(counter_key_from_row(row)?, totals_from_row(row)?);
         }
-        Ok(counters
-            .iter()
-            .map(|c| (c.clone(), found.get(c).copied().unwrap_or_default()))
-            .collect())
+        Ok(counters.iter().map(|c| (c.clone(), found.get(c).copied().unwrap_or_default())).collect())
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "open_totals")
-    )]
-    async fn open_totals(
-        &self,
-        project: &ProjectId,
-        at: DateTime<Utc>,
-    ) -> PortResult<Vec<(Counter, Totals)>> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "open_totals"))]
+    async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>> {
         // `resets_at IS NULL` keeps the windows that never reset: the
         // storage footprint.
         sqlx::query(concat!(
@@ -1205,24 +1250,16 @@ impl Store for PgStore {
         .collect()
     }
 
-    #[tracing::instrument(
-        name = "datastore",
-        level = "debug",
-        skip_all,
-        fields(db = "postgres", op = "offsets")
-    )]
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "postgres", op = "offsets"))]
     async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
-        let rows = sqlx::query(
-            r#"SELECT "partition", next_offset FROM consumer_offsets WHERE consumer = $1 AND topic = $2"#,
-        )
-        .bind(consumer)
-        .bind(topic)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db_err)?;
-        rows.iter()
-            .map(|r| Ok((get::<i32>(r, "partition")?, get::<i64>(r, "next_offset")?)))
-            .collect()
+        let rows =
+            sqlx::query(r#"SELECT "partition", next_offset FROM consumer_offsets WHERE consumer = $1 AND topic = $2"#)
+                .bind(consumer)
+                .bind(topic)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db_err)?;
+        rows.iter().map(|r| Ok((get::<i32>(r, "partition")?, get::<i64>(r, "next_offset")?))).collect()
     }
 
     #[tracing::instrument(
@@ -1286,8 +1323,7 @@ impl Store for PgStore {
 
         // (2) The time zones of the batch's projects; a fact of an unknown
         // project is a bug upstream (the projector dead-letters those).
-        let mut project_ids: Vec<&str> =
-            batch.facts.iter().map(|f| f.project_id.as_str()).collect();
+        let mut project_ids: Vec<&str> = batch.facts.iter().map(|f| f.project_id.as_str()).collect();
         project_ids.sort_unstable();
         project_ids.dedup();
         let mut zones: HashMap<String, Tz> = HashMap::with_capacity(project_ids.len());
@@ -1302,32 +1338,16 @@ impl Store for PgStore {
                 zones.insert(get(row, "id")?, parse("time zone", &tz)?);
             }
         }
-        if let Some(f) = batch
-            .facts
-            .iter()
-            .find(|f| !zones.contains_key(f.project_id.as_str()))
-        {
-            return Err(PortError::Permanent(format!(
-                "project {} of event {} does not exist",
-                f.project_id, f.id
-            )));
+        if let Some(f) = batch.facts.iter().find(|f| !zones.contains_key(f.project_id.as_str())) {
+            return Err(PortError::Permanent(format!("project {} of event {} does not exist", f.project_id, f.id)));
         }
 
         // (3) The dedup set. Within the batch the first occurrence of an id
         // wins; the ids PostgreSQL did not know yet are the ones to fold.
         let mut seen: HashSet<(&ProjectId, &EventId)> = HashSet::with_capacity(batch.facts.len());
-        let first: Vec<bool> = batch
-            .facts
-            .iter()
-            .map(|f| seen.insert((&f.project_id, &f.id)))
-            .collect();
-        let mut candidates: Vec<&UsageFact> = batch
-            .facts
-            .iter()
-            .zip(&first)
-            .filter(|(_, first)| **first)
-            .map(|(f, _)| f)
-            .collect();
+        let first: Vec<bool> = batch.facts.iter().map(|f| seen.insert((&f.project_id, &f.id))).collect();
+        let mut candidates: Vec<&UsageFact> =
+            batch.facts.iter().zip(&first).filter(|(_, first)| **first).map(|(f, _)| f).collect();
         // A stable order, so concurrent transactions take row locks alike.
         candidates.sort_unstable_by(|a, b| (&a.project_id, &a.id).cmp(&(&b.project_id, &b.id)));
         let mut new_ids: HashSet<(ProjectId, EventId)> = HashSet::with_capacity(candidates.len());
@@ -1361,10 +1381,7 @@ impl Store for PgStore {
             let id = (fact.project_id.clone(), fact.id.clone());
             if first && new_ids.contains(&id) {
                 // Invariant: every fact's zone was checked above.
-                let tz = zones
-                    .get(fact.project_id.as_str())
-                    .copied()
-                    .unwrap_or(Tz::UTC);
+                let tz = zones.get(fact.project_id.as_str()).copied().unwrap_or(Tz::UTC);
                 fresh.push((fact, tz));
                 report.folded.push(id);
             } else {
@@ -1379,11 +1396,14 @@ impl Store for PgStore {
         let footprint = CounterKey::footprint();
         let mut fold = Fold::new();
         let mut unpriced = UnpricedSet::new();
+        let mut models = ModelUsageSet::new();
         for (fact, tz) in &fresh {
             fold.apply(fact, *tz, &book);
             if fact.kind != EventKind::Tokens {
                 continue;
             }
+            // The breakdown by model, for the day and month of the fact.
+            add_model_usage(&mut models, fact, *tz, &book);
             let keys = priced(fact, &book).unpriced_rows;
             if keys.is_empty() {
                 continue;
@@ -1393,10 +1413,7 @@ impl Store for PgStore {
                     continue;
                 }
                 for k in &keys {
-                    unpriced.insert(
-                        (fact.project_id.clone(), counter.key.clone(), k.clone()),
-                        counter.resets_at,
-                    );
+                    unpriced.insert((fact.project_id.clone(), counter.key.clone(), k.clone()), counter.resets_at);
                 }
             }
         }
@@ -1404,8 +1421,7 @@ impl Store for PgStore {
         // (6) Add the folded sums in one upsert; it returns the new absolute
         // totals of every counter it touched. The footprint is not a sum:
         // (8) sets it.
-        let sums: Vec<(&ProjectId, Counter, Totals)> =
-            fold.totals().filter(|(_, c, _)| c.key != footprint).collect();
+        let sums: Vec<(&ProjectId, Counter, Totals)> = fold.totals().filter(|(_, c, _)| c.key != footprint).collect();
         if !sums.is_empty() {
             let n = sums.len();
             let (mut p, mut d, mut k, mut w, mut r) = (
@@ -1470,11 +1486,12 @@ impl Store for PgStore {
         // (7) The unpriced rows, in one statement.
         insert_unpriced(&mut *tx, &unpriced).await?;
 
+        // (7b) The token usage breakdown by model, in one upsert.
+        insert_model_usage(&mut *tx, &models).await?;
+
         // (8) The footprint of every project with new storage facts.
-        let storage: Vec<(&UsageFact, &str)> = fresh
-            .iter()
-            .filter_map(|(f, _)| storage_kind(f.kind).map(|kind| (*f, kind)))
-            .collect();
+        let storage: Vec<(&UsageFact, &str)> =
+            fresh.iter().filter_map(|(f, _)| storage_kind(f.kind).map(|kind| (*f, kind))).collect();
         if !storage.is_empty() {
             let mut touched: Vec<&str> = storage.iter().map(|(f, _)| f.project_id.as_str()).collect();
             touched.sort_unstable();
@@ -1567,9 +1584,7 @@ impl Store for PgStore {
                 report.totals.push(aggregate_from_row(row)?);
             }
         }
-        report
-            .totals
-            .sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
+        report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
 
         tx.commit().await.map_err(db_err)?;
         Ok(report)

@@ -72,8 +72,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError,
-    PortResult, ProjectId, ReservationId, Settlement, Totals, View,
+    CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError, PortResult,
+    ProjectId, ReservationId, Settlement, Totals, View,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
@@ -291,7 +291,13 @@ fn merged(deltas: &[(Counter, Totals)]) -> Vec<(String, String, Totals)> {
 
 #[async_trait]
 impl View for RedisView {
-    async fn check(&self, project: &ProjectId, plan: &CheckPlan, hold: &Hold, at: DateTime<Utc>) -> PortResult<Option<CheckOutcome>> {
+    async fn check(
+        &self,
+        project: &ProjectId,
+        plan: &CheckPlan,
+        hold: &Hold,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CheckOutcome>> {
         let base = self.base(project);
         let reserved = plan.reserved_counters();
         let mut inv = self.scripts.check.prepare_invoke();
@@ -315,7 +321,11 @@ impl View for RedisView {
         inv.arg(plan.limits.len().to_string());
         for l in &plan.limits {
             if l.counter >= plan.counters.len() {
-                return Err(PortError::Permanent(format!("check plan names counter {} of {}", l.counter, plan.counters.len())));
+                return Err(PortError::Permanent(format!(
+                    "check plan names counter {} of {}",
+                    l.counter,
+                    plan.counters.len()
+                )));
             }
             inv.arg((l.counter + 1).to_string())
                 .arg(kind_name(l.kind))
@@ -330,7 +340,11 @@ impl View for RedisView {
             return Err(PortError::Permanent("redis check: empty reply".into()));
         };
         if used.len() != plan.limits.len() {
-            return Err(PortError::Permanent(format!("redis check: {} values for {} limits", used.len(), plan.limits.len())));
+            return Err(PortError::Permanent(format!(
+                "redis check: {} values for {} limits",
+                used.len(),
+                plan.limits.len()
+            )));
         }
         Ok(Some(CheckOutcome { admitted: admitted == "1", used: used.iter().map(|u| parse_used(u)).collect() }))
     }
@@ -400,7 +414,12 @@ impl View for RedisView {
         Ok(())
     }
 
-    async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId]) -> PortResult<()> {
+    async fn apply_fold(
+        &self,
+        project: &ProjectId,
+        totals: &[(Counter, Totals)],
+        events: &[EventId],
+    ) -> PortResult<()> {
         if totals.is_empty() && events.is_empty() {
             return Ok(());
         }
@@ -418,7 +437,12 @@ impl View for RedisView {
         Ok(())
     }
 
-    async fn usage(&self, project: &ProjectId, counter: &CounterKey, at: DateTime<Utc>) -> PortResult<Option<CounterUsage>> {
+    async fn usage(
+        &self,
+        project: &ProjectId,
+        counter: &CounterKey,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CounterUsage>> {
         let base = self.base(project);
         let name = counter.encode();
         let mut inv = self.scripts.usage.prepare_invoke();

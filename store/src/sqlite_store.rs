@@ -11,7 +11,8 @@
 //!   the aggregates, with a fixed number of statements per batch (one per
 //!   partition for the fence, one for the time zones, one for the dedup set,
 //!   one for the prices its tokens events need, one upsert, one for their
-//!   unpriced rows, three for the storage footprint, recomputed from the
+//!   unpriced rows, one for their breakdown by model (`model_usage`), three
+//!   for the storage footprint, recomputed from the
 //!   kept storage facts as [`meter::usage::Footprint`] defines it). Lists
 //!   travel as one JSON array bound to one parameter and unpacked by
 //!   `json_each`, the way PostgreSQL's `UNNEST` does it, so a batch of any
@@ -36,12 +37,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Datelike, SubsecRound, Utc};
 use chrono_tz::Tz;
-use meter::usage::{counters_for, priced};
+use meter::usage::{component_usage, counters_for, priced};
 use meter::{
     ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension,
-    EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, Metric, Role, RoleId, RoleQuota, Mode, OnUnpriced, PortError, PortResult,
-    Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope,
-    Store, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
+    EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, MeterType, Metric, Mode, ModelUsageRow, OnUnpriced,
+    PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch,
+    QuotaPlan, QuotaSpec, Role, RoleId, RoleQuota, Scope, Store, Totals, UnpricedException, UnpricedRow, UsageFact,
+    Usd, WindowKind, window_at,
 };
 use serde_json::Value;
 use sqlx::Row;
@@ -562,6 +564,103 @@ fn storage_kind(kind: EventKind) -> Option<&'static str> {
     }
 }
 
+/// The windows the token usage breakdown (`model_usage`) is kept for.
+const MODEL_USAGE_WINDOWS: [WindowKind; 2] = [WindowKind::Day, WindowKind::CalendarMonth];
+
+/// The token usage breakdown a batch adds, summed within the batch and in key
+/// order: `(project, window, window key, price key, meter, embedding)` to
+/// (priced quantity, unpriced quantity, cost).
+type ModelUsageSet = BTreeMap<(ProjectId, WindowKind, String, PriceKey, MeterType, bool), (u64, u64, Usd)>;
+
+/// Adds a new fact's breakdown by (provider, model, component), priced
+/// against `book`, to its day and month in the project's zone `tz`. Adds
+/// nothing for a fact that is not a tokens event.
+fn add_model_usage(set: &mut ModelUsageSet, fact: &UsageFact, tz: Tz, book: &PriceBook) {
+    let rows = component_usage(fact, book);
+    if rows.is_empty() {
+        return;
+    }
+    for kind in MODEL_USAGE_WINDOWS {
+        let window_key = window_at(kind, tz, fact.occurred_at).key;
+        for r in &rows {
+            let (priced, unpriced, cost) = set
+                .entry((fact.project_id.clone(), kind, window_key.clone(), r.key.clone(), r.meter, r.embedding))
+                .or_default();
+            *priced = priced.saturating_add(r.priced_quantity);
+            *unpriced = unpriced.saturating_add(r.unpriced_quantity);
+            *cost = cost.saturating_add(r.cost);
+        }
+    }
+}
+
+/// Adds a batch's breakdown to `model_usage` in one upsert.
+async fn insert_model_usage<'e, E>(ex: E, rows: &ModelUsageSet) -> PortResult<()>
+where
+    E: sqlx::SqliteExecutor<'e>,
+{
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let list = rows
+        .iter()
+        .map(|((project, kind, window_key, key, meter, embedding), (priced, unpriced, cost))| {
+            Ok((
+                project.as_str(),
+                kind.as_str(),
+                window_key.as_str(),
+                key.provider.as_str(),
+                key.model.as_str(),
+                key.component.as_str(),
+                meter.as_str(),
+                *embedding,
+                to_i64("priced quantity", *priced)?,
+                to_i64("unpriced quantity", *unpriced)?,
+                cost.picos(),
+            ))
+        })
+        .collect::<PortResult<Vec<_>>>()?;
+    // `WHERE true` keeps SQLite from reading ON CONFLICT as a join's ON; a
+    // JSON `true` reads back as 1.
+    sqlx::query(
+        "INSERT INTO model_usage \
+             (project_id, window_kind, window_key, provider, model, component, meter_type, embedding, \
+              priced_quantity, unpriced_quantity, cost_picos) \
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, \
+                value ->> 7, value ->> 8, value ->> 9, value ->> 10 \
+         FROM json_each(?1) WHERE true \
+         ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
+         DO UPDATE SET priced_quantity = priced_quantity + excluded.priced_quantity, \
+                       unpriced_quantity = unpriced_quantity + excluded.unpriced_quantity, \
+                       cost_picos = cost_picos + excluded.cost_picos",
+    )
+    .bind(json_list(&list)?)
+    .execute(ex)
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+fn model_usage_from_row(row: &SqliteRow) -> PortResult<ModelUsageRow> {
+    let component: String = get(row, "component")?;
+    let meter: String = get(row, "meter_type")?;
+    let cost: i64 = get(row, "cost_picos")?;
+    if cost < 0 {
+        return Err(corrupt("cost_picos", &cost.to_string()));
+    }
+    Ok(ModelUsageRow {
+        key: PriceKey {
+            provider: get(row, "provider")?,
+            model: get(row, "model")?,
+            component: parse::<Component>("price component", &component)?,
+        },
+        meter: parse::<MeterType>("meter type", &meter)?,
+        embedding: get(row, "embedding")?,
+        priced_quantity: to_u64("priced_quantity", get(row, "priced_quantity")?)?,
+        unpriced_quantity: to_u64("unpriced_quantity", get(row, "unpriced_quantity")?)?,
+        cost: Usd(cost),
+    })
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "create_project"))]
@@ -640,11 +739,12 @@ impl Store for SqliteStore {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "role"))]
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>> {
-        let Some(row) = sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = ?1")
-            .bind(id.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db_err)?
+        let Some(row) =
+            sqlx::query("SELECT id, project_id, name, grants, quota, exempt, created_at FROM roles WHERE id = ?1")
+                .bind(id.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_err)?
         else {
             return Ok(None);
         };
@@ -1048,6 +1148,61 @@ impl Store for SqliteStore {
         .collect()
     }
 
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "model_usage"))]
+    async fn model_usage(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<ModelUsageRow>> {
+        let rows = sqlx::query(
+            "SELECT provider, model, component, meter_type, embedding, priced_quantity, unpriced_quantity, cost_picos \
+             FROM model_usage WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3",
+        )
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows.iter().map(model_usage_from_row).collect::<PortResult<Vec<_>>>()?;
+        // meter's orders (components and meters are not in name order).
+        out.sort_by(|a, b| (&a.key, a.meter, a.embedding).cmp(&(&b.key, b.meter, b.embedding)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "window_totals"))]
+    async fn window_totals(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+        prefix: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>> {
+        // A comparison of the leading characters, not LIKE: the prefix is
+        // text, never a pattern (and LIKE ignores ASCII case).
+        let rows = sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, ",
+            totals_columns!(),
+            " FROM usage_aggregates
+               WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3
+                 AND substr(dimension, 1, length(?4)) = ?4"
+        ))
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .bind(prefix)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows
+            .iter()
+            .map(|row| Ok((counter_key_from_row(row)?, totals_from_row(row)?)))
+            .collect::<PortResult<Vec<_>>>()?;
+        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
+        Ok(out)
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "totals"))]
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>> {
         if counters.is_empty() {
@@ -1243,11 +1398,14 @@ impl Store for SqliteStore {
         let footprint = CounterKey::footprint();
         let mut fold = Fold::new();
         let mut unpriced = UnpricedSet::new();
+        let mut models = ModelUsageSet::new();
         for (fact, tz) in &fresh {
             fold.apply(fact, *tz, &book);
             if fact.kind != EventKind::Tokens {
                 continue;
             }
+            // The breakdown by model, for the day and month of the fact.
+            add_model_usage(&mut models, fact, *tz, &book);
             let keys = priced(fact, &book).unpriced_rows;
             if keys.is_empty() {
                 continue;
@@ -1320,6 +1478,9 @@ impl Store for SqliteStore {
 
         // (7) The unpriced rows, in one statement.
         insert_unpriced(&mut *tx, &unpriced).await?;
+
+        // (7b) The token usage breakdown by model, in one upsert.
+        insert_model_usage(&mut *tx, &models).await?;
 
         // (8) The footprint of every project with new storage facts. The
         // write lock taken by IMMEDIATE already serialises folds, so the

@@ -14,11 +14,11 @@ use std::path::PathBuf;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey,
-    DesiredQuota, Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, MeterType,
-    Metric, Mode, MonitorBreach, OffsetMove, OnUnpriced, Outcome, PortError, Price, PriceBook, PriceKey,
-    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store,
-    TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, DesiredQuota,
+    Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, MeterType, Metric, Mode, ModelUsageRow,
+    MonitorBreach, OffsetMove, OnUnpriced, Outcome, PortError, Price, PriceBook, PriceKey, Principal, Project,
+    ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, TokenUsage, Totals, UnpricedException,
+    UnpricedRow, UsageFact, Usd, WindowKind,
 };
 use sqlx::{Connection, PgConnection};
 use store::{PgStore, SqliteStore};
@@ -58,6 +58,10 @@ macro_rules! conformance {
             concurrent_folds_of_one_project_keep_every_storage_fact,
             an_exception_is_filed_once_and_counts_its_occurrences,
             exceptions_page_by_quota_id,
+            a_tokens_events_breakdown_lands_in_its_local_day_and_month,
+            refolding_a_tokens_event_adds_nothing_to_the_breakdown,
+            two_tokens_events_of_one_model_add_up_in_the_breakdown,
+            window_totals_lists_the_counters_under_a_prefix,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -108,16 +112,11 @@ mod sqlite {
         {
             let s = SqliteStore::open(&path).await.expect("open");
             s.migrate().await.expect("migrate");
-            s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu))
-                .await
-                .expect("create project");
+            s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu)).await.expect("create project");
             s.fold_batch(&batch(
                 0,
                 2,
-                vec![
-                    call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
-                    request("proj_1", "e2", "2026-07-07T12:31:20Z"),
-                ],
+                vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5), request("proj_1", "e2", "2026-07-07T12:31:20Z")],
             ))
             .await
             .expect("fold");
@@ -130,14 +129,8 @@ mod sqlite {
             s.project(&pid("proj_1")).await.expect("project"),
             Some(project("proj_1", chrono_tz::Asia::Kathmandu))
         );
-        assert_eq!(
-            total(&s, "proj_1", minute).await,
-            Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() }
-        );
-        assert_eq!(
-            s.offsets("projector", "tollgate.usage").await.expect("offsets"),
-            BTreeMap::from([(0, 2)])
-        );
+        assert_eq!(total(&s, "proj_1", minute).await, Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() });
+        assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), BTreeMap::from([(0, 2)]));
         // The fold's ids are still known: a redelivery counts nothing.
         let report = s
             .fold_batch(&batch(2, 3, vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)]))
@@ -147,20 +140,14 @@ mod sqlite {
         assert_eq!(report.duplicates.len(), 1);
 
         // What makes a commit survive a kill -9: WAL, fsync on commit.
-        let (journal,): (String,) = sqlx::query_as("PRAGMA journal_mode")
-            .fetch_one(s.pool())
-            .await
-            .expect("journal mode");
+        let (journal,): (String,) =
+            sqlx::query_as("PRAGMA journal_mode").fetch_one(s.pool()).await.expect("journal mode");
         assert_eq!(journal, "wal");
-        let (synchronous,): (i64,) = sqlx::query_as("PRAGMA synchronous")
-            .fetch_one(s.pool())
-            .await
-            .expect("synchronous");
+        let (synchronous,): (i64,) =
+            sqlx::query_as("PRAGMA synchronous").fetch_one(s.pool()).await.expect("synchronous");
         assert_eq!(synchronous, 2, "FULL");
-        let (foreign_keys,): (i64,) = sqlx::query_as("PRAGMA foreign_keys")
-            .fetch_one(s.pool())
-            .await
-            .expect("foreign keys");
+        let (foreign_keys,): (i64,) =
+            sqlx::query_as("PRAGMA foreign_keys").fetch_one(s.pool()).await.expect("foreign keys");
         assert_eq!(foreign_keys, 1);
     }
 }
@@ -192,9 +179,7 @@ struct SqliteDb {
 impl SqliteDb {
     async fn new() -> SqliteDb {
         let dir = TempDir::new();
-        let store = SqliteStore::open(&dir.0.join("tollgate.db"))
-            .await
-            .expect("open the test file");
+        let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open the test file");
         store.migrate().await.expect("migrate");
         SqliteDb { store, _dir: dir }
     }
@@ -233,17 +218,13 @@ impl PgDb {
     async fn new() -> PgDb {
         let server = server_url();
         let name = format!("tg_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(&server)
-            .await
-            .expect("connect to the test server");
+        let mut admin = PgConnection::connect(&server).await.expect("connect to the test server");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .execute(&mut admin)
             .await
             .expect("create the test database");
         admin.close().await.expect("close the admin connection");
-        let store = PgStore::connect(&with_database(&server, &name))
-            .await
-            .expect("connect to the test database");
+        let store = PgStore::connect(&with_database(&server, &name)).await.expect("connect to the test database");
         store.migrate().await.expect("migrate");
         PgDb { name, store }
     }
@@ -256,19 +237,14 @@ impl Drop for PgDb {
         let name = self.name.clone();
         let server = server_url();
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
             };
             rt.block_on(async move {
                 if let Ok(mut admin) = PgConnection::connect(&server).await {
-                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                    )))
-                    .execute(&mut admin)
-                    .await;
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+                        .execute(&mut admin)
+                        .await;
                     let _ = admin.close().await;
                 }
             });
@@ -278,9 +254,7 @@ impl Drop for PgDb {
 }
 
 fn utc(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s)
-        .expect("test timestamp")
-        .with_timezone(&Utc)
+    DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
 }
 
 fn pid(s: &str) -> ProjectId {
@@ -288,12 +262,7 @@ fn pid(s: &str) -> ProjectId {
 }
 
 fn project(id: &str, tz: Tz) -> Project {
-    Project {
-        id: pid(id),
-        name: format!("project {id}"),
-        timezone: tz,
-        created_at: utc("2026-01-01T00:00:00Z"),
-    }
+    Project { id: pid(id), name: format!("project {id}"), timezone: tz, created_at: utc("2026-01-01T00:00:00Z") }
 }
 
 fn fact(project: &str, id: &str, kind: EventKind, at: &str) -> UsageFact {
@@ -313,52 +282,30 @@ fn call(project: &str, id: &str, at: &str, rows: u64) -> UsageFact {
 }
 
 fn request(project: &str, id: &str, at: &str) -> UsageFact {
-    UsageFact {
-        kind: EventKind::Request,
-        rows: 0,
-        api_key_id: None,
-        ..call(project, id, at, 0)
-    }
+    UsageFact { kind: EventKind::Request, rows: 0, api_key_id: None, ..call(project, id, at, 0) }
 }
 
 fn batch(from: i64, to: i64, facts: Vec<UsageFact>) -> FoldBatch {
     FoldBatch {
         consumer: "projector".into(),
         topic: "tollgate.usage".into(),
-        offsets: vec![OffsetMove {
-            partition: 0,
-            from,
-            to,
-        }],
+        offsets: vec![OffsetMove { partition: 0, from, to }],
         facts,
     }
 }
 
 fn key(dimension: Dimension, window: WindowKind, window_key: &str) -> CounterKey {
-    CounterKey {
-        dimension,
-        window,
-        window_key: window_key.into(),
-    }
+    CounterKey { dimension, window, window_key: window_key.into() }
 }
 
 async fn total(store: &dyn Store, project: &str, k: CounterKey) -> Totals {
-    let got = store
-        .totals(&pid(project), std::slice::from_ref(&k))
-        .await
-        .expect("totals");
+    let got = store.totals(&pid(project), std::slice::from_ref(&k)).await.expect("totals");
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].0, k);
     got[0].1
 }
 
-fn quota(
-    id: &str,
-    project: &str,
-    scope: Scope,
-    scope_ref: Option<&str>,
-    window: WindowKind,
-) -> Quota {
+fn quota(id: &str, project: &str, scope: Scope, scope_ref: Option<&str>, window: WindowKind) -> Quota {
     Quota {
         id: QuotaId::parse(id).expect("quota id"),
         spec: QuotaSpec {
@@ -380,18 +327,9 @@ fn quota(
 pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
     let p = project("proj_1", chrono_tz::Asia::Kathmandu);
     s.create_project(&p).await.expect("create project");
-    assert_eq!(
-        s.project(&p.id).await.expect("read project"),
-        Some(p.clone())
-    );
-    assert_eq!(
-        s.project(&pid("nope")).await.expect("read missing project"),
-        None
-    );
-    assert!(
-        matches!(s.create_project(&p).await, Err(PortError::Conflict(_))),
-        "duplicate project id"
-    );
+    assert_eq!(s.project(&p.id).await.expect("read project"), Some(p.clone()));
+    assert_eq!(s.project(&pid("nope")).await.expect("read missing project"), None);
+    assert!(matches!(s.create_project(&p).await, Err(PortError::Conflict(_))), "duplicate project id");
 
     // A role with grants and a quota, read back as written.
     let role = meter::Role {
@@ -420,70 +358,29 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         project_id: p.id.clone(),
         name: "ci".into(),
         prefix: "tg_abc".into(),
-        grants: Grants {
-            max_concurrent: Some(5),
-            query_timeout: None,
-            max_rows: Some(1000),
-        },
+        grants: Grants { max_concurrent: Some(5), query_timeout: None, max_rows: Some(1000) },
         role_id: Some(role.id.clone()),
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
     s.create_api_key(&k, "hash-1").await.expect("create key");
     assert_eq!(s.api_key(&k.id).await.expect("read key"), Some(k.clone()));
-    assert_eq!(
-        s.api_key_by_secret_hash("hash-1").await.expect("by hash"),
-        Some(k.clone())
-    );
-    assert_eq!(
-        s.api_key_by_secret_hash("hash-2")
-            .await
-            .expect("by unknown hash"),
-        None
-    );
-    assert_eq!(
-        s.api_key(&ApiKeyId::parse("key_2").expect("id"))
-            .await
-            .expect("missing key"),
-        None
-    );
+    assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), Some(k.clone()));
+    assert_eq!(s.api_key_by_secret_hash("hash-2").await.expect("by unknown hash"), None);
+    assert_eq!(s.api_key(&ApiKeyId::parse("key_2").expect("id")).await.expect("missing key"), None);
 
-    let other = ApiKey {
-        id: ApiKeyId::parse("key_2").expect("id"),
-        ..k.clone()
-    };
+    let other = ApiKey { id: ApiKeyId::parse("key_2").expect("id"), ..k.clone() };
+    assert!(matches!(s.create_api_key(&other, "hash-1").await, Err(PortError::Conflict(_))), "a secret hash is unique");
+    let orphan = ApiKey { id: ApiKeyId::parse("key_3").expect("id"), project_id: pid("nope"), ..k };
     assert!(
-        matches!(
-            s.create_api_key(&other, "hash-1").await,
-            Err(PortError::Conflict(_))
-        ),
-        "a secret hash is unique"
-    );
-    let orphan = ApiKey {
-        id: ApiKeyId::parse("key_3").expect("id"),
-        project_id: pid("nope"),
-        ..k
-    };
-    assert!(
-        matches!(
-            s.create_api_key(&orphan, "hash-3").await,
-            Err(PortError::Permanent(_))
-        ),
+        matches!(s.create_api_key(&orphan, "hash-3").await, Err(PortError::Permanent(_))),
         "a key needs its project"
     );
 }
 
 pub async fn quotas_crud(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let a = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
-    let mut b = quota(
-        "q_b",
-        "proj_1",
-        Scope::ApiKey,
-        Some("key_1"),
-        WindowKind::CalendarMonth,
-    );
+    let mut b = quota("q_b", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::CalendarMonth);
     b.created_at = utc("2026-02-01T11:00:00Z");
     b.spec.metric = Metric::Rows;
     b.spec.mode = Mode::Monitor;
@@ -499,27 +396,12 @@ pub async fn quotas_crud(s: &dyn Store) {
 
     assert_eq!(s.quota(&a.id).await.expect("read a"), Some(a.clone()));
     assert_eq!(s.quota(&c.id).await.expect("read c"), Some(c.clone()));
-    assert_eq!(
-        s.quotas(&pid("proj_1")).await.expect("list"),
-        vec![a.clone(), b.clone(), c.clone()]
-    );
-    assert!(
-        s.quotas(&pid("proj_2"))
-            .await
-            .expect("list other")
-            .is_empty()
-    );
+    assert_eq!(s.quotas(&pid("proj_1")).await.expect("list"), vec![a.clone(), b.clone(), c.clone()]);
+    assert!(s.quotas(&pid("proj_2")).await.expect("list other").is_empty());
 
     let at = utc("2026-03-01T00:00:00Z");
     let patched = s
-        .update_quota(
-            &a.id,
-            &QuotaPatch {
-                limit: Some(7),
-                mode: Some(Mode::Monitor),
-            },
-            at,
-        )
+        .update_quota(&a.id, &QuotaPatch { limit: Some(7), mode: Some(Mode::Monitor) }, at)
         .await
         .expect("patch")
         .expect("a exists");
@@ -528,30 +410,14 @@ pub async fn quotas_crud(s: &dyn Store) {
     assert_eq!(patched.updated_at, at);
     assert_eq!(patched.created_at, a.created_at);
     let only_limit = s
-        .update_quota(
-            &a.id,
-            &QuotaPatch {
-                limit: Some(9),
-                mode: None,
-            },
-            at,
-        )
+        .update_quota(&a.id, &QuotaPatch { limit: Some(9), mode: None }, at)
         .await
         .expect("patch limit")
         .expect("a exists");
-    assert_eq!(
-        (only_limit.spec.limit, only_limit.spec.mode),
-        (9, Mode::Monitor)
-    );
+    assert_eq!((only_limit.spec.limit, only_limit.spec.mode), (9, Mode::Monitor));
     assert_eq!(s.quota(&a.id).await.expect("reread"), Some(only_limit));
     assert_eq!(
-        s.update_quota(
-            &QuotaId::parse("q_none").expect("id"),
-            &QuotaPatch::default(),
-            at
-        )
-        .await
-        .expect("patch none"),
+        s.update_quota(&QuotaId::parse("q_none").expect("id"), &QuotaPatch::default(), at).await.expect("patch none"),
         None
     );
 
@@ -561,163 +427,54 @@ pub async fn quotas_crud(s: &dyn Store) {
 }
 
 pub async fn a_duplicate_quota_identity_is_a_conflict(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
 
     // scope_ref NULL on both: still the same identity.
-    s.create_quota(&quota(
-        "q_1",
-        "proj_1",
-        Scope::Project,
-        None,
-        WindowKind::Day,
-    ))
-    .await
-    .expect("first");
-    let e = s
-        .create_quota(&quota(
-            "q_2",
-            "proj_1",
-            Scope::Project,
-            None,
-            WindowKind::Day,
-        ))
-        .await;
-    assert!(
-        matches!(e, Err(PortError::Conflict(_))),
-        "null scope_ref collides: {e:?}"
-    );
-    let e = s
-        .create_quota(&quota(
-            "q_3",
-            "proj_1",
-            Scope::ApiKey,
-            None,
-            WindowKind::Day,
-        ))
-        .await;
+    s.create_quota(&quota("q_1", "proj_1", Scope::Project, None, WindowKind::Day)).await.expect("first");
+    let e = s.create_quota(&quota("q_2", "proj_1", Scope::Project, None, WindowKind::Day)).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "null scope_ref collides: {e:?}");
+    let e = s.create_quota(&quota("q_3", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
     assert!(e.is_ok(), "another scope is another identity: {e:?}");
-    let e = s
-        .create_quota(&quota(
-            "q_4",
-            "proj_1",
-            Scope::ApiKey,
-            None,
-            WindowKind::Day,
-        ))
-        .await;
-    assert!(
-        matches!(e, Err(PortError::Conflict(_))),
-        "all-keys quota twice: {e:?}"
-    );
+    let e = s.create_quota(&quota("q_4", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "all-keys quota twice: {e:?}");
 
-    s.create_quota(&quota(
-        "q_5",
-        "proj_1",
-        Scope::ApiKey,
-        Some("key_1"),
-        WindowKind::Day,
-    ))
-    .await
-    .expect("one key");
-    let e = s
-        .create_quota(&quota(
-            "q_6",
-            "proj_1",
-            Scope::ApiKey,
-            Some("key_1"),
-            WindowKind::Day,
-        ))
-        .await;
-    assert!(
-        matches!(e, Err(PortError::Conflict(_))),
-        "same key twice: {e:?}"
-    );
-    s.create_quota(&quota(
-        "q_7",
-        "proj_1",
-        Scope::ApiKey,
-        Some("key_2"),
-        WindowKind::Day,
-    ))
-    .await
-    .expect("other key");
-    s.create_quota(&quota(
-        "q_8",
-        "proj_1",
-        Scope::Project,
-        None,
-        WindowKind::Rolling1m,
-    ))
-    .await
-    .expect("other window");
+    s.create_quota(&quota("q_5", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await.expect("one key");
+    let e = s.create_quota(&quota("q_6", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await;
+    assert!(matches!(e, Err(PortError::Conflict(_))), "same key twice: {e:?}");
+    s.create_quota(&quota("q_7", "proj_1", Scope::ApiKey, Some("key_2"), WindowKind::Day)).await.expect("other key");
+    s.create_quota(&quota("q_8", "proj_1", Scope::Project, None, WindowKind::Rolling1m)).await.expect("other window");
 
     // Only identity matters: a different limit or mode still collides.
     let mut q = quota("q_9", "proj_1", Scope::Project, None, WindowKind::Day);
     q.spec.limit = 5;
     q.spec.mode = Mode::Monitor;
-    assert!(matches!(
-        s.create_quota(&q).await,
-        Err(PortError::Conflict(_))
-    ));
+    assert!(matches!(s.create_quota(&q).await, Err(PortError::Conflict(_))));
     // The same id twice is a conflict too.
-    let e = s
-        .create_quota(&quota(
-            "q_1",
-            "proj_1",
-            Scope::Project,
-            None,
-            WindowKind::Rolling1h,
-        ))
-        .await;
+    let e = s.create_quota(&quota("q_1", "proj_1", Scope::Project, None, WindowKind::Rolling1h)).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "same id: {e:?}");
 
     assert_eq!(s.quotas(&pid("proj_1")).await.expect("list").len(), 5);
 }
 
 pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
-    s.create_project(&project("proj_2", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
 
     let facts = vec![
         call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
         call("proj_1", "e2", "2026-07-07T12:31:50Z", 7),
         request("proj_1", "e3", "2026-07-07T12:31:55Z"),
-        UsageFact {
-            outcome: Outcome::Failure,
-            ..call("proj_1", "e4", "2026-07-07T12:32:00Z", 3)
-        },
+        UsageFact { outcome: Outcome::Failure, ..call("proj_1", "e4", "2026-07-07T12:32:00Z", 3) },
         call("proj_2", "e1", "2026-07-07T12:31:10Z", 1),
     ];
-    let report = s
-        .fold_batch(&batch(0, 5, facts.clone()))
-        .await
-        .expect("fold");
-    let ids: Vec<(ProjectId, EventId)> = facts
-        .iter()
-        .map(|f| (f.project_id.clone(), f.id.clone()))
-        .collect();
-    assert_eq!(
-        report.folded, ids,
-        "every id is new, the failed call included"
-    );
+    let report = s.fold_batch(&batch(0, 5, facts.clone())).await.expect("fold");
+    let ids: Vec<(ProjectId, EventId)> = facts.iter().map(|f| (f.project_id.clone(), f.id.clone())).collect();
+    assert_eq!(report.folded, ids, "every id is new, the failed call included");
     assert!(report.duplicates.is_empty());
 
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
-    let by_counter: BTreeMap<(ProjectId, CounterKey), Totals> = report
-        .totals
-        .iter()
-        .map(|(p, c, t)| ((p.clone(), c.key.clone()), *t))
-        .collect();
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    let by_counter: BTreeMap<(ProjectId, CounterKey), Totals> =
+        report.totals.iter().map(|(p, c, t)| ((p.clone(), c.key.clone()), *t)).collect();
     assert_eq!(by_counter.len(), report.totals.len(), "each counter once");
     assert_eq!(
         by_counter[&(pid("proj_1"), minute.clone())],
@@ -727,440 +484,196 @@ pub async fn fold_batch_folds_and_returns_the_new_totals(s: &dyn Store) {
         by_counter[&(pid("proj_2"), minute.clone())],
         Totals { requests: 0, calls: 1, rows: 1, ..Totals::default() }
     );
-    let (_, c, _) = report
-        .totals
-        .iter()
-        .find(|(p, c, _)| p == &pid("proj_1") && c.key == minute)
-        .expect("minute counter reported");
+    let (_, c, _) =
+        report.totals.iter().find(|(p, c, _)| p == &pid("proj_1") && c.key == minute).expect("minute counter reported");
     assert_eq!(c.resets_at, Some(utc("2026-07-07T12:32:00Z")));
     assert!(
-        !by_counter.contains_key(&(
-            pid("proj_1"),
-            key(
-                Dimension::Project,
-                WindowKind::Rolling1m,
-                "2026-07-07T12:32Z"
-            )
-        )),
+        !by_counter.contains_key(&(pid("proj_1"), key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:32Z"))),
         "a failed call touches no counter"
     );
     // The actor counts calls but not requests.
     assert_eq!(
-        by_counter[&(
-            pid("proj_1"),
-            key(
-                Dimension::Actor("user_1".into()),
-                WindowKind::Day,
-                "2026-07-07"
-            )
-        )],
+        by_counter[&(pid("proj_1"), key(Dimension::Actor("user_1".into()), WindowKind::Day, "2026-07-07"))],
         Totals { requests: 0, calls: 2, rows: 12, ..Totals::default() }
     );
 
     // A second batch reports the new absolute totals.
-    let report = s
-        .fold_batch(&batch(
-            5,
-            6,
-            vec![call("proj_1", "e5", "2026-07-07T12:31:59Z", 100)],
-        ))
-        .await
-        .expect("fold again");
+    let report =
+        s.fold_batch(&batch(5, 6, vec![call("proj_1", "e5", "2026-07-07T12:31:59Z", 100)])).await.expect("fold again");
     let t = report
         .totals
         .iter()
         .find(|(p, c, _)| p == &pid("proj_1") && c.key == minute)
         .map(|(_, _, t)| *t)
         .expect("minute counter reported");
-    assert_eq!(
-        t,
-        Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() }
-    );
+    assert_eq!(t, Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() });
     assert_eq!(total(s, "proj_1", minute.clone()).await, t);
     assert_eq!(
         total(
             s,
             "proj_1",
-            key(
-                Dimension::ApiKey(ApiKeyId::parse("key_1").expect("id")),
-                WindowKind::Rolling1h,
-                "2026-07-07T12:00Z"
-            )
+            key(Dimension::ApiKey(ApiKeyId::parse("key_1").expect("id")), WindowKind::Rolling1h, "2026-07-07T12:00Z")
         )
         .await,
         Totals { requests: 0, calls: 3, rows: 112, ..Totals::default() }
     );
     assert_eq!(
-        total(
-            s,
-            "proj_1",
-            key(Dimension::Project, WindowKind::Day, "2026-07-08")
-        )
-        .await,
+        total(s, "proj_1", key(Dimension::Project, WindowKind::Day, "2026-07-08")).await,
         Totals::default(),
         "a counter never written is zero"
     );
 
     // open_totals: at 12:31:30 every window is open; at 12:32 the minute closed.
-    let open = s
-        .open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
-        .await
-        .expect("open totals");
+    let open = s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z")).await.expect("open totals");
     assert!(open.iter().any(|(c, _)| c.key == minute));
-    let open = s
-        .open_totals(&pid("proj_1"), utc("2026-07-07T12:32:00Z"))
-        .await
-        .expect("open totals");
+    let open = s.open_totals(&pid("proj_1"), utc("2026-07-07T12:32:00Z")).await.expect("open totals");
     assert!(!open.iter().any(|(c, _)| c.key == minute));
     let (_, day) = open
         .iter()
         .find(|(c, _)| c.key == key(Dimension::Project, WindowKind::Day, "2026-07-07"))
         .expect("day still open");
-    assert_eq!(
-        *day,
-        Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() }
-    );
-    assert!(
-        s.open_totals(&pid("proj_1"), utc("2026-09-01T00:00:00Z"))
-            .await
-            .expect("later")
-            .is_empty()
-    );
+    assert_eq!(*day, Totals { requests: 1, calls: 3, rows: 112, ..Totals::default() });
+    assert!(s.open_totals(&pid("proj_1"), utc("2026-09-01T00:00:00Z")).await.expect("later").is_empty());
 
-    assert_eq!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets"),
-        BTreeMap::from([(0, 6)])
-    );
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), BTreeMap::from([(0, 6)]));
 }
 
 pub async fn the_same_event_in_two_batches_counts_once(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
 
-    s.fold_batch(&batch(
-        0,
-        1,
-        vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)],
-    ))
-    .await
-    .expect("first");
+    s.fold_batch(&batch(0, 1, vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)])).await.expect("first");
     // A client resent e1 (a new offset); e2 is new.
     let report = s
         .fold_batch(&batch(
             1,
             3,
-            vec![
-                call("proj_1", "e1", "2026-07-07T12:31:10Z", 5),
-                call("proj_1", "e2", "2026-07-07T12:31:20Z", 1),
-            ],
+            vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5), call("proj_1", "e2", "2026-07-07T12:31:20Z", 1)],
         ))
         .await
         .expect("second");
-    assert_eq!(
-        report.folded,
-        vec![(pid("proj_1"), EventId::parse("e2").expect("id"))]
-    );
-    assert_eq!(
-        report.duplicates,
-        vec![(pid("proj_1"), EventId::parse("e1").expect("id"))]
-    );
+    assert_eq!(report.folded, vec![(pid("proj_1"), EventId::parse("e2").expect("id"))]);
+    assert_eq!(report.duplicates, vec![(pid("proj_1"), EventId::parse("e1").expect("id"))]);
     assert_eq!(
         total(s, "proj_1", minute.clone()).await,
         Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
     );
 
     // A batch of nothing but duplicates still moves the offsets and touches no counter.
-    let report = s
-        .fold_batch(&batch(
-            3,
-            4,
-            vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 1)],
-        ))
-        .await
-        .expect("third");
+    let report =
+        s.fold_batch(&batch(3, 4, vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 1)])).await.expect("third");
     assert!(report.folded.is_empty());
     assert_eq!(report.duplicates.len(), 1);
     assert!(report.totals.is_empty());
-    assert_eq!(
-        total(s, "proj_1", minute).await,
-        Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
-    );
-    assert_eq!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets"),
-        BTreeMap::from([(0, 4)])
-    );
+    assert_eq!(total(s, "proj_1", minute).await, Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() });
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), BTreeMap::from([(0, 4)]));
 
     // The same id in another project is another event.
-    s.create_project(&project("proj_2", Tz::UTC))
-        .await
-        .expect("create project");
-    let report = s
-        .fold_batch(&batch(
-            4,
-            5,
-            vec![call("proj_2", "e1", "2026-07-07T12:31:10Z", 5)],
-        ))
-        .await
-        .expect("other project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    let report =
+        s.fold_batch(&batch(4, 5, vec![call("proj_2", "e1", "2026-07-07T12:31:10Z", 5)])).await.expect("other project");
     assert_eq!(report.folded.len(), 1);
 }
 
 pub async fn the_same_event_twice_in_one_batch_counts_once(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let first = call("proj_1", "e1", "2026-07-07T12:31:10Z", 5);
     // The second copy differs; the first one wins.
     let second = call("proj_1", "e1", "2026-07-07T12:31:10Z", 50);
     let report = s
-        .fold_batch(&batch(
-            0,
-            3,
-            vec![
-                first,
-                call("proj_1", "e2", "2026-07-07T12:31:11Z", 1),
-                second,
-            ],
-        ))
+        .fold_batch(&batch(0, 3, vec![first, call("proj_1", "e2", "2026-07-07T12:31:11Z", 1), second]))
         .await
         .expect("fold");
     let e = |id: &str| (pid("proj_1"), EventId::parse(id).expect("id"));
     assert_eq!(report.folded, vec![e("e1"), e("e2")]);
     assert_eq!(report.duplicates, vec![e("e1")]);
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
-    assert_eq!(
-        total(s, "proj_1", minute).await,
-        Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() }
-    );
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    assert_eq!(total(s, "proj_1", minute).await, Totals { requests: 0, calls: 2, rows: 6, ..Totals::default() });
 }
 
 pub async fn a_fenced_batch_changes_nothing(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
-    s.fold_batch(&batch(
-        0,
-        2,
-        vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)],
-    ))
-    .await
-    .expect("first");
-    let before_offsets = s
-        .offsets("projector", "tollgate.usage")
-        .await
-        .expect("offsets");
-    let before_totals = s
-        .open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
-        .await
-        .expect("totals");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    s.fold_batch(&batch(0, 2, vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 5)])).await.expect("first");
+    let before_offsets = s.offsets("projector", "tollgate.usage").await.expect("offsets");
+    let before_totals = s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z")).await.expect("totals");
 
     // A stale projector replays from 0; another starts from a wrong offset.
     for from in [0, 1, 3] {
         let e = s
-            .fold_batch(&batch(
-                from,
-                4,
-                vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)],
-            ))
+            .fold_batch(&batch(from, 4, vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)]))
             .await
             .expect_err("fenced");
         assert!(matches!(e, PortError::Fenced(_)), "from {from}: {e:?}");
     }
     // A two-partition batch whose second partition is stale changes the first one neither.
     let mut two = batch(2, 3, vec![call("proj_1", "e3", "2026-07-07T12:31:30Z", 1)]);
-    two.offsets.push(OffsetMove {
-        partition: 1,
-        from: 5,
-        to: 6,
-    });
-    assert!(matches!(
-        s.fold_batch(&two).await,
-        Err(PortError::Fenced(_))
-    ));
+    two.offsets.push(OffsetMove { partition: 1, from: 5, to: 6 });
+    assert!(matches!(s.fold_batch(&two).await, Err(PortError::Fenced(_))));
 
-    assert_eq!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets"),
-        before_offsets
-    );
-    assert_eq!(
-        s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
-            .await
-            .expect("totals"),
-        before_totals
-    );
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), before_offsets);
+    assert_eq!(s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z")).await.expect("totals"), before_totals);
     assert_eq!(
         total(s, "proj_1", minute.clone()).await,
         Totals { requests: 0, calls: 1, rows: 5, ..Totals::default() }
     );
 
     // The fenced events were not marked as seen: the right batch folds them.
-    let report = s
-        .fold_batch(&batch(
-            2,
-            4,
-            vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)],
-        ))
-        .await
-        .expect("in order");
+    let report =
+        s.fold_batch(&batch(2, 4, vec![call("proj_1", "e2", "2026-07-07T12:31:20Z", 9)])).await.expect("in order");
     assert_eq!(report.folded.len(), 1);
-    assert_eq!(
-        total(s, "proj_1", minute).await,
-        Totals { requests: 0, calls: 2, rows: 14, ..Totals::default() }
-    );
+    assert_eq!(total(s, "proj_1", minute).await, Totals { requests: 0, calls: 2, rows: 14, ..Totals::default() });
 }
 
 pub async fn two_projectors_racing_from_the_same_offset_fold_once(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     for (from, to) in [(0, 1), (1, 2)] {
-        let b = batch(
-            from,
-            to,
-            vec![call(
-                "proj_1",
-                &format!("e{from}"),
-                "2026-07-07T12:31:10Z",
-                1,
-            )],
-        );
+        let b = batch(from, to, vec![call("proj_1", &format!("e{from}"), "2026-07-07T12:31:10Z", 1)]);
         let (a, b2) = tokio::join!(s.fold_batch(&b), s.fold_batch(&b));
         let results = [a, b2];
-        assert_eq!(
-            results.iter().filter(|r| r.is_ok()).count(),
-            1,
-            "from {from}: {results:?}"
-        );
-        assert!(
-            results
-                .iter()
-                .any(|r| matches!(r, Err(PortError::Fenced(_)))),
-            "from {from}: {results:?}"
-        );
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "from {from}: {results:?}");
+        assert!(results.iter().any(|r| matches!(r, Err(PortError::Fenced(_)))), "from {from}: {results:?}");
     }
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
-    assert_eq!(
-        total(s, "proj_1", minute).await,
-        Totals { requests: 0, calls: 2, rows: 2, ..Totals::default() }
-    );
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    assert_eq!(total(s, "proj_1", minute).await, Totals { requests: 0, calls: 2, rows: 2, ..Totals::default() });
 }
 
 pub async fn offsets_round_trip_per_consumer_and_topic(s: &dyn Store) {
-    assert!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("none yet")
-            .is_empty()
-    );
+    assert!(s.offsets("projector", "tollgate.usage").await.expect("none yet").is_empty());
     let mut b = batch(0, 10, Vec::new());
-    b.offsets.push(OffsetMove {
-        partition: 2,
-        from: 0,
-        to: 3,
-    });
-    s.fold_batch(&b)
-        .await
-        .expect("move two partitions without facts");
+    b.offsets.push(OffsetMove { partition: 2, from: 0, to: 3 });
+    s.fold_batch(&b).await.expect("move two partitions without facts");
     let mut b = batch(10, 12, Vec::new());
-    b.offsets.push(OffsetMove {
-        partition: 1,
-        from: 0,
-        to: 1,
-    });
+    b.offsets.push(OffsetMove { partition: 1, from: 0, to: 1 });
     s.fold_batch(&b).await.expect("a new partition joins");
     assert_eq!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets"),
+        s.offsets("projector", "tollgate.usage").await.expect("offsets"),
         BTreeMap::from([(0, 12), (1, 1), (2, 3)])
     );
     // Another consumer, or another topic, has offsets of its own.
-    assert!(
-        s.offsets("replay", "tollgate.usage")
-            .await
-            .expect("other consumer")
-            .is_empty()
-    );
-    assert!(
-        s.offsets("projector", "other.usage")
-            .await
-            .expect("other topic")
-            .is_empty()
-    );
+    assert!(s.offsets("replay", "tollgate.usage").await.expect("other consumer").is_empty());
+    assert!(s.offsets("projector", "other.usage").await.expect("other topic").is_empty());
     let mut other = batch(0, 4, Vec::new());
     other.consumer = "replay".into();
-    s.fold_batch(&other)
-        .await
-        .expect("other consumer starts fresh");
-    assert_eq!(
-        s.offsets("replay", "tollgate.usage").await.expect("replay"),
-        BTreeMap::from([(0, 4)])
-    );
-    assert_eq!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets")
-            .get(&0),
-        Some(&12)
-    );
+    s.fold_batch(&other).await.expect("other consumer starts fresh");
+    assert_eq!(s.offsets("replay", "tollgate.usage").await.expect("replay"), BTreeMap::from([(0, 4)]));
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets").get(&0), Some(&12));
 
     // A fresh partition must start at 0.
     let mut late = batch(0, 1, Vec::new());
-    late.offsets = vec![OffsetMove {
-        partition: 7,
-        from: 5,
-        to: 6,
-    }];
+    late.offsets = vec![OffsetMove { partition: 7, from: 5, to: 6 }];
     let e = s.fold_batch(&late).await;
     assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
-    assert!(
-        !s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets")
-            .contains_key(&7)
-    );
+    assert!(!s.offsets("projector", "tollgate.usage").await.expect("offsets").contains_key(&7));
 }
 
 pub async fn a_calendar_month_in_kathmandu_lands_in_the_local_month(s: &dyn Store) {
-    s.create_project(&project("proj_ktm", chrono_tz::Asia::Kathmandu))
-        .await
-        .expect("create project");
-    s.create_project(&project("proj_utc", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_ktm", chrono_tz::Asia::Kathmandu)).await.expect("create project");
+    s.create_project(&project("proj_utc", Tz::UTC)).await.expect("create project");
     // 18:20 UTC on 31 July is 00:05 on 1 August in Kathmandu (+05:45).
     let at = "2026-07-31T18:20:00Z";
     let report = s
-        .fold_batch(&batch(
-            0,
-            2,
-            vec![call("proj_ktm", "e1", at, 3), call("proj_utc", "e1", at, 3)],
-        ))
+        .fold_batch(&batch(0, 2, vec![call("proj_ktm", "e1", at, 3), call("proj_utc", "e1", at, 3)]))
         .await
         .expect("fold");
 
@@ -1175,52 +688,31 @@ pub async fn a_calendar_month_in_kathmandu_lands_in_the_local_month(s: &dyn Stor
         total(s, "proj_utc", july.clone()).await,
         Totals { requests: 0, calls: 1, rows: 3, ..Totals::default() }
     );
-    assert_eq!(
-        total(s, "proj_utc", august.clone()).await,
-        Totals::default()
-    );
+    assert_eq!(total(s, "proj_utc", august.clone()).await, Totals::default());
 
-    let (_, month, _) = report
-        .totals
-        .iter()
-        .find(|(p, c, _)| p == &pid("proj_ktm") && c.key == august)
-        .expect("august reported");
+    let (_, month, _) =
+        report.totals.iter().find(|(p, c, _)| p == &pid("proj_ktm") && c.key == august).expect("august reported");
     assert_eq!(month.resets_at, Some(utc("2026-08-31T18:15:00Z")));
     let day = key(Dimension::Project, WindowKind::Day, "2026-08-01");
     assert_eq!(total(s, "proj_ktm", day).await.calls, 1);
     // Rolling windows stay in UTC.
-    let hour = key(
-        Dimension::Project,
-        WindowKind::Rolling1h,
-        "2026-07-31T18:00Z",
-    );
+    let hour = key(Dimension::Project, WindowKind::Rolling1h, "2026-07-31T18:00Z");
     assert_eq!(total(s, "proj_ktm", hour).await.calls, 1);
 
     // The month's row is open until its local end.
-    let open = s
-        .open_totals(&pid("proj_ktm"), utc("2026-08-31T18:14:59Z"))
-        .await
-        .expect("open");
+    let open = s.open_totals(&pid("proj_ktm"), utc("2026-08-31T18:14:59Z")).await.expect("open");
     assert!(open.iter().any(|(c, _)| c.key == august));
-    let open = s
-        .open_totals(&pid("proj_ktm"), utc("2026-08-31T18:15:00Z"))
-        .await
-        .expect("open");
+    let open = s.open_totals(&pid("proj_ktm"), utc("2026-08-31T18:15:00Z")).await.expect("open");
     assert!(!open.iter().any(|(c, _)| c.key == august));
 }
 
 pub async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let e = s
         .fold_batch(&batch(
             0,
             2,
-            vec![
-                call("proj_1", "e1", "2026-07-07T12:31:10Z", 1),
-                call("ghost", "e2", "2026-07-07T12:31:10Z", 1),
-            ],
+            vec![call("proj_1", "e1", "2026-07-07T12:31:10Z", 1), call("ghost", "e2", "2026-07-07T12:31:10Z", 1)],
         ))
         .await
         .expect_err("unknown project");
@@ -1228,31 +720,16 @@ pub async fn an_event_of_an_unknown_project_fails_the_batch_and_changes_nothing(
         PortError::Permanent(m) => assert!(m.contains("ghost"), "names the project: {m}"),
         other => panic!("expected permanent, got {other:?}"),
     }
-    assert!(
-        s.offsets("projector", "tollgate.usage")
-            .await
-            .expect("offsets")
-            .is_empty()
-    );
-    assert!(
-        s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z"))
-            .await
-            .expect("totals")
-            .is_empty()
-    );
+    assert!(s.offsets("projector", "tollgate.usage").await.expect("offsets").is_empty());
+    assert!(s.open_totals(&pid("proj_1"), utc("2026-07-07T12:31:30Z")).await.expect("totals").is_empty());
 }
 
 pub async fn purging_the_dedup_set_forgets_old_ids_only(s: &dyn Store, purge: impl AsyncFn(DateTime<Utc>) -> u64) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     s.fold_batch(&batch(
         0,
         2,
-        vec![
-            call("proj_1", "old", "2026-05-01T00:00:00Z", 1),
-            call("proj_1", "new", "2026-07-01T00:00:00Z", 1),
-        ],
+        vec![call("proj_1", "old", "2026-05-01T00:00:00Z", 1), call("proj_1", "new", "2026-07-01T00:00:00Z", 1)],
     ))
     .await
     .expect("fold");
@@ -1262,29 +739,18 @@ pub async fn purging_the_dedup_set_forgets_old_ids_only(s: &dyn Store, purge: im
         .fold_batch(&batch(
             2,
             4,
-            vec![
-                call("proj_1", "old", "2026-05-01T00:00:00Z", 1),
-                call("proj_1", "new", "2026-07-01T00:00:00Z", 1),
-            ],
+            vec![call("proj_1", "old", "2026-05-01T00:00:00Z", 1), call("proj_1", "new", "2026-07-01T00:00:00Z", 1)],
         ))
         .await
         .expect("fold again");
-    assert_eq!(
-        report.folded,
-        vec![(pid("proj_1"), EventId::parse("old").expect("id"))]
-    );
-    assert_eq!(
-        report.duplicates,
-        vec![(pid("proj_1"), EventId::parse("new").expect("id"))]
-    );
+    assert_eq!(report.folded, vec![(pid("proj_1"), EventId::parse("old").expect("id"))]);
+    assert_eq!(report.duplicates, vec![(pid("proj_1"), EventId::parse("new").expect("id"))]);
 }
 
 /// Far more rows than SQLite binds in one statement (32,766 parameters):
 /// 5,000 facts of 5,000 actors touch over 25,000 counters.
 pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let n: i64 = 5_000;
     let facts: Vec<UsageFact> = (0..n)
         .map(|i| UsageFact {
@@ -1292,40 +758,21 @@ pub async fn a_large_batch_folds_in_one_go(s: &dyn Store) {
             ..call("proj_1", &format!("e{i}"), "2026-07-07T12:31:10Z", 2)
         })
         .collect();
-    let report = s
-        .fold_batch(&batch(0, n, facts.clone()))
-        .await
-        .expect("fold");
+    let report = s.fold_batch(&batch(0, n, facts.clone())).await.expect("fold");
     assert_eq!(report.folded.len(), facts.len());
     assert!(report.duplicates.is_empty());
     // project, api key, all keys: 5 windows each; then 5 per actor.
     assert_eq!(report.totals.len(), 15 + 5 * facts.len());
-    let minute = key(
-        Dimension::Project,
-        WindowKind::Rolling1m,
-        "2026-07-07T12:31Z",
-    );
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
     let expected = Totals { calls: 5_000, rows: 10_000, ..Totals::default() };
     assert_eq!(total(s, "proj_1", minute.clone()).await, expected);
     assert_eq!(
-        total(
-            s,
-            "proj_1",
-            key(
-                Dimension::Actor("user_4999".into()),
-                WindowKind::Day,
-                "2026-07-07"
-            )
-        )
-        .await,
+        total(s, "proj_1", key(Dimension::Actor("user_4999".into()), WindowKind::Day, "2026-07-07")).await,
         Totals { requests: 0, calls: 1, rows: 2, ..Totals::default() }
     );
 
     // Redelivered under new offsets: every id is a duplicate.
-    let report = s
-        .fold_batch(&batch(n, 2 * n, facts))
-        .await
-        .expect("fold again");
+    let report = s.fold_batch(&batch(n, 2 * n, facts)).await.expect("fold again");
     assert!(report.folded.is_empty());
     assert_eq!(report.duplicates.len(), 5_000);
     assert!(report.totals.is_empty());
@@ -1345,9 +792,7 @@ fn api_key(id: &str, project: &str) -> ApiKey {
 }
 
 pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let k = api_key("key_1", "proj_1");
     s.create_api_key(&k, "hash-1").await.expect("create key");
     let q = quota("q_key", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day);
@@ -1356,28 +801,14 @@ pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
     let at = utc("2026-03-01T00:00:00Z");
     assert!(s.delete_api_key(&k.id, at).await.expect("delete"));
     assert_eq!(s.api_key(&k.id).await.expect("read"), None);
-    assert_eq!(
-        s.api_key_by_secret_hash("hash-1").await.expect("by hash"),
-        None,
-        "a deleted key cannot authenticate"
-    );
-    assert!(
-        !s.delete_api_key(&k.id, at).await.expect("delete again"),
-        "already deleted"
-    );
-    assert!(
-        !s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at)
-            .await
-            .expect("delete unknown")
-    );
+    assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), None, "a deleted key cannot authenticate");
+    assert!(!s.delete_api_key(&k.id, at).await.expect("delete again"), "already deleted");
+    assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at).await.expect("delete unknown"));
     // The quota naming it stays (inert), and can be deleted.
     assert_eq!(s.quota(&q.id).await.expect("quota"), Some(q.clone()));
     assert!(s.delete_quota(&q.id).await.expect("delete quota"));
     // A deleted key's secret hash is still taken.
-    assert!(matches!(
-        s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await,
-        Err(PortError::Conflict(_))
-    ));
+    assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await, Err(PortError::Conflict(_))));
 }
 
 fn breach(quota: &str, window_key: &str, observed: u64) -> MonitorBreach {
@@ -1398,12 +829,8 @@ fn aid(s: &str) -> AuditId {
 }
 
 pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
-    s.create_project(&project("proj_2", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
     let at = utc("2026-07-07T12:31:10.123456Z");
     // Written out of order; read back in id order.
     for (i, n) in [3, 1, 4, 0, 2].into_iter().enumerate() {
@@ -1421,31 +848,12 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
 
     let first = s.audit(&pid("proj_1"), None, 2).await.expect("page 1");
     assert_eq!(first.len(), 2);
-    let second = s
-        .audit(&pid("proj_1"), Some(&first[1].id), 2)
-        .await
-        .expect("page 2");
-    assert_eq!(
-        second.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(),
-        ["aud_0002", "aud_0003"]
-    );
-    let last = s
-        .audit(&pid("proj_1"), Some(&second[1].id), 2)
-        .await
-        .expect("page 3");
+    let second = s.audit(&pid("proj_1"), Some(&first[1].id), 2).await.expect("page 2");
+    assert_eq!(second.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), ["aud_0002", "aud_0003"]);
+    let last = s.audit(&pid("proj_1"), Some(&second[1].id), 2).await.expect("page 3");
     assert_eq!(last.len(), 1);
-    assert!(
-        s.audit(&pid("proj_1"), Some(&last[0].id), 2)
-            .await
-            .expect("past the end")
-            .is_empty()
-    );
-    assert_eq!(
-        s.audit(&pid("proj_2"), None, 100)
-            .await
-            .expect("other project"),
-        vec![other]
-    );
+    assert!(s.audit(&pid("proj_1"), Some(&last[0].id), 2).await.expect("past the end").is_empty());
+    assert_eq!(s.audit(&pid("proj_2"), None, 100).await.expect("other project"), vec![other]);
 
     // A change entry with a principal round-trips too.
     let q = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
@@ -1455,24 +863,16 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
         action: AuditAction::CreateQuota,
         principal: Some(Principal::new("admin", "api")),
         resource: "q_a".into(),
-        detail: AuditDetail::QuotaChange {
-            before: None,
-            after: Some(Box::new(q)),
-        },
+        detail: AuditDetail::QuotaChange { before: None, after: Some(Box::new(q)) },
         created_at: at,
     };
     assert!(s.record_audit(&change).await.expect("change"));
-    let got = s
-        .audit(&pid("proj_1"), Some(&aid("aud_0004")), 10)
-        .await
-        .expect("after");
+    let got = s.audit(&pid("proj_1"), Some(&aid("aud_0004")), 10).await.expect("after");
     assert_eq!(got, vec![change]);
 }
 
 pub async fn a_monitor_breach_is_written_once_per_quota_and_window(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let at = utc("2026-07-07T12:31:10Z");
     let first = breach("q_1", "2026-07-07T12:31Z", 6).entry(aid("aud_1"), at);
     assert!(s.record_audit(&first).await.expect("first"));
@@ -1480,16 +880,8 @@ pub async fn a_monitor_breach_is_written_once_per_quota_and_window(s: &dyn Store
     let again = breach("q_1", "2026-07-07T12:31Z", 9).entry(aid("aud_2"), at);
     assert!(!s.record_audit(&again).await.expect("again"));
     // Another window, another quota: written.
-    assert!(
-        s.record_audit(&breach("q_1", "2026-07-07T12:32Z", 6).entry(aid("aud_3"), at))
-            .await
-            .expect("next window")
-    );
-    assert!(
-        s.record_audit(&breach("q_2", "2026-07-07T12:31Z", 6).entry(aid("aud_4"), at))
-            .await
-            .expect("other quota")
-    );
+    assert!(s.record_audit(&breach("q_1", "2026-07-07T12:32Z", 6).entry(aid("aud_3"), at)).await.expect("next window"));
+    assert!(s.record_audit(&breach("q_2", "2026-07-07T12:31Z", 6).entry(aid("aud_4"), at)).await.expect("other quota"));
     // Many writers racing on one breach write one entry.
     let racers: Vec<_> = (0..8)
         .map(|i| {
@@ -1501,11 +893,8 @@ pub async fn a_monitor_breach_is_written_once_per_quota_and_window(s: &dyn Store
     assert_eq!(written.iter().filter(|w| **w).count(), 1, "{written:?}");
 
     let all = s.audit(&pid("proj_1"), None, 100).await.expect("read");
-    let kept: Vec<(&str, &str)> = all
-        .iter()
-        .map(|e| (e.resource.as_str(), e.id.as_str()))
-        .filter(|(r, _)| *r != "q_3")
-        .collect();
+    let kept: Vec<(&str, &str)> =
+        all.iter().map(|e| (e.resource.as_str(), e.id.as_str())).filter(|(r, _)| *r != "q_3").collect();
     assert_eq!(kept, [("q_1", "aud_1"), ("q_1", "aud_3"), ("q_2", "aud_4")]);
     assert_eq!(all.len(), 4);
     match &all[0].detail {
@@ -1545,9 +934,7 @@ async fn plan_for(s: &dyn Store, want: &[DesiredQuota], at: &str, tag: &str) -> 
 }
 
 pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let want = vec![
         desired("project", None, "calls", "day", 100),
         desired("api_key", Some("key_1"), "requests", "rolling_1m", 60),
@@ -1579,16 +966,10 @@ pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Stor
     s.apply_quotas(&plan, &audit).await.expect("apply changes");
     let stored = s.quotas(&pid("proj_1")).await.expect("list");
     assert_eq!(stored.len(), 3);
-    let day = stored
-        .iter()
-        .find(|q| q.spec.window == WindowKind::Day)
-        .expect("day quota");
+    let day = stored.iter().find(|q| q.spec.window == WindowKind::Day).expect("day quota");
     assert_eq!((day.spec.limit, day.updated_at), (200, utc("2026-03-03T00:00:00Z")));
     assert_eq!(day.created_at, utc("2026-03-01T00:00:00Z"));
-    let key = stored
-        .iter()
-        .find(|q| q.spec.scope == Scope::ApiKey)
-        .expect("key quota");
+    let key = stored.iter().find(|q| q.spec.scope == Scope::ApiKey).expect("key quota");
     assert_eq!(key.spec.mode, Mode::Monitor);
     assert!(stored.iter().all(|q| q.spec.scope != Scope::Actor), "removed");
     let actions: Vec<&str> = s
@@ -1598,26 +979,18 @@ pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Stor
         .iter()
         .map(|e| e.action.as_str())
         .collect();
-    assert_eq!(
-        actions,
-        ["quotas:DeleteQuota", "quotas:UpdateQuota", "quotas:UpdateQuota", "quotas:CreateQuota"]
-    );
+    assert_eq!(actions, ["quotas:DeleteQuota", "quotas:UpdateQuota", "quotas:UpdateQuota", "quotas:CreateQuota"]);
     let (again, _) = plan_for(s, &next, "2026-03-04T00:00:00Z", "d").await;
     assert!(again.is_empty(), "a fixed point");
 
     // Single changes (the REST routes) have no precondition on the set.
     let q = stored[0].clone();
-    let patch = QuotaPatch {
-        limit: Some(1),
-        mode: None,
-    };
+    let patch = QuotaPatch { limit: Some(1), mode: None };
     s.apply_quotas(&QuotaPlan::update(q.clone(), &patch, utc("2026-03-05T00:00:00Z")), &[])
         .await
         .expect("single update");
     assert_eq!(s.quota(&q.id).await.expect("read").map(|q| q.spec.limit), Some(1));
-    s.apply_quotas(&QuotaPlan::delete(q.clone()), &[])
-        .await
-        .expect("single delete");
+    s.apply_quotas(&QuotaPlan::delete(q.clone()), &[]).await.expect("single delete");
     assert_eq!(s.quota(&q.id).await.expect("read"), None);
     let e = s.apply_quotas(&QuotaPlan::delete(q.clone()), &[]).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "already gone: {e:?}");
@@ -1626,9 +999,7 @@ pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Stor
 }
 
 pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let want = vec![
         desired("project", None, "calls", "day", 100),
         desired("api_key", Some("key_1"), "requests", "rolling_1m", 60),
@@ -1658,16 +1029,9 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
 
     // (2) A plan made from a set that has moved since: fenced, nothing changed.
     let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "c").await;
-    s.update_quota(
-        &before[1].id,
-        &QuotaPatch {
-            limit: Some(61),
-            mode: None,
-        },
-        utc("2026-03-02T00:00:01Z"),
-    )
-    .await
-    .expect("a concurrent change");
+    s.update_quota(&before[1].id, &QuotaPatch { limit: Some(61), mode: None }, utc("2026-03-02T00:00:01Z"))
+        .await
+        .expect("a concurrent change");
     let moved = s.quotas(&pid("proj_1")).await.expect("list");
     let e = s.apply_quotas(&stale, &audit).await;
     assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
@@ -1688,9 +1052,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
 }
 
 pub async fn two_applies_racing_from_the_same_set_one_wins(s: &dyn Store) {
-    s.create_project(&project("proj_1", Tz::UTC))
-        .await
-        .expect("create project");
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let base = vec![desired("project", None, "calls", "day", 100)];
     let (plan, audit) = plan_for(s, &base, "2026-03-01T00:00:00Z", "a").await;
     s.apply_quotas(&plan, &audit).await.expect("apply");
@@ -1745,9 +1107,7 @@ fn tokens(project: &str, id: &str, at: &str, entries: Vec<TokenUsage>) -> UsageF
 pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     // $2.50 per million input tokens: 2,500,000 picodollars a token.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")])
-        .await
-        .expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")]).await.expect("prices");
 
     let e1 = UsageFact {
         tokens: vec![TokenUsage { reasoning: 50, ..usage("gpt-4o", 1000, 200, 0) }],
@@ -1897,9 +1257,7 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
     assert_eq!(s.prices().await.expect("book"), PriceBook::new(book.clone()).prices().collect::<Vec<_>>());
 
     // A row with the same key and instant is replaced; the others stay.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")])
-        .await
-        .expect("replace");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")]).await.expect("replace");
     let got = s.prices().await.expect("book");
     assert_eq!(got.len(), 5);
     assert_eq!(got[1].unit_price_usd, Usd(2_400_000));
@@ -1925,8 +1283,10 @@ pub async fn unpriced_rows_are_recorded_once_and_read_in_order(s: &dyn Store) {
         key: key(Dimension::Agent("agent_1".into()), WindowKind::Day, "2026-07-07"),
         resets_at: Some(utc("2026-07-08T00:00:00Z")),
     };
-    let row =
-        |counter: &Counter, model: &str, component| UnpricedRow { counter: counter.clone(), key: pkey(model, component) };
+    let row = |counter: &Counter, model: &str, component| UnpricedRow {
+        counter: counter.clone(),
+        key: pkey(model, component),
+    };
     let rows = vec![
         row(&minute, "zeta", Component::InputTokens),
         row(&minute, "gpt-4o", Component::CachedTokens),
@@ -2218,4 +1578,201 @@ pub async fn exceptions_page_by_quota_id(s: &dyn Store) {
     assert_eq!(ids(&s.exceptions(&pid("proj_1"), Some(&from), 10).await.expect("after")), ["q_3", "q_4", "q_5"]);
     assert_eq!(ids(&s.exceptions(&pid("proj_2"), None, 10).await.expect("other")), ["q_0"]);
     assert!(s.exceptions(&pid("proj_3"), None, 10).await.expect("none").is_empty());
+}
+
+// --- The token usage breakdown and window totals -----------------------------
+
+fn model_row(
+    model: &str,
+    component: Component,
+    meter: MeterType,
+    embedding: bool,
+    (priced_quantity, unpriced_quantity, cost): (u64, u64, i64),
+) -> ModelUsageRow {
+    ModelUsageRow { key: pkey(model, component), meter, embedding, priced_quantity, unpriced_quantity, cost: Usd(cost) }
+}
+
+async fn breakdown(s: &dyn Store, project: &str, window: WindowKind, window_key: &str) -> Vec<ModelUsageRow> {
+    s.model_usage(&pid(project), window, window_key).await.expect("model usage")
+}
+
+pub async fn a_tokens_events_breakdown_lands_in_its_local_day_and_month(s: &dyn Store) {
+    // 20:00 UTC on 31 July is 01:45 on 1 August in Kathmandu (+05:45).
+    s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    let chat = UsageFact {
+        tokens: vec![
+            TokenUsage { reasoning: 50, ..usage("gpt-4o", 1000, 200, 0) },
+            TokenUsage { embedding: true, ..usage("te-3", 10, 0, 0) },
+        ],
+        ..tokens("proj_1", "e1", "2026-07-31T20:00:00Z", Vec::new())
+    };
+    let compute = UsageFact {
+        meter_type: Some(MeterType::ComputeExecution),
+        ..tokens("proj_1", "e2", "2026-07-31T20:00:01Z", vec![usage("gpt-4o", 4, 0, 0)])
+    };
+    let report = s.fold_batch(&batch(0, 2, vec![chat, compute])).await.expect("fold");
+    assert_eq!(report.folded.len(), 2);
+
+    // By key (components in meter's order), then meter (llm_tokens first),
+    // then embedding; priced and unpriced apart; reasoning never listed.
+    let expected = vec![
+        // 1000 × 2,500,000 picodollars = $0.0025, exactly.
+        model_row("gpt-4o", Component::InputTokens, MeterType::LlmTokens, false, (1000, 0, 2_500_000_000)),
+        model_row("gpt-4o", Component::InputTokens, MeterType::ComputeExecution, false, (4, 0, 10_000_000)),
+        model_row("gpt-4o", Component::OutputTokens, MeterType::LlmTokens, false, (0, 200, 0)),
+        model_row("te-3", Component::InputTokens, MeterType::LlmTokens, true, (0, 10, 0)),
+    ];
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-08-01").await, expected);
+    assert_eq!(breakdown(s, "proj_1", WindowKind::CalendarMonth, "2026-08").await, expected);
+    // The cost adds up to what the aggregates priced, meter by meter.
+    let day = total(s, "proj_1", key(Dimension::Project, WindowKind::Day, "2026-08-01")).await;
+    assert_eq!((day.cost_llm_tokens, day.cost_compute_execution), (2_500_000_000, 10_000_000));
+
+    // Not the UTC day or month, not another window, not another project.
+    assert!(breakdown(s, "proj_1", WindowKind::Day, "2026-07-31").await.is_empty());
+    assert!(breakdown(s, "proj_1", WindowKind::CalendarMonth, "2026-07").await.is_empty());
+    assert!(breakdown(s, "proj_1", WindowKind::Rolling1h, "2026-07-31T20:00Z").await.is_empty());
+    assert!(breakdown(s, "proj_2", WindowKind::Day, "2026-08-01").await.is_empty());
+
+    // Other kinds of event add no row.
+    s.fold_batch(&batch(2, 3, vec![call("proj_1", "c1", "2026-07-31T20:00:02Z", 5)])).await.expect("fold a call");
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-08-01").await, expected);
+}
+
+pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    let t1 = tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 5, 0)]);
+    s.fold_batch(&batch(0, 1, vec![t1.clone()])).await.expect("fold");
+    let expected = vec![
+        model_row("gpt-4o", Component::InputTokens, MeterType::LlmTokens, false, (10, 0, 30)),
+        model_row("gpt-4o", Component::OutputTokens, MeterType::LlmTokens, false, (0, 5, 0)),
+    ];
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await, expected);
+
+    // Redelivered under new offsets (twice in one batch, too), even with a
+    // price that would now cover its output: nothing moves.
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    let report = s.fold_batch(&batch(1, 3, vec![t1.clone(), t1])).await.expect("refold");
+    assert!(report.folded.is_empty());
+    assert_eq!(report.duplicates.len(), 2);
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await, expected);
+    assert_eq!(breakdown(s, "proj_1", WindowKind::CalendarMonth, "2026-07").await, expected);
+
+    // A fenced batch changes nothing either.
+    let fenced = s
+        .fold_batch(&batch(0, 1, vec![tokens("proj_1", "t2", "2026-07-07T12:32:00Z", vec![usage("gpt-4o", 1, 0, 0)])]))
+        .await;
+    assert!(matches!(fenced, Err(PortError::Fenced(_))), "{fenced:?}");
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await, expected);
+}
+
+pub async fn two_tokens_events_of_one_model_add_up_in_the_breakdown(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[
+        price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z"),
+        price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
+    ])
+    .await
+    .expect("prices");
+    // Two in one batch (summed before the upsert), for two actors; a third
+    // in a later batch of the same month but another day (added to the row).
+    let other_actor = UsageFact {
+        actor_id: Some("user_2".into()),
+        ..tokens("proj_1", "e2", "2026-07-07T18:00:00Z", vec![usage("gpt-4o", 300, 0, 40), usage("gpt-4o", 1, 2, 0)])
+    };
+    s.fold_batch(&batch(
+        0,
+        2,
+        vec![tokens("proj_1", "e1", "2026-07-07T12:00:00Z", vec![usage("gpt-4o", 100, 20, 0)]), other_actor],
+    ))
+    .await
+    .expect("fold");
+    s.fold_batch(&batch(2, 3, vec![tokens("proj_1", "e3", "2026-07-08T09:00:00Z", vec![usage("gpt-4o", 1000, 0, 0)])]))
+        .await
+        .expect("fold later");
+
+    let day = vec![
+        model_row("gpt-4o", Component::InputTokens, MeterType::LlmTokens, false, (401, 0, 401 * 2_500_000)),
+        model_row("gpt-4o", Component::OutputTokens, MeterType::LlmTokens, false, (0, 22, 0)),
+        model_row("gpt-4o", Component::CachedTokens, MeterType::LlmTokens, false, (40, 0, 40 * 1_250_000)),
+    ];
+    assert_eq!(breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await, day);
+    assert_eq!(
+        breakdown(s, "proj_1", WindowKind::Day, "2026-07-08").await,
+        vec![model_row("gpt-4o", Component::InputTokens, MeterType::LlmTokens, false, (1000, 0, 1000 * 2_500_000))]
+    );
+    let month = vec![
+        model_row("gpt-4o", Component::InputTokens, MeterType::LlmTokens, false, (1401, 0, 1401 * 2_500_000)),
+        model_row("gpt-4o", Component::OutputTokens, MeterType::LlmTokens, false, (0, 22, 0)),
+        model_row("gpt-4o", Component::CachedTokens, MeterType::LlmTokens, false, (40, 0, 40 * 1_250_000)),
+    ];
+    assert_eq!(breakdown(s, "proj_1", WindowKind::CalendarMonth, "2026-07").await, month);
+    // The breakdown's cost is the month's priced AI cost, to the picodollar.
+    let priced =
+        total(s, "proj_1", key(Dimension::Project, WindowKind::CalendarMonth, "2026-07")).await.cost_llm_tokens;
+    assert_eq!(month.iter().map(|r| r.cost.picos()).sum::<i64>(), i64::try_from(priced).expect("fits"));
+}
+
+pub async fn window_totals_lists_the_counters_under_a_prefix(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    let user = |id: &str, f: UsageFact| UsageFact { actor_id: Some(id.into()), ..f };
+    s.fold_batch(&batch(
+        0,
+        6,
+        vec![
+            // Day 7: tokens of user_1 (agent_1), a call of user_2 (key_1).
+            tokens("proj_1", "t1", "2026-07-07T12:00:00Z", vec![usage("gpt-4o", 100, 20, 0)]),
+            user("user_2", call("proj_1", "c1", "2026-07-07T13:00:00Z", 5)),
+            user("user_2", call("proj_1", "c2", "2026-07-07T14:00:00Z", 2)),
+            // Day 8: user_3, in the same month.
+            user("user_3", call("proj_1", "c3", "2026-07-08T09:00:00Z", 1)),
+            // Another project, the same day.
+            user("user_9", call("proj_2", "c4", "2026-07-07T12:00:00Z", 1)),
+            request("proj_1", "r1", "2026-07-07T12:00:00Z"),
+        ],
+    ))
+    .await
+    .expect("fold");
+
+    let listed = |window: WindowKind, window_key: &'static str, prefix: &'static str| async move {
+        s.window_totals(&pid("proj_1"), window, window_key, prefix).await.expect("window totals")
+    };
+    let actor = |a: &str, window: WindowKind, k: &str| key(Dimension::Actor(a.into()), window, k);
+
+    // Both actors of the day, in dimension order, and nothing else.
+    let day = listed(WindowKind::Day, "2026-07-07", "a:").await;
+    let u1 = actor("user_1", WindowKind::Day, "2026-07-07");
+    let u2 = actor("user_2", WindowKind::Day, "2026-07-07");
+    assert_eq!(day, vec![(u1.clone(), total(s, "proj_1", u1).await), (u2.clone(), total(s, "proj_1", u2).await)]);
+    assert_eq!(day[0].1.tokens, 120);
+    assert_eq!((day[1].1.calls, day[1].1.rows), (2, 7));
+
+    // The month has all three; other prefixes list their own dimensions.
+    let month = listed(WindowKind::CalendarMonth, "2026-07", "a:").await;
+    assert_eq!(
+        month.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(),
+        ["user_1", "user_2", "user_3"].map(|a| Dimension::Actor(a.into()))
+    );
+    assert_eq!(month[1].1.calls, 2);
+    let agents = listed(WindowKind::Day, "2026-07-07", "g:").await;
+    assert_eq!(
+        agents.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(),
+        [Dimension::Agent("agent_1".into())]
+    );
+    // `k:` is every key, never the all-keys counter `k*`.
+    let keys = listed(WindowKind::Day, "2026-07-07", "k:").await;
+    let key_1 = ApiKeyId::parse("key_1").expect("key id");
+    assert_eq!(keys.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(), [Dimension::ApiKey(key_1)]);
+    assert_eq!((keys[0].1.requests, keys[0].1.calls), (0, 2), "the request had no key");
+    assert!(listed(WindowKind::Day, "2026-07-09", "a:").await.is_empty());
+    assert!(listed(WindowKind::Rolling24h, "2026-07-07", "a:").await.is_empty());
+    assert!(listed(WindowKind::Day, "2026-07-07", "a:user_3").await.is_empty());
+    // A prefix is text, not a pattern.
+    assert!(listed(WindowKind::Day, "2026-07-07", "a:%").await.is_empty());
+    assert!(listed(WindowKind::Day, "2026-07-07", "_:").await.is_empty());
+    assert!(s.window_totals(&pid("proj_3"), WindowKind::Day, "2026-07-07", "a:").await.expect("none").is_empty());
 }

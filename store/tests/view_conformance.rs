@@ -90,12 +90,30 @@ fn push(
     at: DateTime<Utc>,
 ) {
     let quota = p.limits.len();
-    p.limits.push(PlannedLimit { quota, counter, metric, kind, fields: fields.to_vec(), limit, need, enforce, reserve });
+    p.limits.push(PlannedLimit {
+        quota,
+        counter,
+        metric,
+        kind,
+        fields: fields.to_vec(),
+        limit,
+        need,
+        enforce,
+        reserve,
+    });
     p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
 }
 
 /// A plan of one limit on one counter that neither counts nor reserves.
-fn one_limit(c: &Counter, kind: LimitKind, fields: &[Field], limit: u64, need: u64, enforce: bool, at: DateTime<Utc>) -> CheckPlan {
+fn one_limit(
+    c: &Counter,
+    kind: LimitKind,
+    fields: &[Field],
+    limit: u64,
+    need: u64,
+    enforce: bool,
+    at: DateTime<Utc>,
+) -> CheckPlan {
     let mut p = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
     push(&mut p, 0, Metric::CostUsd, kind, fields, limit, need, enforce, false, at);
     p
@@ -281,7 +299,11 @@ async fn suite_the_same_event_settled_twice_counts_once(view: &dyn View) {
     view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle again");
     assert_eq!(usage(view, &p, &c, at).await.pending, calls(1, 4));
     // A counter named twice in one settlement is summed, and taken back whole.
-    let twice = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 1)), (c.clone(), calls(1, 2))] };
+    let twice = Settlement {
+        event: event(),
+        reservation: None,
+        deltas: vec![(c.clone(), calls(1, 1)), (c.clone(), calls(1, 2))],
+    };
     view.settle(&p, std::slice::from_ref(&twice), at).await.expect("settle");
     assert_eq!(usage(view, &p, &c, at).await.pending, calls(3, 7));
     view.unsettle(&p, std::slice::from_ref(&twice.event)).await.expect("unsettle");
@@ -310,16 +332,27 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     let at = Utc::now();
     let c = project_counter(at);
     let p = seeded(view, &[(c.clone(), Totals { requests: 4, calls: 10, rows: 100, ..Totals::default() })]).await;
-    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Requests, 1000), (0, Metric::Calls, 1000), (0, Metric::Rows, 1000)], at);
+    let pl = plan(
+        std::slice::from_ref(&c),
+        &[(0, Metric::Requests, 1000), (0, Metric::Calls, 1000), (0, Metric::Rows, 1000)],
+        at,
+    );
     let h = hold(at + Duration::seconds(30));
     let first = check(view, &p, &pl, &h, at).await;
     assert_eq!(first.used, vec![5, 10, 100]);
-    let s = Settlement { event: event(), reservation: Some(h.reservation.clone()), deltas: vec![(c.clone(), calls(1, 5))] };
+    let s =
+        Settlement { event: event(), reservation: Some(h.reservation.clone()), deltas: vec![(c.clone(), calls(1, 5))] };
     view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
     let before = probe(view, &p, &c, at).await;
     assert_eq!(before, vec![11, 105]);
     let u = usage(view, &p, &c, at).await;
-    assert_eq!((u.durable, u.pending), (Totals { requests: 4, calls: 10, rows: 100, ..Totals::default() }, Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() }));
+    assert_eq!(
+        (u.durable, u.pending),
+        (
+            Totals { requests: 4, calls: 10, rows: 100, ..Totals::default() },
+            Totals { requests: 1, calls: 1, rows: 5, ..Totals::default() }
+        )
+    );
     // The projector folded the request event and the call event.
     let folded = Totals { requests: 5, calls: 11, rows: 105, ..Totals::default() };
     let events = [h.request_event.clone(), s.event.clone()];
@@ -329,12 +362,19 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     assert_eq!(probe(view, &p, &c, at).await, before, "usage changed across the fold");
     // The same fold delivered again changes nothing; an older total never lowers.
     view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold again");
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })], &[]).await.expect("stale fold");
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })], &[])
+        .await
+        .expect("stale fold");
     let u = usage(view, &p, &c, at).await;
     assert_eq!((u.durable, u.pending), (folded, Totals::default()));
     // A fold of an event the view never saw only raises totals.
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() })], &[event()]).await.expect("fold");
-    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() });
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() })], &[event()])
+        .await
+        .expect("fold");
+    assert_eq!(
+        usage(view, &p, &c, at).await.durable,
+        Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() }
+    );
 }
 
 async fn suite_expired_leases_free_the_slot(view: &dyn View) {
@@ -395,7 +435,9 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
     let p = project();
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() })], &[]).await.expect("fold");
+    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() })], &[])
+        .await
+        .expect("fold");
     assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None, "a fold does not mark the project seeded");
     view.seed(&p, &[(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]).await.expect("seed");
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() });
@@ -404,7 +446,12 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     // Exact beyond 2^53: totals are compared as decimal strings.
     let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10, ..Totals::default() };
     view.seed(&p, &[(c.clone(), big)]).await.expect("seed");
-    view.seed(&p, &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9, ..Totals::default() })]).await.expect("seed");
+    view.seed(
+        &p,
+        &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9, ..Totals::default() })],
+    )
+    .await
+    .expect("seed");
     assert_eq!(usage(view, &p, &c, at).await.durable, big);
 }
 
@@ -433,9 +480,17 @@ async fn suite_counters_expire_an_hour_after_their_window_resets(view: &dyn View
     let (gone, kept) = (closed(61, "gone"), closed(59, "kept"));
     let t = Totals { requests: 1, calls: 2, rows: 3, ..Totals::default() };
     let p = seeded(view, &[(gone.clone(), t), (kept.clone(), t)]).await;
-    let s = Settlement { event: event(), reservation: None, deltas: vec![(gone.clone(), calls(1, 1)), (kept.clone(), calls(1, 1))] };
+    let s = Settlement {
+        event: event(),
+        reservation: None,
+        deltas: vec![(gone.clone(), calls(1, 1)), (kept.clone(), calls(1, 1))],
+    };
     view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
-    assert_eq!(usage(view, &p, &gone, at).await, meter::CounterUsage::default(), "an expired counter was kept or recreated");
+    assert_eq!(
+        usage(view, &p, &gone, at).await,
+        meter::CounterUsage::default(),
+        "an expired counter was kept or recreated"
+    );
     let u = usage(view, &p, &kept, at).await;
     assert_eq!((u.durable, u.pending), (t, calls(1, 1)));
     // Taking the event back leaves the expired counter alone.
@@ -449,7 +504,9 @@ async fn suite_token_and_cost_caps_refuse_at_the_limit(view: &dyn View) {
     let c = project_counter(at);
     // $1,000 in picodollars: still below 2^53, so the byte-exact boundary holds in Lua too.
     let dollars_1000: u64 = 1_000_000_000_000_000;
-    let p = seeded(view, &[(c.clone(), Totals { tokens: 90, cost_llm_tokens: dollars_1000 - 10, ..Totals::default() })]).await;
+    let p =
+        seeded(view, &[(c.clone(), Totals { tokens: 90, cost_llm_tokens: dollars_1000 - 10, ..Totals::default() })])
+            .await;
     let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Tokens, 100), (0, Metric::CostUsd, dollars_1000)], at);
     settle_one(view, &p, &c, tokens(9, 9, true), at).await;
     let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
@@ -469,12 +526,26 @@ async fn suite_token_and_cost_caps_refuse_at_the_limit(view: &dyn View) {
 async fn suite_a_cost_cap_sums_its_cost_fields(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
-    let p = seeded(view, &[(c.clone(), Totals { cost_llm_tokens: 10, cost_compute_execution: 20, ..Totals::default() })]).await;
-    settle_one(view, &p, &c, Totals { cost_api_request: 30, cost_storage: 40, tokens: 1000, ..Totals::default() }, at).await;
+    let p =
+        seeded(view, &[(c.clone(), Totals { cost_llm_tokens: 10, cost_compute_execution: 20, ..Totals::default() })])
+            .await;
+    settle_one(view, &p, &c, Totals { cost_api_request: 30, cost_storage: 40, tokens: 1000, ..Totals::default() }, at)
+        .await;
     let mut pl = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
     push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &Field::COSTS, 101, 1, true, false, at);
     push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &[Field::CostLlmTokens], 11, 1, true, false, at);
-    push(&mut pl, 0, Metric::CostUsd, LimitKind::Cap, &[Field::CostComputeExecution, Field::CostApiRequest], 1000, 1, true, false, at);
+    push(
+        &mut pl,
+        0,
+        Metric::CostUsd,
+        LimitKind::Cap,
+        &[Field::CostComputeExecution, Field::CostApiRequest],
+        1000,
+        1,
+        true,
+        false,
+        at,
+    );
     let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
     assert_eq!((o.admitted, o.used), (true, vec![100, 10, 50]), "tokens are not cost");
     // One picodollar more on any meter reaches the summed cap.
@@ -517,21 +588,37 @@ async fn suite_a_blackout_refuses_the_third_unpriced_event_until_one_is_priced(v
     settle_one(view, &p, &c, tokens(10, 0, false), at).await;
     assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![5, 0, 3] });
     // Priced usage already durable lifts it too.
-    let q = seeded(view, &[(c.clone(), Totals { llm_events: 7, llm_priced: 1, llm_unpriced: 6, ..Totals::default() })]).await;
+    let q = seeded(view, &[(c.clone(), Totals { llm_events: 7, llm_priced: 1, llm_unpriced: 6, ..Totals::default() })])
+        .await;
     let bo = one_limit(&c, LimitKind::Blackout, &[Field::LlmEvents], 2, 1, true, at);
-    assert_eq!(check(view, &q, &bo, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+    assert_eq!(
+        check(view, &q, &bo, &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: true, used: vec![0] }
+    );
 }
 
 async fn suite_a_probe_reports_the_sum_and_never_refuses(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
-    let p = seeded(view, &[(c.clone(), Totals { llm_events: 4, llm_unpriced: 3, llm_priced: 1, ..Totals::default() })]).await;
+    let p = seeded(view, &[(c.clone(), Totals { llm_events: 4, llm_unpriced: 3, llm_priced: 1, ..Totals::default() })])
+        .await;
     settle_one(view, &p, &c, tokens(1, 0, false), at).await;
     let mut pl = CheckPlan { counters: vec![c.clone()], ..CheckPlan::default() };
     // Even marked enforce, with a limit of 0 and a need, a probe does not refuse.
     push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmUnpriced], 0, 1, true, false, at);
     push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmEvents], 0, 0, false, false, at);
-    push(&mut pl, 0, Metric::CostUsd, LimitKind::Probe, &[Field::LlmPriced, Field::LlmUnpriced], 0, 0, false, false, at);
+    push(
+        &mut pl,
+        0,
+        Metric::CostUsd,
+        LimitKind::Probe,
+        &[Field::LlmPriced, Field::LlmUnpriced],
+        0,
+        0,
+        false,
+        false,
+        at,
+    );
     let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
     assert_eq!(o, CheckOutcome { admitted: true, used: vec![4, 5, 5] });
 }
@@ -547,22 +634,37 @@ async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
     };
     let pl = write(500);
     assert_eq!((pl.counters.len(), &pl.counters[0].key), (1, &fp.key), "a storage quota reads the footprint");
-    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![1_000] });
-    assert_eq!(check(view, &p, &write(501), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: false, used: vec![1_000] });
+    assert_eq!(
+        check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: true, used: vec![1_000] }
+    );
+    assert_eq!(
+        check(view, &p, &write(501), &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: false, used: vec![1_000] }
+    );
     // A delete settled but not folded lowers the footprint at once.
     let del = settle_one(view, &p, &fp, held(-300, 1), at).await;
     let u = usage(view, &p, &fp, at).await;
     assert_eq!((u.durable, u.pending), (held(1_000, 3), held(-300, 1)));
     assert!(check(view, &p, &write(800), &hold(at + Duration::seconds(30)), at).await.admitted);
-    assert_eq!(check(view, &p, &write(801), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: false, used: vec![700] });
+    assert_eq!(
+        check(view, &p, &write(801), &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: false, used: vec![700] }
+    );
     // Pending deletes beyond the footprint read as nothing held, not less.
     settle_one(view, &p, &fp, held(-900, 1), at).await;
     assert_eq!(usage(view, &p, &fp, at).await.pending, held(-1_200, 2));
-    assert_eq!(check(view, &p, &write(1_500), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+    assert_eq!(
+        check(view, &p, &write(1_500), &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: true, used: vec![0] }
+    );
     // Taking the delete back restores the bytes it removed.
     view.unsettle(&p, std::slice::from_ref(&del)).await.expect("unsettle");
     assert_eq!(usage(view, &p, &fp, at).await.pending, held(-900, 1));
-    assert_eq!(check(view, &p, &write(1_400), &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![100] });
+    assert_eq!(
+        check(view, &p, &write(1_400), &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: true, used: vec![100] }
+    );
     assert!(!check(view, &p, &write(1_401), &hold(at + Duration::seconds(30)), at).await.admitted);
 }
 
@@ -572,9 +674,15 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     let p = seeded(view, &[(fp.clone(), Totals { cost_storage: 50, ..held(1_000, 5) })]).await;
     let e = settle_one(view, &p, &fp, held(-600, 1), at).await;
     // The fold of the delete lowers the durable footprint and drops its pending delta.
-    view.apply_fold(&p, &[(fp.clone(), Totals { cost_storage: 40, ..held(400, 6) })], std::slice::from_ref(&e)).await.expect("fold");
+    view.apply_fold(&p, &[(fp.clone(), Totals { cost_storage: 40, ..held(400, 6) })], std::slice::from_ref(&e))
+        .await
+        .expect("fold");
     let u = usage(view, &p, &fp, at).await;
-    assert_eq!((u.durable, u.pending), (Totals { cost_storage: 50, ..held(400, 6) }, Totals::default()), "sums still never go down");
+    assert_eq!(
+        (u.durable, u.pending),
+        (Totals { cost_storage: 50, ..held(400, 6) }, Totals::default()),
+        "sums still never go down"
+    );
     // Stale totals (fewer or as many storage facts) change nothing, by fold or by seed.
     view.apply_fold(&p, &[(fp.clone(), held(900, 4))], &[]).await.expect("stale fold");
     view.apply_fold(&p, &[(fp.clone(), held(2_000, 6))], &[]).await.expect("same-count fold");
@@ -587,7 +695,10 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     view.apply_fold(&p, &[(fp.clone(), held(-50, 7))], &[]).await.expect("fold");
     assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(-50, 7) });
     let pl = one_limit(&fp, LimitKind::Cap, &[Field::Storage], 10, 10, true, at);
-    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome { admitted: true, used: vec![0] });
+    assert_eq!(
+        check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await,
+        CheckOutcome { admitted: true, used: vec![0] }
+    );
     // A view seeded with a footprint for the first time takes it whatever its count.
     let fresh = seeded(view, &[(fp.clone(), held(0, 2))]).await;
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
@@ -641,7 +752,8 @@ impl Fresh {
     async fn cleanup(self) {
         let client = ::redis::Client::open(url()).expect("redis url");
         let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
-        let keys: Vec<String> = ::redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
+        let keys: Vec<String> =
+            ::redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
         if !keys.is_empty() {
             let _: i64 = ::redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
         }
@@ -728,7 +840,13 @@ mod redis {
             .query_async(&mut conn)
             .await
             .expect("hset");
-        let _: () = ::redis::cmd("HSET").arg(format!("{base}ev:{e}")).arg(c.key.encode()).arg("1,1,5").query_async(&mut conn).await.expect("hset");
+        let _: () = ::redis::cmd("HSET")
+            .arg(format!("{base}ev:{e}"))
+            .arg(c.key.encode())
+            .arg("1,1,5")
+            .query_async(&mut conn)
+            .await
+            .expect("hset");
         assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals { requests: 1, ..calls(1, 5) });
         fixture.view.unsettle(&p, &[e]).await.expect("unsettle");
         assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals::default());
@@ -771,7 +889,10 @@ mod memory {
     /// A counter that never resets.
     fn lifetime() -> Counter {
         let w = window_at(WindowKind::Current, Tz::UTC, t0());
-        Counter { key: CounterKey { dimension: Dimension::Project, window: w.kind, window_key: w.key }, resets_at: w.resets_at }
+        Counter {
+            key: CounterKey { dimension: Dimension::Project, window: w.kind, window_key: w.key },
+            resets_at: w.resets_at,
+        }
     }
 
     #[tokio::test]
@@ -813,7 +934,8 @@ mod memory {
         for _ in 0..100 {
             let h = hold(at + Duration::seconds(30));
             assert!(check(&view, &p, &pl, &h, at).await.admitted);
-            let s = Settlement { event: event(), reservation: Some(h.reservation), deltas: vec![(c.clone(), calls(1, 1))] };
+            let s =
+                Settlement { event: event(), reservation: Some(h.reservation), deltas: vec![(c.clone(), calls(1, 1))] };
             view.settle(&p, &[s], at).await.expect("settle");
         }
         // Leases taken and never settled or released.

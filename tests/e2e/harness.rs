@@ -164,10 +164,11 @@ impl Env {
         let url = format!("http://127.0.0.1:{port}");
         for _ in 0..600 {
             if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await
-                && r.status().is_success() {
-                    self.gateways.push(url.clone());
-                    return url;
-                }
+                && r.status().is_success()
+            {
+                self.gateways.push(url.clone());
+                return url;
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         panic!("gateway did not start on {url}");

@@ -82,9 +82,18 @@ async fn cost(mode: Mode) {
     let (_, book) = env.admin_get("/v1/prices?model=gpt-4o").await;
     assert_eq!(book["data"][1]["unit_price_usd"], "0.00001", "{book}");
     for (bad, field) in [
-        (json!({"prices": [{"provider": "openai", "model": "m", "component": "input_tokens", "unit_price_usd": "0.0000000000001"}]}), "prices[0].unit_price_usd"),
-        (json!({"prices": [{"provider": "openai", "model": "m", "component": "vibes", "unit_price_usd": "1"}]}), "prices[0].component"),
-        (json!({"prices": [{"provider": "", "model": "m", "component": "input_tokens", "unit_price_usd": "1"}]}), "prices[0].provider"),
+        (
+            json!({"prices": [{"provider": "openai", "model": "m", "component": "input_tokens", "unit_price_usd": "0.0000000000001"}]}),
+            "prices[0].unit_price_usd",
+        ),
+        (
+            json!({"prices": [{"provider": "openai", "model": "m", "component": "vibes", "unit_price_usd": "1"}]}),
+            "prices[0].component",
+        ),
+        (
+            json!({"prices": [{"provider": "", "model": "m", "component": "input_tokens", "unit_price_usd": "1"}]}),
+            "prices[0].provider",
+        ),
     ] {
         let (s, b) = env.admin_req(reqwest::Method::PUT, "/v1/prices", Some(bad)).await;
         assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!(field)), "{b}");
@@ -98,7 +107,11 @@ async fn cost(mode: Mode) {
     assert_eq!((q["limit"].clone(), q["on_unpriced"].clone()), (json!("0.01"), json!("block")), "{q}");
 
     // 1,000 input + 200 output on gpt-4o = $0.0025 + $0.002 = $0.0045; twice is $0.009.
-    post_ok(&env, vec![tokens_event("t1", &pid, None, "gpt-4o", 1000, 200), tokens_event("t2", &pid, None, "gpt-4o", 1000, 200)]).await;
+    post_ok(
+        &env,
+        vec![tokens_event("t1", &pid, None, "gpt-4o", 1000, 200), tokens_event("t2", &pid, None, "gpt-4o", 1000, 200)],
+    )
+    .await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({})).await).await;
     assert_eq!(s, 200, "$0.009 of $0.01: {b}");
     let (_, q) = env.admin_get(&format!("/v1/quotas/{cap}")).await;
@@ -107,11 +120,16 @@ async fn cost(mode: Mode) {
     let (s, b, h) = status_and_body(check(&env.http, env.gw(), &secret, json!({})).await).await;
     assert_eq!(s, 429, "$0.01 reached: {b}");
     assert_eq!(b["error"]["code"], "QUOTA_EXCEEDED");
-    assert_eq!((b["error"]["meta"]["metric"].clone(), b["error"]["meta"]["limit"].clone()), (json!("cost_usd"), json!("0.01")));
+    assert_eq!(
+        (b["error"]["meta"]["metric"].clone(), b["error"]["meta"]["limit"].clone()),
+        (json!("cost_usd"), json!("0.01"))
+    );
     assert!(h.get("retry-after").is_some());
     // The durable fold prices the same events to the same picodollar.
-    env.eventually(30, "the cost folded", || async { durable_cost(&env, &pid, "calendar_month").await == 10_000_000_000 })
-        .await;
+    env.eventually(30, "the cost folded", || async {
+        durable_cost(&env, &pid, "calendar_month").await == 10_000_000_000
+    })
+    .await;
 
     // Another project: nothing priced. Two unpriced events pass (the
     // exception files from the first); the third makes a blackout.
@@ -119,7 +137,11 @@ async fn cost(mode: Mode) {
     let cap2 = env
         .quota(json!({"project_id": pid2, "scope": "project", "metric": "cost_usd", "window": "day", "limit": 25}))
         .await;
-    post_ok(&env, vec![tokens_event("u1", &pid2, None, "mystery", 10, 10), tokens_event("u2", &pid2, None, "mystery", 10, 10)]).await;
+    post_ok(
+        &env,
+        vec![tokens_event("u1", &pid2, None, "mystery", 10, 10), tokens_event("u2", &pid2, None, "mystery", 10, 10)],
+    )
+    .await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret2, json!({})).await).await;
     assert_eq!(s, 200, "two unpriced events pass: {b}");
     let mut exceptions = Value::Null;
@@ -132,7 +154,10 @@ async fn cost(mode: Mode) {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
     let e = &exceptions["data"][0];
-    assert_eq!((e["kind"].clone(), e["quota_id"].clone(), e["severity"].clone()), (json!("quota_unpriced"), json!(cap2), json!("warning")));
+    assert_eq!(
+        (e["kind"].clone(), e["quota_id"].clone(), e["severity"].clone()),
+        (json!("quota_unpriced"), json!(cap2), json!("warning"))
+    );
     assert_eq!((e["llm_events"].clone(), e["unpriced_events"].clone()), (json!(2), json!(2)), "{e}");
     assert_eq!(e["unpriced_rows"].as_array().map(Vec::len), Some(2), "input and output of the mystery model: {e}");
 
@@ -189,9 +214,18 @@ async fn cost(mode: Mode) {
 
     // on_unpriced is only for cost_usd; meter types are checked.
     for (body, field) in [
-        (json!({"project_id": pid2, "scope": "project", "metric": "tokens", "window": "day", "limit": 5, "on_unpriced": "allow"}), "on_unpriced"),
-        (json!({"project_id": pid2, "scope": "project", "metric": "cost_usd", "window": "day", "limit": 5, "meter_type": "gpu"}), "meter_type"),
-        (json!({"project_id": pid2, "scope": "project", "metric": "cost_usd", "window": "day", "limit": "0.0000000000001"}), "limit"),
+        (
+            json!({"project_id": pid2, "scope": "project", "metric": "tokens", "window": "day", "limit": 5, "on_unpriced": "allow"}),
+            "on_unpriced",
+        ),
+        (
+            json!({"project_id": pid2, "scope": "project", "metric": "cost_usd", "window": "day", "limit": 5, "meter_type": "gpu"}),
+            "meter_type",
+        ),
+        (
+            json!({"project_id": pid2, "scope": "project", "metric": "cost_usd", "window": "day", "limit": "0.0000000000001"}),
+            "limit",
+        ),
     ] {
         let (s, b) = env.admin_post("/v1/quotas", body).await;
         assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!(field)), "{b}");
@@ -230,12 +264,17 @@ async fn storage_and_actors(mode: Mode) {
         q["current_usage"]["count"] == json!(600)
     })
     .await;
-    let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": 400})).await).await;
+    let (s, b, _) =
+        status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": 400})).await).await;
     assert_eq!(s, 200, "600 + 400 is the limit itself: {b}");
-    let (s, b, h) = status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": 401})).await).await;
+    let (s, b, h) =
+        status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": 401})).await).await;
     assert_eq!(s, 409, "{b}");
     assert_eq!(b["error"]["code"], "QUOTA_STORAGE_EXCEEDED");
-    assert_eq!((b["error"]["meta"]["current_bytes"].clone(), b["error"]["meta"]["limit"].clone()), (json!(600), json!(1000)));
+    assert_eq!(
+        (b["error"]["meta"]["current_bytes"].clone(), b["error"]["meta"]["limit"].clone()),
+        (json!(600), json!(1000))
+    );
     assert!(b["error"]["meta"].get("resets_at").is_none(), "nothing resets: {b}");
     assert!(h.get("retry-after").is_none());
     // A write's delta settles at once; a delete is never refused.
@@ -246,7 +285,8 @@ async fn storage_and_actors(mode: Mode) {
     .await;
     let (s, _, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": 1})).await).await;
     assert_eq!(s, 409, "the footprint is now 1,000");
-    let (s, _, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": -5000})).await).await;
+    let (s, _, _) =
+        status_and_body(check(&env.http, env.gw(), &secret, json!({"storage_bytes_delta": -5000})).await).await;
     assert_eq!(s, 200, "deletes are never refused");
     let (s, b) = post_events(
         &env.http,
@@ -262,13 +302,18 @@ async fn storage_and_actors(mode: Mode) {
     post_ok(&env, vec![tokens_event("a1", &pid, Some("alice"), "any", 60, 40)]).await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"actor_id": "alice"})).await).await;
     assert_eq!(s, 429, "alice used her 100: {b}");
-    assert_eq!((b["error"]["meta"]["metric"].clone(), b["error"]["meta"]["limit"].clone()), (json!("tokens"), json!(100)));
+    assert_eq!(
+        (b["error"]["meta"]["metric"].clone(), b["error"]["meta"]["limit"].clone()),
+        (json!("tokens"), json!(100))
+    );
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"actor_id": "bob"})).await).await;
     assert_eq!(s, 200, "bob's budget is his own: {b}");
 
     // Precedence: a project tokens cap and the actor cap both breach; the actor is reported.
-    env.quota(json!({"project_id": pid, "scope": "project", "metric": "tokens", "window": "calendar_month", "limit": 50}))
-        .await;
+    env.quota(
+        json!({"project_id": pid, "scope": "project", "metric": "tokens", "window": "calendar_month", "limit": 50}),
+    )
+    .await;
     tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"actor_id": "alice"})).await).await;
     assert_eq!(s, 429);

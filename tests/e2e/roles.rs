@@ -68,7 +68,12 @@ async fn roles(mode: Mode) {
         let (s, b) = check_body(&env, json!({"user": "user:alice", "role_id": rid})).await;
         assert_eq!(s, 200, "{b}");
         assert_eq!(b["limits"]["max_rows"], 500, "the role's grants: {b}");
-        let (s, b) = post_events(&env.http, env.gw(), vec![user_call(&format!("c-{}", uuid::Uuid::new_v4()), &pid, "user:alice", &b["reservation_id"])]).await;
+        let (s, b) = post_events(
+            &env.http,
+            env.gw(),
+            vec![user_call(&format!("c-{}", uuid::Uuid::new_v4()), &pid, "user:alice", &b["reservation_id"])],
+        )
+        .await;
         assert_eq!(s, 202, "{b}");
     }
     let (s, b) = check_body(&env, json!({"user": "user:alice", "role_id": rid})).await;
@@ -89,7 +94,10 @@ async fn roles(mode: Mode) {
 
     // A key with the role: the quota on the key's own counter, limits narrowed.
     let (s, k) = env
-        .admin_post(&format!("/v1/projects/{pid}/api-keys"), json!({"name": "partner", "role_id": rid, "grants": {"max_rows": 1000}}))
+        .admin_post(
+            &format!("/v1/projects/{pid}/api-keys"),
+            json!({"name": "partner", "role_id": rid, "grants": {"max_rows": 1000}}),
+        )
         .await;
     assert_eq!(s, 201, "{k}");
     let (kid, secret) = (k["id"].as_str().expect("id").to_owned(), k["secret"].as_str().expect("secret").to_owned());
@@ -102,7 +110,12 @@ async fn roles(mode: Mode) {
         let r = check(&env.http, env.gw(), &secret, json!({})).await;
         assert_eq!(r.status().as_u16(), 200);
         let b: Value = r.json().await.expect("body");
-        let (s, _) = post_events(&env.http, env.gw(), vec![call_event(&format!("k-{i}"), &pid, &kid, b["reservation_id"].as_str(), 1)]).await;
+        let (s, _) = post_events(
+            &env.http,
+            env.gw(),
+            vec![call_event(&format!("k-{i}"), &pid, &kid, b["reservation_id"].as_str(), 1)],
+        )
+        .await;
         assert_eq!(s, 202);
     }
     let r = check(&env.http, env.gw(), &secret, json!({})).await;
@@ -111,7 +124,8 @@ async fn roles(mode: Mode) {
     assert_eq!(detail["usage_this_period"]["calls"], 2, "{detail}");
 
     // Administrators and break-glass: never limited, never counted.
-    let (s, admins) = env.admin_post(&format!("/v1/projects/{pid}/roles"), json!({"name": "admins", "exempt": true})).await;
+    let (s, admins) =
+        env.admin_post(&format!("/v1/projects/{pid}/roles"), json!({"name": "admins", "exempt": true})).await;
     assert_eq!(s, 201);
     env.quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 1})).await;
     tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
