@@ -11,7 +11,7 @@
 //! - `sqlite::*` runs against the embedded log, in a fresh file (also holding
 //!   the migrated embedded store) in a temporary directory per test.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -60,6 +60,7 @@ macro_rules! suite {
             a_waiting_poll_returns_a_record_published_meanwhile,
             a_dead_letter_keeps_the_original_bytes_and_the_reason,
             facts_of_one_project_stay_in_order,
+            many_concurrent_publishers_are_each_read_back_once,
         );
     };
 }
@@ -84,8 +85,7 @@ mod sqlite {
         let h = super::SqliteHarness::new().await;
         // Same file, no shared `Notify`: like a writer in another process.
         let other = store::SqliteLog::new(h.pool(), "tollgate.");
-        super::a_publish_wakes_a_reader_at_once(&h.log, other.reader(), std::time::Duration::from_millis(250))
-            .await;
+        super::a_publish_wakes_a_reader_at_once(&h.log, other.reader(), std::time::Duration::from_millis(250)).await;
     }
 
     #[tokio::test]
@@ -96,6 +96,40 @@ mod sqlite {
     #[tokio::test]
     async fn published_records_survive_reopening_the_file() {
         super::published_records_survive_reopening_the_file().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_publishes_stay_whole_and_contiguous() {
+        let h = super::SqliteHarness::new().await;
+        let sent = super::publishers_publishes();
+        // One task per publisher, on four worker threads: the writer's queue
+        // is fed from several threads at once.
+        let tasks: Vec<_> = sent
+            .iter()
+            .cloned()
+            .map(|publishes| {
+                let log = h.log.clone();
+                tokio::spawn(async move {
+                    for facts in &publishes {
+                        meter::Log::publish(&log, facts).await.expect("publish");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("a publisher task");
+        }
+        super::assert_each_publish_read_back_once(&h, &sent, super::Contiguity::Contiguous).await;
+    }
+
+    #[tokio::test]
+    async fn a_failed_publish_fails_its_whole_batch_and_leaves_nothing() {
+        super::a_failed_publish_fails_its_whole_batch_and_leaves_nothing(&super::SqliteHarness::new().await).await;
+    }
+
+    #[test]
+    fn a_log_outlives_the_runtime_that_started_its_writer() {
+        super::a_log_outlives_the_runtime_that_started_its_writer();
     }
 }
 
@@ -119,7 +153,12 @@ fn fact(project: &str, n: usize) -> UsageFact {
         outcome: if n.is_multiple_of(3) { Outcome::Failure } else { Outcome::Success },
         rows: n as u64 * 7,
         tokens: if n % 5 == 2 {
-            vec![meter::TokenUsage { provider: "openai".into(), model: format!("m{n}"), input: n as u64, ..Default::default() }]
+            vec![meter::TokenUsage {
+                provider: "openai".into(),
+                model: format!("m{n}"),
+                input: n as u64,
+                ..Default::default()
+            }]
         } else {
             Vec::new()
         },
@@ -305,6 +344,92 @@ async fn facts_of_one_project_stay_in_order(h: &dyn Harness) {
     }
     for (project, facts) in &sent {
         assert_eq!(seen.get(*project), Some(facts), "the facts of {project}, in order");
+    }
+}
+
+/// Concurrent publishers of the `many_concurrent_publishers…` tests.
+const PUBLISHERS: usize = 64;
+/// Publishes each of them makes, one after the other.
+const PUBLISHES_EACH: usize = 50;
+
+/// What each publisher publishes, in order: [`PUBLISHES_EACH`] publishes of
+/// 1–3 facts of one project (`pa`, `pb` or `pc`), every fact distinct.
+fn publishers_publishes() -> Vec<Vec<Vec<UsageFact>>> {
+    (0..PUBLISHERS)
+        .map(|t| {
+            (0..PUBLISHES_EACH)
+                .map(|i| {
+                    let project = ["pa", "pb", "pc"][(t + i) % 3];
+                    (0..1 + (t * 7 + i) % 3).map(|j| fact(project, t * 1_000 + i * 10 + j)).collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Whether one publish's facts must be next to each other on the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contiguity {
+    /// Only in order: the port does not promise more (a Kafka publish is
+    /// several sends, and another producer's record may fall between them).
+    InOrder,
+    /// In order with nothing between them (the SQLite log: one publish is in
+    /// one transaction).
+    Contiguous,
+}
+
+async fn many_concurrent_publishers_are_each_read_back_once(h: &dyn Harness) {
+    let sent = publishers_publishes();
+    // All publishers at once on this task: while one publish waits for its
+    // acknowledgement the others queue theirs.
+    futures::future::join_all(sent.iter().map(|publishes| async move {
+        for facts in publishes {
+            h.log().publish(facts).await.expect("publish");
+        }
+    }))
+    .await;
+    assert_each_publish_read_back_once(h, &sent, Contiguity::InOrder).await;
+}
+
+/// Every acknowledged fact is on the log exactly once, as sent, keyed by its
+/// project; one publish's facts are in order (and contiguous if asked), and
+/// one publisher's publishes are in the order it made them.
+async fn assert_each_publish_read_back_once(h: &dyn Harness, sent: &[Vec<Vec<UsageFact>>], contiguity: Contiguity) {
+    let total: usize = sent.iter().flatten().map(Vec::len).sum();
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), total).await;
+    assert_nothing_more(reader.as_mut()).await;
+    assert_increasing(&got);
+    let read = decode(&got);
+
+    let mut position: HashMap<EventId, usize> = HashMap::new();
+    for (k, (r, f)) in got.iter().zip(&read).enumerate() {
+        assert_eq!(r.key.as_deref(), Some(f.project_id.as_str().as_bytes()), "keyed by project");
+        assert!(position.insert(f.id.clone(), k).is_none(), "fact {} read twice", f.id);
+    }
+    for (t, publishes) in sent.iter().enumerate() {
+        let mut previous_end = None;
+        for (i, facts) in publishes.iter().enumerate() {
+            let at: Vec<usize> = facts
+                .iter()
+                .map(|f| *position.get(&f.id).unwrap_or_else(|| panic!("acknowledged fact {} not on the log", f.id)))
+                .collect();
+            for (f, &k) in facts.iter().zip(&at) {
+                assert_eq!(&read[k], f, "fact {} read back as sent", f.id);
+            }
+            for w in at.windows(2) {
+                match contiguity {
+                    Contiguity::Contiguous => {
+                        assert_eq!(w[1], w[0] + 1, "publish {i} of publisher {t} is contiguous: {at:?}")
+                    }
+                    Contiguity::InOrder => assert!(w[0] < w[1], "publish {i} of publisher {t} in order: {at:?}"),
+                }
+            }
+            if let (Some(end), Some(&start)) = (previous_end, at.first()) {
+                assert!(end < start, "publisher {t}: publish {i} after publish {}", i - 1);
+            }
+            previous_end = at.last().copied();
+        }
     }
 }
 
@@ -501,4 +626,64 @@ async fn published_records_survive_reopening_the_file() {
     let got = read_n(&mut reader, sent.len()).await;
     assert_eq!(decode(&got), sent);
     store.pool().close().await;
+}
+
+async fn a_failed_publish_fails_its_whole_batch_and_leaves_nothing(h: &SqliteHarness) {
+    // A record keyed `poison` cannot be inserted: its publish fails inside
+    // the writer's transaction.
+    sqlx::query(
+        "CREATE TRIGGER poison BEFORE INSERT ON log_records WHEN NEW.key = CAST('poison' AS BLOB)
+         BEGIN SELECT RAISE(ABORT, 'poisoned record'); END",
+    )
+    .execute(&h.pool())
+    .await
+    .expect("create the trigger");
+
+    let publishes: Vec<Vec<UsageFact>> = (0..10)
+        .map(|i| {
+            if i == 5 {
+                vec![fact("pa", 50), fact("poison", 51), fact("pa", 52)]
+            } else {
+                vec![fact("pa", i * 10), fact("pb", i * 10 + 1)]
+            }
+        })
+        .collect();
+    // On this single-threaded runtime `join_all` hands all ten publishes to
+    // the writer before the writer task first runs, so they are one batch.
+    let outcomes = futures::future::join_all(publishes.iter().map(|facts| h.log.publish(facts))).await;
+    for (i, outcome) in outcomes.iter().enumerate() {
+        match outcome {
+            Err(meter::PortError::Permanent(why)) => assert!(why.contains("poisoned record"), "publish {i}: {why}"),
+            other => panic!("publish {i} shares the poisoned batch, so its error: got {other:?}"),
+        }
+    }
+    let mut reader = reader_at(h, 0).await;
+    assert_nothing_more(reader.as_mut()).await;
+
+    // The writer goes on; what failed never appears.
+    let later = vec![fact("pc", 100), fact("pc", 101)];
+    h.log.publish(&later).await.expect("a clean publish after the failed batch");
+    let got = read_n(reader.as_mut(), later.len()).await;
+    assert_eq!(decode(&got), later);
+    assert_nothing_more(reader.as_mut()).await;
+}
+
+/// The writer runs on the runtime of the log's first publish. When that
+/// runtime is gone, the next publish (on another runtime) starts a new one.
+fn a_log_outlives_the_runtime_that_started_its_writer() {
+    let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let sent = facts(6);
+    let first = runtime();
+    let h = first.block_on(SqliteHarness::new());
+    first.block_on(h.log.publish(&sent[..3])).expect("publish on the first runtime");
+    drop(first);
+
+    let second = runtime();
+    second.block_on(async {
+        h.log.publish(&sent[3..]).await.expect("publish on the second runtime");
+        let mut reader = reader_at(&h, 0).await;
+        let got = read_n(reader.as_mut(), sent.len()).await;
+        assert_eq!(decode(&got), sent);
+        assert_nothing_more(reader.as_mut()).await;
+    });
 }
