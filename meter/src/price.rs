@@ -309,36 +309,23 @@ pub struct Priced {
 
 /// Prices one event's token usage at its event time.
 pub fn price_tokens(usage: &[TokenUsage], meter: MeterType, at: DateTime<Utc>, book: &PriceBook) -> Priced {
-    let mut out = Priced { meter: Some(meter), ..Priced::default() };
     let ai = meter == MeterType::LlmTokens;
-    for u in usage {
-        if ai {
-            out.tokens = out.tokens.saturating_add(u.billable());
+    let mut out = Priced { meter: Some(meter), ..Priced::default() };
+    if ai {
+        out.tokens = usage.iter().fold(0u64, |acc, u| acc.saturating_add(u.billable()));
+    }
+    // One pricing of each component, shared with the usage breakdown.
+    for c in component_usage(usage, meter, at, book) {
+        out.cost = out.cost.saturating_add(c.cost);
+        if !ai || c.embedding {
+            continue;
         }
-        let verdict = ai && !u.embedding;
-        for (component, qty) in u.components() {
-            if qty == 0 {
-                continue;
-            }
-            let key = PriceKey { provider: u.provider.clone(), model: u.model.clone(), component };
-            match book.price_at(&key, at) {
-                Some(unit) => {
-                    let cost = i128::from(qty) * i128::from(unit.0);
-                    let cost = i64::try_from(cost).unwrap_or(i64::MAX);
-                    out.cost = out.cost.saturating_add(Usd(cost));
-                    if verdict {
-                        out.llm_event = true;
-                        out.llm_priced = true;
-                    }
-                }
-                None => {
-                    if verdict {
-                        out.llm_event = true;
-                        out.llm_unpriced = true;
-                        out.unpriced_rows.insert(key);
-                    }
-                }
-            }
+        out.llm_event = true;
+        if c.priced_quantity > 0 {
+            out.llm_priced = true;
+        } else {
+            out.llm_unpriced = true;
+            out.unpriced_rows.insert(c.key);
         }
     }
     out
