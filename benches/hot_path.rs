@@ -37,6 +37,9 @@ use rdkafka::util::Timeout;
 use serde_json::{Value, json};
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 
+mod support;
+use support::{Latency, Rate, loadavg, ms, sequential, throughput};
+
 const ADMIN: &str = "admin-token-bench";
 const GATEWAY: &str = "gateway-token-bench";
 
@@ -85,91 +88,6 @@ fn base_db() -> String {
 }
 fn base_redis() -> String {
     std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-/// Latency percentiles of one sequential run, in microseconds.
-#[derive(Debug, Clone, Copy, Default)]
-struct Latency {
-    p50: f64,
-    p99: f64,
-    n: usize,
-    errors: usize,
-}
-
-impl Latency {
-    fn of(mut us: Vec<f64>, errors: usize) -> Latency {
-        us.sort_by(f64::total_cmp);
-        let pick = |p: f64| {
-            if us.is_empty() {
-                return f64::NAN;
-            }
-            let i = ((p * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1;
-            us[i]
-        };
-        Latency { p50: pick(0.50), p99: pick(0.99), n: us.len(), errors }
-    }
-}
-
-/// Requests (or records) per second of one run.
-#[derive(Debug, Clone, Copy, Default)]
-struct Rate {
-    per_sec: f64,
-    done: u64,
-    errors: u64,
-    secs: f64,
-}
-
-/// Runs `op` `n` times in sequence (after `warmup` untimed runs).
-async fn sequential<F, Fut>(warmup: usize, n: usize, mut op: F) -> Latency
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    for _ in 0..warmup {
-        op().await;
-    }
-    let mut us = Vec::with_capacity(n);
-    let mut errors = 0;
-    for _ in 0..n {
-        let t = Instant::now();
-        let ok = op().await;
-        us.push(t.elapsed().as_secs_f64() * 1e6);
-        if !ok {
-            errors += 1;
-        }
-    }
-    Latency::of(us, errors)
-}
-
-/// `clients` tasks calling `op` in a loop for `secs` seconds.
-async fn throughput<F, Fut>(clients: usize, secs: f64, op: F) -> Rate
-where
-    F: Fn() -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = bool> + Send,
-{
-    let ok = Arc::new(AtomicU64::new(0));
-    let bad = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(secs);
-    let mut tasks = Vec::with_capacity(clients);
-    for _ in 0..clients {
-        let (op, ok, bad) = (op.clone(), ok.clone(), bad.clone());
-        tasks.push(tokio::spawn(async move {
-            while Instant::now() < deadline {
-                if op().await {
-                    ok.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    bad.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    let done = ok.load(Ordering::Relaxed);
-    Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed }
 }
 
 /// A one-second warm-up, then the measured run.
@@ -818,17 +736,6 @@ where
     let secs = start.elapsed().as_secs_f64();
     let done = ok.load(Ordering::Relaxed);
     Rate { per_sec: done as f64 / secs, done, errors: EVENTS_N as u64 - done, secs }
-}
-
-/// The 1, 5 and 15 minute load averages (Linux), to judge how quiet the machine was.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-fn ms(us: f64) -> String {
-    format!("{:.3} ms", us / 1000.0)
 }
 
 fn lat_row(name: &str, what: &str, l: &Latency) -> String {
