@@ -30,7 +30,8 @@ use futures::stream::FuturesUnordered;
 use gateway::state::SystemClock;
 use gateway::{AppState, Settings};
 use meter::{
-    ApiKeyId, EventId, EventKind, Hold, Outcome, ProjectId, ReservationId, Settlement, Store, UsageFact, View,
+    ApiKeyId, EventId, EventKind, Hold, Ledger, Outcome, ProjectId, QuotaStore, ReservationId, Settlement, UsageFact,
+    View,
 };
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;

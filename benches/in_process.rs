@@ -193,7 +193,7 @@ async fn project_with_quota(store: &dyn Store, name: &str) -> AnyResult<String> 
         created_at: now,
         updated_at: now,
     };
-    store.create_quota(&quota).await?;
+    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
     Ok(secret)
 }
 

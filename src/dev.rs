@@ -99,7 +99,7 @@ async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Resul
         created_at: now,
         updated_at: now,
     };
-    store.create_quota(&quota).await?;
+    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
     let v = json!({"project_id": project.id, "api_key_id": key.id, "secret": secret, "quota_id": quota.id});
     std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
     Ok((project.id.to_string(), key.id.to_string(), secret))

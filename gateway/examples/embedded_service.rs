@@ -90,7 +90,7 @@ async fn demo(store: &dyn Store) -> Result<String, Box<dyn Error>> {
         created_at: now,
         updated_at: now,
     };
-    store.create_quota(&quota).await?;
+    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
     Ok(secret)
 }
 

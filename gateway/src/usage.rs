@@ -146,13 +146,13 @@ pub async fn usage(
             s.store.model_usage(&project.id, window.kind, &window.key).await?.iter().map(model_json).collect()
         }
         g => {
-            let prefix = match g {
-                GroupBy::Actor => "a:",
-                GroupBy::Agent => "g:",
-                _ => "k:",
+            let population = match g {
+                GroupBy::Actor => meter::Population::Actors,
+                GroupBy::Agent => meter::Population::Agents,
+                _ => meter::Population::ApiKeys,
             };
             s.store
-                .window_totals(&project.id, window.kind, &window.key, prefix)
+                .population_totals(&project.id, population, window.kind, &window.key)
                 .await?
                 .iter()
                 .filter_map(|(k, t)| member(g, k).map(|(field, id)| totals_json(field, &id, t)))
@@ -226,8 +226,8 @@ mod tests {
         use axum::http::{Request, StatusCode};
         use chrono::TimeZone;
         use meter::{
-            Component, EventId, EventKind, FoldBatch, ManualClock, OffsetMove, Price, PriceKey, Project, Store,
-            TokenUsage, UsageFact,
+            Component, EventId, EventKind, FoldBatch, Ledger, ManualClock, OffsetMove, Price, PriceKey, PriceStore,
+            Project, TenantStore, TokenUsage, UsageFact,
         };
         use store::{MemoryView, SqliteLog, SqliteStore};
         use tower::ServiceExt;

@@ -175,7 +175,7 @@ impl Env {
             created_at: now,
             updated_at: now,
         };
-        self.state.store.create_quota(&q).await.expect("create quota");
+        self.state.store.apply_quotas(&meter::QuotaPlan::create(q.clone()), &[]).await.expect("create quota");
         q
     }
 

@@ -29,8 +29,9 @@ use std::collections::{HashMap, HashSet};
 use chrono::{DateTime, Utc};
 
 use crate::audit::{AuditAction, AuditDetail, AuditEntry, Principal};
+use crate::error::FieldError;
 use crate::ids::{AuditId, ProjectId, QuotaId};
-use crate::quota::{FieldError, Metric, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope, validate};
+use crate::quota::{Metric, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope, validate};
 use crate::window::WindowKind;
 
 /// Most entries one apply may carry.

@@ -12,13 +12,11 @@
 //! Entry ids are time-ordered, so a project's log reads in id order and the
 //! id of the last entry read is the cursor of the next page.
 
-use std::fmt;
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::admission::{CheckOutcome, CheckPlan};
+use crate::error::named;
 use crate::ids::{AuditId, ProjectId, QuotaId};
 use crate::quota::{Metric, Quota};
 use crate::window::WindowKind;
@@ -47,18 +45,7 @@ impl AuditAction {
     }
 }
 
-impl fmt::Display for AuditAction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for AuditAction {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        AuditAction::ALL.into_iter().find(|a| a.as_str() == s).ok_or(())
-    }
-}
+named!(AuditAction, "audit action", AuditAction::ALL);
 
 /// Who did it: `("admin", "api")` for the admin API, `("admin", "cli")` for
 /// `tollgate apply`. A monitor breach has none.

@@ -14,6 +14,34 @@ use crate::ids::{EventId, ProjectId};
 use crate::price::PriceBook;
 use crate::usage::{Counter, CounterKey, Totals, UsageFact, counters_for};
 
+/// The offsets one batch moves, partition by partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffsetMove {
+    pub partition: i32,
+    /// Where the batch started: the stored offset must still be this.
+    pub from: i64,
+    /// The next offset to read after the batch.
+    pub to: i64,
+}
+
+/// One batch for the store to fold, atomically with its offsets.
+#[derive(Debug, Clone)]
+pub struct FoldBatch {
+    pub consumer: String,
+    pub topic: String,
+    pub offsets: Vec<OffsetMove>,
+    pub facts: Vec<UsageFact>,
+}
+
+/// What a fold did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FoldReport {
+    pub folded: Vec<(ProjectId, EventId)>,
+    pub duplicates: Vec<(ProjectId, EventId)>,
+    /// The new durable totals of every counter the batch touched.
+    pub totals: Vec<(ProjectId, Counter, Totals)>,
+}
+
 /// A counter's folded totals and when its window resets.
 type Entry = (Totals, Option<chrono::DateTime<chrono::Utc>>);
 

@@ -5,6 +5,15 @@
 //! here is a function of its inputs and an explicit `at`; the adapters in
 //! `store` implement the [`ports`] declared here.
 //!
+//! ## Modules
+//!
+//! Values first, rules on them, ports last: [`ids`], [`error`], [`clock`],
+//! [`window`], [`price`], [`quota`], [`tenant`], [`role`], [`usage`] (facts
+//! and counters), [`fold`], [`admission`] (plan and verdict), [`apply`]
+//! (declarative quota plans), [`audit`], [`report`], [`view`], and
+//! [`ports`], which only declares traits over them. No module imports one
+//! that imports it back.
+//!
 //! ## Accuracy
 //!
 //! - **`requests` and `calls` are exact** within a window at any
@@ -37,13 +46,18 @@
 pub mod admission;
 pub mod apply;
 pub mod audit;
+pub mod clock;
+pub mod error;
 pub mod fold;
 pub mod ids;
 pub mod ports;
 pub mod price;
 pub mod quota;
+pub mod report;
 pub mod role;
+pub mod tenant;
 pub mod usage;
+pub mod view;
 pub mod window;
 
 pub use admission::{
@@ -52,11 +66,16 @@ pub use admission::{
 };
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
-pub use fold::Fold;
+pub use clock::{Clock, ManualClock};
+pub use error::{FieldError, PortError, PortResult, UnknownName};
+pub use fold::{Fold, FoldBatch, FoldReport, OffsetMove};
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
-pub use quota::{FieldError, Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
+pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
+pub use report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 pub use role::{Per, Role, RoleQuota};
+pub use tenant::{ApiKey, Grants, Project};
 pub use usage::{Counter, CounterKey, Dimension, EventKind, Field, Footprint, Outcome, Totals, UsageFact};
+pub use view::{CounterUsage, Hold, Settlement};
 pub use window::{Window, WindowKind, window_at};

@@ -1,215 +1,81 @@
-//! The ports: what the rules need from the outside world. Adapters in the
-//! `store` crate implement them (Kafka, Redis, PostgreSQL; and embedded ones),
-//! and every implementation runs the same conformance suite.
+//! The ports: what the rules need from the outside world, one small trait
+//! per concern. Adapters in the `store` crate implement them (Kafka, Redis,
+//! PostgreSQL; and embedded ones), and every implementation runs the same
+//! conformance suite.
+//!
+//! The durable store is six traits — [`TenantStore`] (projects, keys,
+//! roles), [`QuotaStore`], [`AuditStore`], [`PriceStore`] (the price book
+//! and what it failed to price), [`Ledger`] (the fold, its offsets and the
+//! durable totals) and [`ReportStore`] (usage reports) — which one database
+//! implements together as a [`Store`]. A caller holds only the ones it uses.
 //!
 //! Errors say once, at the adapter, whether retrying can help.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use chrono_tz::Tz;
-use serde::{Deserialize, Serialize};
 
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::AuditEntry;
+use crate::error::PortResult;
+use crate::fold::{FoldBatch, FoldReport};
 use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId, RoleId};
 use crate::price::{Price, PriceKey};
-use crate::quota::{Quota, QuotaPatch};
+use crate::quota::Quota;
+use crate::report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 use crate::role::Role;
+use crate::tenant::{ApiKey, Project};
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
+use crate::view::{CounterUsage, Hold, Settlement};
 use crate::window::WindowKind;
 
-/// An adapter failure.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PortError {
-    /// Worth retrying: a connection dropped, a broker is electing, a timeout.
-    #[error("transient: {0}")]
-    Transient(String),
-    /// Retrying will not help: bad configuration, a schema mismatch, a bug.
-    #[error("permanent: {0}")]
-    Permanent(String),
-    /// A uniqueness rule was hit (a duplicate quota identity, for instance).
-    #[error("conflict: {0}")]
-    Conflict(String),
-    /// Another writer moved the offsets this batch started from.
-    #[error("fenced: {0}")]
-    Fenced(String),
-}
-
-impl PortError {
-    pub fn is_transient(&self) -> bool {
-        matches!(self, PortError::Transient(_))
-    }
-}
-
-pub type PortResult<T> = Result<T, PortError>;
-
-/// The time, injected.
-pub trait Clock: Send + Sync {
-    fn now(&self) -> DateTime<Utc>;
-}
-
-/// A clock tests set by hand.
-#[derive(Debug, Clone)]
-pub struct ManualClock(Arc<Mutex<DateTime<Utc>>>);
-
-impl ManualClock {
-    pub fn new(at: DateTime<Utc>) -> Self {
-        ManualClock(Arc::new(Mutex::new(at)))
-    }
-    pub fn set(&self, at: DateTime<Utc>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = at;
-    }
-    pub fn advance(&self, by: chrono::Duration) {
-        let mut t = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        *t += by;
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> DateTime<Utc> {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// A tenant.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Project {
-    pub id: ProjectId,
-    pub name: String,
-    /// Immutable after creation: calendar windows already folded depend on it.
-    pub timezone: Tz,
-    pub created_at: DateTime<Utc>,
-}
-
-/// Per-key limits a key or role can narrow (ADR-0011 §1).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Grants {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_concurrent: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub query_timeout: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_rows: Option<u64>,
-}
-
-/// An API key; its secret is only ever stored hashed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiKey {
-    pub id: ApiKeyId,
-    pub project_id: ProjectId,
-    pub name: String,
-    /// The first characters of the secret, to recognise it in a list.
-    pub prefix: String,
-    pub grants: Grants,
-    /// The role it takes grants and a quota from, if any.
-    pub role_id: Option<RoleId>,
-    pub created_at: DateTime<Utc>,
-}
-
-/// The offsets one batch moves, partition by partition.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OffsetMove {
-    pub partition: i32,
-    /// Where the batch started: the stored offset must still be this.
-    pub from: i64,
-    /// The next offset to read after the batch.
-    pub to: i64,
-}
-
-/// One batch for the store to fold, atomically with its offsets.
-#[derive(Debug, Clone)]
-pub struct FoldBatch {
-    pub consumer: String,
-    pub topic: String,
-    pub offsets: Vec<OffsetMove>,
-    pub facts: Vec<UsageFact>,
-}
-
-/// What a fold did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct FoldReport {
-    pub folded: Vec<(ProjectId, EventId)>,
-    pub duplicates: Vec<(ProjectId, EventId)>,
-    /// The new durable totals of every counter the batch touched.
-    pub totals: Vec<(ProjectId, Counter, Totals)>,
-}
-
-/// One `quota_unpriced` exception: a cost cap whose window held AI usage no
-/// price covered. Deduplicated on the quota; `occurrence_count` is how many
-/// checks ran under it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnpricedException {
-    pub project_id: ProjectId,
-    pub quota_id: QuotaId,
-    /// The quota's limit when last filed (picodollars).
-    pub limit: u64,
-    pub window_key: String,
-    /// LLM events the window metered, and how many had an unpriced component.
-    pub llm_events: u64,
-    pub unpriced_events: u64,
-    /// At most [`crate::price::MAX_UNPRICED_ROWS`].
-    pub unpriced_rows: Vec<PriceKey>,
-    pub occurrence_count: u64,
-    pub first_seen: DateTime<Utc>,
-    pub last_seen: DateTime<Utc>,
-}
-
-/// An unpriced (provider, model, component) seen in a counter's window.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnpricedRow {
-    pub counter: Counter,
-    pub key: PriceKey,
-}
-
-/// Token usage of one (provider, model, component, meter) in one window of a
-/// project, priced and unpriced quantities apart (the finance breakdown).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelUsageRow {
-    pub key: PriceKey,
-    pub meter: crate::price::MeterType,
-    pub embedding: bool,
-    pub priced_quantity: u64,
-    pub unpriced_quantity: u64,
-    pub cost: crate::price::Usd,
-}
-
-/// The durable store: configuration, aggregates and offsets.
+/// Projects, API keys and roles.
 #[async_trait]
-pub trait Store: Send + Sync {
+pub trait TenantStore: Send + Sync {
     async fn create_project(&self, project: &Project) -> PortResult<()>;
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>>;
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()>;
-    async fn create_role(&self, role: &Role) -> PortResult<()>;
-    async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
     /// Soft-deletes a key (`deleted_at`): it no longer authenticates or
     /// reads back, and quotas naming it go inert. False if there was no
     /// live key with this id.
     async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool>;
-    /// Fails with [`PortError::Conflict`] on a duplicate identity.
-    async fn create_quota(&self, quota: &Quota) -> PortResult<()>;
+    async fn create_role(&self, role: &Role) -> PortResult<()>;
+    async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
+}
+
+/// Quotas. Every change goes through a [`QuotaPlan`], with its audit entries.
+#[async_trait]
+pub trait QuotaStore: Send + Sync {
     async fn quota(&self, id: &QuotaId) -> PortResult<Option<Quota>>;
     async fn quotas(&self, project: &ProjectId) -> PortResult<Vec<Quota>>;
-    async fn update_quota(&self, id: &QuotaId, patch: &QuotaPatch, at: DateTime<Utc>) -> PortResult<Option<Quota>>;
-    async fn delete_quota(&self, id: &QuotaId) -> PortResult<bool>;
     /// Carries out a plan and writes its audit entries in **one
     /// transaction**: all of it or none. Fails, changing nothing, with
-    /// [`PortError::Fenced`] if the plan has `based_on` and the project's
-    /// quotas are no longer exactly those; with [`PortError::Conflict`] on a
-    /// duplicate identity, or when a quota to update or delete is gone.
+    /// [`PortError::Fenced`](crate::PortError::Fenced) if the plan has
+    /// `based_on` and the project's quotas are no longer exactly those; with
+    /// [`PortError::Conflict`](crate::PortError::Conflict) on a duplicate
+    /// identity, or when a quota to update or delete is gone.
     async fn apply_quotas(&self, plan: &QuotaPlan, audit: &[AuditEntry]) -> PortResult<()>;
+}
+
+/// The audit log.
+#[async_trait]
+pub trait AuditStore: Send + Sync {
     /// Appends an audit entry. An entry with a
     /// [`once_key`](AuditEntry::once_key) (a monitor breach: its quota and
     /// window) is written at most once: returns whether this call wrote it.
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool>;
     /// A project's audit entries in id (time) order, after the cursor, at most `limit`.
     async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>>;
+}
+
+/// The price book, and the usage it could not price.
+#[async_trait]
+pub trait PriceStore: Send + Sync {
     /// Adds price rows; a row with the same (provider, model, component,
     /// effective_from) is replaced. All or nothing.
     async fn put_prices(&self, prices: &[Price]) -> PortResult<()>;
@@ -232,6 +98,31 @@ pub trait Store: Send + Sync {
         after: Option<&QuotaId>,
         limit: usize,
     ) -> PortResult<Vec<UnpricedException>>;
+}
+
+/// The fold: durable aggregates, the dedup set and the consumer offsets,
+/// which only ever change together.
+#[async_trait]
+pub trait Ledger: Send + Sync {
+    /// The next offset to read, per partition, for a consumer.
+    async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>>;
+    /// Folds a batch: skips ids already folded, adds the rest to the
+    /// aggregates (tokens events priced against the store's price book at
+    /// their event time, their unpriced rows recorded; storage facts turned
+    /// into the project's footprint, see [`crate::usage::Footprint`]) and
+    /// moves the offsets, all in one transaction. Fails with
+    /// [`PortError::Fenced`](crate::PortError::Fenced) (changing nothing) if
+    /// the offsets moved.
+    async fn fold_batch(&self, batch: &FoldBatch) -> PortResult<FoldReport>;
+    /// Durable totals of the given counters (missing ones are zero).
+    async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
+    /// Durable totals of every counter of a project whose window is open at `at`.
+    async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>>;
+}
+
+/// Usage reports over what was folded.
+#[async_trait]
+pub trait ReportStore: Send + Sync {
     /// The token usage breakdown of a project in one window (`day` or
     /// `calendar_month`, by window key), ordered by key, meter, embedding.
     async fn model_usage(
@@ -240,54 +131,22 @@ pub trait Store: Send + Sync {
         window: WindowKind,
         window_key: &str,
     ) -> PortResult<Vec<ModelUsageRow>>;
-    /// The durable totals of every counter of a project in one window whose
-    /// dimension encoding starts with `prefix` (`a:` actors, `g:` agents,
-    /// `k:` keys, `u:` users), ordered by dimension.
-    async fn window_totals(
+    /// The durable totals of every member of a population (each actor, each
+    /// key…) in one window of a project, ordered by dimension.
+    async fn population_totals(
         &self,
         project: &ProjectId,
+        population: Population,
         window: WindowKind,
         window_key: &str,
-        prefix: &str,
     ) -> PortResult<Vec<(CounterKey, Totals)>>;
-    /// Durable totals of the given counters (missing ones are zero).
-    async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
-    /// Durable totals of every counter of a project whose window is open at `at`.
-    async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>>;
-    /// The next offset to read, per partition, for a consumer.
-    async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>>;
-    /// Folds a batch: skips ids already folded, adds the rest to the
-    /// aggregates (tokens events priced against the store's price book at
-    /// their event time, their unpriced rows recorded; storage facts turned
-    /// into the project's footprint, see [`crate::usage::Footprint`]) and
-    /// moves the offsets, all in one transaction. Fails with
-    /// [`PortError::Fenced`] (changing nothing) if the offsets moved.
-    async fn fold_batch(&self, batch: &FoldBatch) -> PortResult<FoldReport>;
 }
 
-/// What an admitted check holds, and the request event it counts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hold {
-    pub reservation: ReservationId,
-    pub request_event: EventId,
-    pub lease_until: DateTime<Utc>,
-}
+/// One database that is every store port at once (PostgreSQL, or the
+/// embedded SQLite file). Implemented for anything that implements them all.
+pub trait Store: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore {}
 
-/// A settled fact for the view: its deltas become pending until folded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settlement {
-    pub event: EventId,
-    pub reservation: Option<ReservationId>,
-    pub deltas: Vec<(Counter, Totals)>,
-}
-
-/// A counter as the view sees it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CounterUsage {
-    pub durable: Totals,
-    pub pending: Totals,
-    pub reserved_calls: u64,
-}
+impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore> Store for T {}
 
 /// The hot-path view (Redis, or memory): durable totals, pending deltas and
 /// live reservations, per counter.

@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 
-use crate::quota::FieldError;
+use crate::error::{FieldError, named};
 
 /// Picodollars per dollar.
 pub const PICOS_PER_USD: i64 = 1_000_000_000_000;
@@ -120,18 +120,7 @@ impl Component {
     }
 }
 
-impl fmt::Display for Component {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Component {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        Component::ALL.into_iter().find(|c| c.as_str() == s).ok_or(())
-    }
-}
+named!(Component, "component", Component::ALL);
 
 /// What a price is for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -239,18 +228,7 @@ impl MeterType {
     }
 }
 
-impl fmt::Display for MeterType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for MeterType {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        MeterType::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
-    }
-}
+named!(MeterType, "meter type", MeterType::ALL);
 
 /// Tokens used from one model of one provider, as an event reports them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

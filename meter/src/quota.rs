@@ -5,12 +5,12 @@
 //! nothing, so every other combination is refused with the offending field
 //! named. The same function serves the REST route and any declarative path.
 
-use std::fmt;
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::error::{FieldError, named};
 use crate::ids::{ProjectId, QuotaId, check_id};
 use crate::price::{MeterType, Usd};
 use crate::window::WindowKind;
@@ -69,18 +69,7 @@ impl Metric {
     }
 }
 
-impl fmt::Display for Metric {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Metric {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        Metric::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
-    }
-}
+named!(Metric, "metric", Metric::ALL);
 
 /// Who a quota applies to. Declared from broadest to narrowest, so `Ord`
 /// is the precedence used when reporting a breach (actor is most specific).
@@ -110,18 +99,7 @@ impl Scope {
     }
 }
 
-impl fmt::Display for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Scope {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        Scope::ALL.into_iter().find(|m| m.as_str() == s).ok_or(())
-    }
-}
+named!(Scope, "scope", Scope::ALL);
 
 /// `enforce` refuses on a breach; `monitor` only observes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -133,6 +111,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    pub const ALL: [Mode; 2] = [Mode::Enforce, Mode::Monitor];
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Enforce => "enforce",
@@ -142,6 +121,7 @@ impl Mode {
 }
 
 impl OnUnpriced {
+    pub const ALL: [OnUnpriced; 2] = [OnUnpriced::Block, OnUnpriced::Allow];
     pub fn as_str(self) -> &'static str {
         match self {
             OnUnpriced::Block => "block",
@@ -150,27 +130,8 @@ impl OnUnpriced {
     }
 }
 
-impl FromStr for OnUnpriced {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "block" => Ok(OnUnpriced::Block),
-            "allow" => Ok(OnUnpriced::Allow),
-            _ => Err(()),
-        }
-    }
-}
-
-impl FromStr for Mode {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "enforce" => Ok(Mode::Enforce),
-            "monitor" => Ok(Mode::Monitor),
-            _ => Err(()),
-        }
-    }
-}
+named!(Mode, "mode", Mode::ALL);
+named!(OnUnpriced, "on_unpriced", OnUnpriced::ALL);
 
 /// What an enforce `cost_usd` quota does over a pricing blackout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -227,20 +188,6 @@ pub struct Quota {
     pub spec: QuotaSpec,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
-}
-
-/// A refusal of a caller's input, naming the field it is about.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct FieldError {
-    pub field: String,
-    pub message: String,
-}
-
-impl FieldError {
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        FieldError { field: field.into(), message: message.into() }
-    }
 }
 
 fn required<'a>(v: &'a Option<String>, field: &str) -> Result<&'a str, FieldError> {

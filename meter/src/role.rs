@@ -17,9 +17,10 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::admission::Caller;
+use crate::error::FieldError;
 use crate::ids::{ProjectId, QuotaId, RoleId};
-use crate::ports::Grants;
-use crate::quota::{FieldError, Metric, Mode, Quota, QuotaSpec, Scope};
+use crate::quota::{Metric, Mode, Quota, QuotaSpec, Scope};
+use crate::tenant::Grants;
 use crate::window::WindowKind;
 
 /// The period of a role's quota: calendar periods in the project's zone.

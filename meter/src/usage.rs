@@ -5,16 +5,13 @@
 //! the check alike: the same fact always maps to the same counters, which is
 //! what lets the view drop a pending delta exactly when its event is folded.
 
-use std::fmt;
-use std::str::FromStr;
-
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 
+use crate::error::{FieldError, named};
 use crate::ids::{ApiKeyId, EventId, ProjectId, ReservationId};
 use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens};
-use crate::quota::FieldError;
 use crate::window::{WindowKind, window_at};
 
 /// What an event reports.
@@ -58,18 +55,7 @@ impl EventKind {
     }
 }
 
-impl fmt::Display for EventKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for EventKind {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        EventKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or(())
-    }
-}
+named!(EventKind, "event type", EventKind::ALL);
 
 /// How a call ended. Only successful calls that returned data are counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -81,6 +67,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    pub const ALL: [Outcome; 2] = [Outcome::Success, Outcome::Failure];
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Success => "success",
@@ -89,16 +76,7 @@ impl Outcome {
     }
 }
 
-impl FromStr for Outcome {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "success" => Ok(Outcome::Success),
-            "failure" => Ok(Outcome::Failure),
-            _ => Err(()),
-        }
-    }
-}
+named!(Outcome, "outcome", Outcome::ALL);
 
 /// One usage fact, as it is on the log.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,9 +11,7 @@
 //! contains it (`start <= at < resets_at`), and two instants get the same key
 //! exactly when they fall in the same window.
 
-use std::fmt;
-use std::str::FromStr;
-
+use crate::error::named;
 use chrono::{DateTime, Datelike, Duration, LocalResult, NaiveDate, TimeZone, Timelike, Utc};
 use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
@@ -63,18 +61,7 @@ impl WindowKind {
     }
 }
 
-impl fmt::Display for WindowKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for WindowKind {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        WindowKind::ALL.into_iter().find(|w| w.as_str() == s).ok_or(())
-    }
-}
+named!(WindowKind, "window", WindowKind::ALL);
 
 /// One concrete window: its key and its bounds.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -41,10 +41,11 @@ use meter::usage::{component_usage, counters_for, priced};
 use meter::{
     ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension,
     EventId, EventKind, Field, Fold, FoldBatch, FoldReport, Grants, MeterType, Metric, Mode, ModelUsageRow, OnUnpriced,
-    PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch,
-    QuotaPlan, QuotaSpec, Role, RoleId, RoleQuota, Scope, Store, Totals, UnpricedException, UnpricedRow, UsageFact,
-    Usd, WindowKind, window_at,
+    Population, PortError, PortResult, Price, PriceBook, PriceKey, Principal, Project, ProjectId, Quota, QuotaId,
+    QuotaPlan, QuotaSpec, Role, RoleId, RoleQuota, Scope, Totals, UnpricedException, UnpricedRow, UsageFact, Usd,
+    WindowKind, window_at,
 };
+use meter::{AuditStore, Ledger, PriceStore, QuotaStore, ReportStore, TenantStore};
 use serde_json::Value;
 use sqlx::Row;
 use sqlx::error::ErrorKind;
@@ -662,7 +663,7 @@ fn model_usage_from_row(row: &SqliteRow) -> PortResult<ModelUsageRow> {
 }
 
 #[async_trait]
-impl Store for SqliteStore {
+impl TenantStore for SqliteStore {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "create_project"))]
     async fn create_project(&self, project: &Project) -> PortResult<()> {
         sqlx::query("INSERT INTO projects (id, name, timezone, created_at) VALUES (?1, ?2, ?3, ?4)")
@@ -798,11 +799,20 @@ impl Store for SqliteStore {
         .transpose()
     }
 
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "create_quota"))]
-    async fn create_quota(&self, quota: &Quota) -> PortResult<()> {
-        insert_quota(&self.pool, quota).await
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "delete_api_key"))]
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
+        let done = sqlx::query("UPDATE api_keys SET deleted_at = ?2 WHERE id = ?1 AND deleted_at IS NULL")
+            .bind(id.as_str())
+            .bind(ts(at)?)
+            .execute(&self.pool)
+            .await
+            .map_err(db_err)?;
+        Ok(done.rows_affected() > 0)
     }
+}
 
+#[async_trait]
+impl QuotaStore for SqliteStore {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "quota"))]
     async fn quota(&self, id: &QuotaId) -> PortResult<Option<Quota>> {
         sqlx::query(concat!("SELECT ", quota_columns!(), " FROM quotas WHERE id = ?1"))
@@ -825,47 +835,6 @@ impl Store for SqliteStore {
             .iter()
             .map(quota_from_row)
             .collect()
-    }
-
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "update_quota"))]
-    async fn update_quota(&self, id: &QuotaId, patch: &QuotaPatch, at: DateTime<Utc>) -> PortResult<Option<Quota>> {
-        let limit = patch.limit.map(|l| to_i64("limit", l)).transpose()?;
-        sqlx::query(concat!(
-            r#"UPDATE quotas SET "limit" = COALESCE(?2, "limit"), mode = COALESCE(?3, mode), updated_at = ?4 "#,
-            "WHERE id = ?1 RETURNING ",
-            quota_columns!()
-        ))
-        .bind(id.as_str())
-        .bind(limit)
-        .bind(patch.mode.map(Mode::as_str))
-        .bind(ts(at)?)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db_err)?
-        .as_ref()
-        .map(quota_from_row)
-        .transpose()
-    }
-
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "delete_quota"))]
-    async fn delete_quota(&self, id: &QuotaId) -> PortResult<bool> {
-        let done = sqlx::query("DELETE FROM quotas WHERE id = ?1")
-            .bind(id.as_str())
-            .execute(&self.pool)
-            .await
-            .map_err(db_err)?;
-        Ok(done.rows_affected() > 0)
-    }
-
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "delete_api_key"))]
-    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
-        let done = sqlx::query("UPDATE api_keys SET deleted_at = ?2 WHERE id = ?1 AND deleted_at IS NULL")
-            .bind(id.as_str())
-            .bind(ts(at)?)
-            .execute(&self.pool)
-            .await
-            .map_err(db_err)?;
-        Ok(done.rows_affected() > 0)
     }
 
     #[tracing::instrument(
@@ -956,7 +925,10 @@ impl Store for SqliteStore {
         tx.commit().await.map_err(db_err)?;
         Ok(())
     }
+}
 
+#[async_trait]
+impl AuditStore for SqliteStore {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "record_audit"))]
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool> {
         insert_audit(&self.pool, entry).await
@@ -980,7 +952,10 @@ impl Store for SqliteStore {
         .map(audit_from_row)
         .collect()
     }
+}
 
+#[async_trait]
+impl PriceStore for SqliteStore {
     #[tracing::instrument(
         name = "datastore",
         level = "debug",
@@ -1147,62 +1122,10 @@ impl Store for SqliteStore {
         .map(exception_from_row)
         .collect()
     }
+}
 
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "model_usage"))]
-    async fn model_usage(
-        &self,
-        project: &ProjectId,
-        window: WindowKind,
-        window_key: &str,
-    ) -> PortResult<Vec<ModelUsageRow>> {
-        let rows = sqlx::query(
-            "SELECT provider, model, component, meter_type, embedding, priced_quantity, unpriced_quantity, cost_picos \
-             FROM model_usage WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3",
-        )
-        .bind(project.as_str())
-        .bind(window.as_str())
-        .bind(window_key)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db_err)?;
-        let mut out = rows.iter().map(model_usage_from_row).collect::<PortResult<Vec<_>>>()?;
-        // meter's orders (components and meters are not in name order).
-        out.sort_by(|a, b| (&a.key, a.meter, a.embedding).cmp(&(&b.key, b.meter, b.embedding)));
-        Ok(out)
-    }
-
-    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "window_totals"))]
-    async fn window_totals(
-        &self,
-        project: &ProjectId,
-        window: WindowKind,
-        window_key: &str,
-        prefix: &str,
-    ) -> PortResult<Vec<(CounterKey, Totals)>> {
-        // A comparison of the leading characters, not LIKE: the prefix is
-        // text, never a pattern (and LIKE ignores ASCII case).
-        let rows = sqlx::query(concat!(
-            "SELECT dimension, window_kind, window_key, ",
-            totals_columns!(),
-            " FROM usage_aggregates
-               WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3
-                 AND substr(dimension, 1, length(?4)) = ?4"
-        ))
-        .bind(project.as_str())
-        .bind(window.as_str())
-        .bind(window_key)
-        .bind(prefix)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db_err)?;
-        let mut out = rows
-            .iter()
-            .map(|row| Ok((counter_key_from_row(row)?, totals_from_row(row)?)))
-            .collect::<PortResult<Vec<_>>>()?;
-        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
-        Ok(out)
-    }
-
+#[async_trait]
+impl Ledger for SqliteStore {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "totals"))]
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>> {
         if counters.is_empty() {
@@ -1568,5 +1491,69 @@ impl Store for SqliteStore {
 
         tx.commit().await.map_err(db_err)?;
         Ok(report)
+    }
+}
+
+#[async_trait]
+impl ReportStore for SqliteStore {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = "sqlite", op = "model_usage"))]
+    async fn model_usage(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<ModelUsageRow>> {
+        let rows = sqlx::query(
+            "SELECT provider, model, component, meter_type, embedding, priced_quantity, unpriced_quantity, cost_picos \
+             FROM model_usage WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3",
+        )
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows.iter().map(model_usage_from_row).collect::<PortResult<Vec<_>>>()?;
+        // meter's orders (components and meters are not in name order).
+        out.sort_by(|a, b| (&a.key, a.meter, a.embedding).cmp(&(&b.key, b.meter, b.embedding)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = "sqlite", op = "population_totals")
+    )]
+    async fn population_totals(
+        &self,
+        project: &ProjectId,
+        population: Population,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>> {
+        let prefix = population.encoded_prefix();
+        // A comparison of the leading characters, not LIKE: the prefix is
+        // text, never a pattern (and LIKE ignores ASCII case).
+        let rows = sqlx::query(concat!(
+            "SELECT dimension, window_kind, window_key, ",
+            totals_columns!(),
+            " FROM usage_aggregates
+               WHERE project_id = ?1 AND window_kind = ?2 AND window_key = ?3
+                 AND substr(dimension, 1, length(?4)) = ?4"
+        ))
+        .bind(project.as_str())
+        .bind(window.as_str())
+        .bind(window_key)
+        .bind(prefix)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let mut out = rows
+            .iter()
+            .map(|row| Ok((counter_key_from_row(row)?, totals_from_row(row)?)))
+            .collect::<PortResult<Vec<_>>>()?;
+        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
+        Ok(out)
     }
 }

@@ -15,10 +15,10 @@ use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
     ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, DesiredQuota,
-    Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, MeterType, Metric, Mode, ModelUsageRow,
-    MonitorBreach, OffsetMove, OnUnpriced, Outcome, PortError, Price, PriceBook, PriceKey, Principal, Project,
-    ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, TokenUsage, Totals, UnpricedException,
-    UnpricedRow, UsageFact, Usd, WindowKind,
+    Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, Ledger, MeterType, Metric, Mode,
+    ModelUsageRow, MonitorBreach, OffsetMove, OnUnpriced, Outcome, Population, PortError, Price, PriceBook, PriceKey,
+    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, TenantStore,
+    TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
 };
 use sqlx::{Connection, PgConnection};
 use store::{PgStore, SqliteStore};
@@ -61,7 +61,7 @@ macro_rules! conformance {
             a_tokens_events_breakdown_lands_in_its_local_day_and_month,
             refolding_a_tokens_event_adds_nothing_to_the_breakdown,
             two_tokens_events_of_one_model_add_up_in_the_breakdown,
-            window_totals_lists_the_counters_under_a_prefix,
+            population_totals_list_each_member_of_a_population,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -305,6 +305,29 @@ async fn total(store: &dyn Store, project: &str, k: CounterKey) -> Totals {
     got[0].1
 }
 
+/// A quota created, updated or deleted on its own: a one-quota plan, as the
+/// admin API carries it out.
+async fn create_quota(s: &dyn Store, q: &Quota) -> Result<(), PortError> {
+    s.apply_quotas(&QuotaPlan::create(q.clone()), &[]).await
+}
+
+async fn update_quota(
+    s: &dyn Store,
+    id: &QuotaId,
+    patch: &QuotaPatch,
+    at: DateTime<Utc>,
+) -> Result<Option<Quota>, PortError> {
+    let Some(before) = s.quota(id).await? else { return Ok(None) };
+    s.apply_quotas(&QuotaPlan::update(before, patch, at), &[]).await?;
+    s.quota(id).await
+}
+
+async fn delete_quota(s: &dyn Store, id: &QuotaId) -> Result<bool, PortError> {
+    let Some(q) = s.quota(id).await? else { return Ok(false) };
+    s.apply_quotas(&QuotaPlan::delete(q), &[]).await?;
+    Ok(true)
+}
+
 fn quota(id: &str, project: &str, scope: Scope, scope_ref: Option<&str>, window: WindowKind) -> Quota {
     Quota {
         id: QuotaId::parse(id).expect("quota id"),
@@ -384,15 +407,15 @@ pub async fn quotas_crud(s: &dyn Store) {
     b.created_at = utc("2026-02-01T11:00:00Z");
     b.spec.metric = Metric::Rows;
     b.spec.mode = Mode::Monitor;
-    s.create_quota(&a).await.expect("create a");
-    s.create_quota(&b).await.expect("create b");
+    create_quota(s, &a).await.expect("create a");
+    create_quota(s, &b).await.expect("create b");
     // The enums the validator refuses today still round-trip through storage.
     let mut c = quota("q_c", "proj_1", Scope::Agent, None, WindowKind::Rolling1h);
     c.created_at = utc("2026-02-01T12:00:00Z");
     c.spec.metric = Metric::CostUsd;
     c.spec.meter_type = Some("llm_tokens".into());
     c.spec.on_unpriced = Some(OnUnpriced::Allow);
-    s.create_quota(&c).await.expect("create c");
+    create_quota(s, &c).await.expect("create c");
 
     assert_eq!(s.quota(&a.id).await.expect("read a"), Some(a.clone()));
     assert_eq!(s.quota(&c.id).await.expect("read c"), Some(c.clone()));
@@ -400,8 +423,7 @@ pub async fn quotas_crud(s: &dyn Store) {
     assert!(s.quotas(&pid("proj_2")).await.expect("list other").is_empty());
 
     let at = utc("2026-03-01T00:00:00Z");
-    let patched = s
-        .update_quota(&a.id, &QuotaPatch { limit: Some(7), mode: Some(Mode::Monitor) }, at)
+    let patched = update_quota(s, &a.id, &QuotaPatch { limit: Some(7), mode: Some(Mode::Monitor) }, at)
         .await
         .expect("patch")
         .expect("a exists");
@@ -409,20 +431,19 @@ pub async fn quotas_crud(s: &dyn Store) {
     assert_eq!(patched.spec.mode, Mode::Monitor);
     assert_eq!(patched.updated_at, at);
     assert_eq!(patched.created_at, a.created_at);
-    let only_limit = s
-        .update_quota(&a.id, &QuotaPatch { limit: Some(9), mode: None }, at)
+    let only_limit = update_quota(s, &a.id, &QuotaPatch { limit: Some(9), mode: None }, at)
         .await
         .expect("patch limit")
         .expect("a exists");
     assert_eq!((only_limit.spec.limit, only_limit.spec.mode), (9, Mode::Monitor));
     assert_eq!(s.quota(&a.id).await.expect("reread"), Some(only_limit));
     assert_eq!(
-        s.update_quota(&QuotaId::parse("q_none").expect("id"), &QuotaPatch::default(), at).await.expect("patch none"),
+        update_quota(s, &QuotaId::parse("q_none").expect("id"), &QuotaPatch::default(), at).await.expect("patch none"),
         None
     );
 
-    assert!(s.delete_quota(&b.id).await.expect("delete b"));
-    assert!(!s.delete_quota(&b.id).await.expect("delete b again"));
+    assert!(delete_quota(s, &b.id).await.expect("delete b"));
+    assert!(!delete_quota(s, &b.id).await.expect("delete b again"));
     assert_eq!(s.quota(&b.id).await.expect("read deleted"), None);
 }
 
@@ -430,27 +451,27 @@ pub async fn a_duplicate_quota_identity_is_a_conflict(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
 
     // scope_ref NULL on both: still the same identity.
-    s.create_quota(&quota("q_1", "proj_1", Scope::Project, None, WindowKind::Day)).await.expect("first");
-    let e = s.create_quota(&quota("q_2", "proj_1", Scope::Project, None, WindowKind::Day)).await;
+    create_quota(s, &quota("q_1", "proj_1", Scope::Project, None, WindowKind::Day)).await.expect("first");
+    let e = create_quota(s, &quota("q_2", "proj_1", Scope::Project, None, WindowKind::Day)).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "null scope_ref collides: {e:?}");
-    let e = s.create_quota(&quota("q_3", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
+    let e = create_quota(s, &quota("q_3", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
     assert!(e.is_ok(), "another scope is another identity: {e:?}");
-    let e = s.create_quota(&quota("q_4", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
+    let e = create_quota(s, &quota("q_4", "proj_1", Scope::ApiKey, None, WindowKind::Day)).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "all-keys quota twice: {e:?}");
 
-    s.create_quota(&quota("q_5", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await.expect("one key");
-    let e = s.create_quota(&quota("q_6", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await;
+    create_quota(s, &quota("q_5", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await.expect("one key");
+    let e = create_quota(s, &quota("q_6", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day)).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "same key twice: {e:?}");
-    s.create_quota(&quota("q_7", "proj_1", Scope::ApiKey, Some("key_2"), WindowKind::Day)).await.expect("other key");
-    s.create_quota(&quota("q_8", "proj_1", Scope::Project, None, WindowKind::Rolling1m)).await.expect("other window");
+    create_quota(s, &quota("q_7", "proj_1", Scope::ApiKey, Some("key_2"), WindowKind::Day)).await.expect("other key");
+    create_quota(s, &quota("q_8", "proj_1", Scope::Project, None, WindowKind::Rolling1m)).await.expect("other window");
 
     // Only identity matters: a different limit or mode still collides.
     let mut q = quota("q_9", "proj_1", Scope::Project, None, WindowKind::Day);
     q.spec.limit = 5;
     q.spec.mode = Mode::Monitor;
-    assert!(matches!(s.create_quota(&q).await, Err(PortError::Conflict(_))));
+    assert!(matches!(create_quota(s, &q).await, Err(PortError::Conflict(_))));
     // The same id twice is a conflict too.
-    let e = s.create_quota(&quota("q_1", "proj_1", Scope::Project, None, WindowKind::Rolling1h)).await;
+    let e = create_quota(s, &quota("q_1", "proj_1", Scope::Project, None, WindowKind::Rolling1h)).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "same id: {e:?}");
 
     assert_eq!(s.quotas(&pid("proj_1")).await.expect("list").len(), 5);
@@ -796,7 +817,7 @@ pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
     let k = api_key("key_1", "proj_1");
     s.create_api_key(&k, "hash-1").await.expect("create key");
     let q = quota("q_key", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day);
-    s.create_quota(&q).await.expect("quota on the key");
+    create_quota(s, &q).await.expect("quota on the key");
 
     let at = utc("2026-03-01T00:00:00Z");
     assert!(s.delete_api_key(&k.id, at).await.expect("delete"));
@@ -806,7 +827,7 @@ pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
     assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at).await.expect("delete unknown"));
     // The quota naming it stays (inert), and can be deleted.
     assert_eq!(s.quota(&q.id).await.expect("quota"), Some(q.clone()));
-    assert!(s.delete_quota(&q.id).await.expect("delete quota"));
+    assert!(delete_quota(s, &q.id).await.expect("delete quota"));
     // A deleted key's secret hash is still taken.
     assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await, Err(PortError::Conflict(_))));
 }
@@ -1029,7 +1050,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
 
     // (2) A plan made from a set that has moved since: fenced, nothing changed.
     let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "c").await;
-    s.update_quota(&before[1].id, &QuotaPatch { limit: Some(61), mode: None }, utc("2026-03-02T00:00:01Z"))
+    update_quota(s, &before[1].id, &QuotaPatch { limit: Some(61), mode: None }, utc("2026-03-02T00:00:01Z"))
         .await
         .expect("a concurrent change");
     let moved = s.quotas(&pid("proj_1")).await.expect("list");
@@ -1039,7 +1060,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
     assert_eq!(s.audit(&pid("proj_1"), None, 100).await.expect("audit"), log_before);
     // A quota created behind the plan's back fences it too.
     let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "d").await;
-    s.create_quota(&quota("q_sneak", "proj_1", Scope::Project, None, WindowKind::Rolling1h))
+    create_quota(s, &quota("q_sneak", "proj_1", Scope::Project, None, WindowKind::Rolling1h))
         .await
         .expect("a concurrent create");
     assert!(matches!(s.apply_quotas(&stale, &audit).await, Err(PortError::Fenced(_))));
@@ -1716,7 +1737,7 @@ pub async fn two_tokens_events_of_one_model_add_up_in_the_breakdown(s: &dyn Stor
     assert_eq!(month.iter().map(|r| r.cost.picos()).sum::<i64>(), i64::try_from(priced).expect("fits"));
 }
 
-pub async fn window_totals_lists_the_counters_under_a_prefix(s: &dyn Store) {
+pub async fn population_totals_list_each_member_of_a_population(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
     let user = |id: &str, f: UsageFact| UsageFact { actor_id: Some(id.into()), ..f };
@@ -1738,41 +1759,43 @@ pub async fn window_totals_lists_the_counters_under_a_prefix(s: &dyn Store) {
     .await
     .expect("fold");
 
-    let listed = |window: WindowKind, window_key: &'static str, prefix: &'static str| async move {
-        s.window_totals(&pid("proj_1"), window, window_key, prefix).await.expect("window totals")
+    let listed = |window: WindowKind, window_key: &'static str, population: Population| async move {
+        s.population_totals(&pid("proj_1"), population, window, window_key).await.expect("population totals")
     };
     let actor = |a: &str, window: WindowKind, k: &str| key(Dimension::Actor(a.into()), window, k);
 
     // Both actors of the day, in dimension order, and nothing else.
-    let day = listed(WindowKind::Day, "2026-07-07", "a:").await;
+    let day = listed(WindowKind::Day, "2026-07-07", Population::Actors).await;
     let u1 = actor("user_1", WindowKind::Day, "2026-07-07");
     let u2 = actor("user_2", WindowKind::Day, "2026-07-07");
     assert_eq!(day, vec![(u1.clone(), total(s, "proj_1", u1).await), (u2.clone(), total(s, "proj_1", u2).await)]);
     assert_eq!(day[0].1.tokens, 120);
     assert_eq!((day[1].1.calls, day[1].1.rows), (2, 7));
 
-    // The month has all three; other prefixes list their own dimensions.
-    let month = listed(WindowKind::CalendarMonth, "2026-07", "a:").await;
+    // The month has all three; other populations list their own members.
+    let month = listed(WindowKind::CalendarMonth, "2026-07", Population::Actors).await;
     assert_eq!(
         month.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(),
         ["user_1", "user_2", "user_3"].map(|a| Dimension::Actor(a.into()))
     );
     assert_eq!(month[1].1.calls, 2);
-    let agents = listed(WindowKind::Day, "2026-07-07", "g:").await;
+    let agents = listed(WindowKind::Day, "2026-07-07", Population::Agents).await;
     assert_eq!(
         agents.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(),
         [Dimension::Agent("agent_1".into())]
     );
-    // `k:` is every key, never the all-keys counter `k*`.
-    let keys = listed(WindowKind::Day, "2026-07-07", "k:").await;
+    // Every key, never the all-keys counter.
+    let keys = listed(WindowKind::Day, "2026-07-07", Population::ApiKeys).await;
     let key_1 = ApiKeyId::parse("key_1").expect("key id");
     assert_eq!(keys.iter().map(|(k, _)| k.dimension.clone()).collect::<Vec<_>>(), [Dimension::ApiKey(key_1)]);
     assert_eq!((keys[0].1.requests, keys[0].1.calls), (0, 2), "the request had no key");
-    assert!(listed(WindowKind::Day, "2026-07-09", "a:").await.is_empty());
-    assert!(listed(WindowKind::Rolling24h, "2026-07-07", "a:").await.is_empty());
-    assert!(listed(WindowKind::Day, "2026-07-07", "a:user_3").await.is_empty());
-    // A prefix is text, not a pattern.
-    assert!(listed(WindowKind::Day, "2026-07-07", "a:%").await.is_empty());
-    assert!(listed(WindowKind::Day, "2026-07-07", "_:").await.is_empty());
-    assert!(s.window_totals(&pid("proj_3"), WindowKind::Day, "2026-07-07", "a:").await.expect("none").is_empty());
+    assert!(listed(WindowKind::Day, "2026-07-09", Population::Actors).await.is_empty());
+    assert!(listed(WindowKind::Rolling24h, "2026-07-07", Population::Actors).await.is_empty());
+    assert!(listed(WindowKind::Day, "2026-07-07", Population::Users).await.is_empty());
+    assert!(
+        s.population_totals(&pid("proj_3"), Population::Actors, WindowKind::Day, "2026-07-07")
+            .await
+            .expect("none")
+            .is_empty()
+    );
 }
