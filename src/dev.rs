@@ -38,6 +38,9 @@ pub struct DevArgs {
     /// How long an admitted call holds its reservation if never settled.
     #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
     lease: Duration,
+    /// How long quota and key configuration is cached.
+    #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
+    config_ttl: Duration,
 }
 
 /// Tokens kept across restarts so curl lines keep working.
@@ -111,6 +114,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let mut settings = Settings::new(admin.clone(), gateway_token.clone());
     settings.lease = args.lease;
+    settings.config_ttl = args.config_ttl;
     settings.instance = "dev".into();
     let db = args.data_dir.join("tollgate.db");
     let embedded =

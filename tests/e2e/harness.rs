@@ -1,30 +1,25 @@
 //! Spawns real Tollgate processes against real PostgreSQL, Redis and a
 //! Kafka-protocol broker, each test with its own database, key prefix and
-//! topics so tests run in parallel.
+//! topics so tests run in parallel (see the `testkit` crate: a distributed
+//! test is skipped, with its reason printed, when a service does not answer,
+//! unless `TOLLGATE_REQUIRE_SERVICES` is set; a `tollgate dev` test needs
+//! nothing).
+//!
+//! Gateways run with a configuration cache TTL of 0, so a test never waits
+//! for a quota change to reach them.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use chrono::{Timelike, Utc};
 use serde_json::{Value, json};
+use testkit::Service;
 
 pub const ADMIN: &str = "admin-token-e2e";
 pub const GATEWAY: &str = "gateway-token-e2e";
 
-pub fn kafka() -> String {
-    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-pub fn base_db() -> String {
-    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-pub fn base_redis() -> String {
-    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind port 0").local_addr().expect("addr").port()
-}
+pub use testkit::env::kafka;
+pub use testkit::free_port;
 
 /// A day-window time zone whose current day has at least two hours left and
 /// has run for at least two, so a test never straddles a window boundary.
@@ -60,38 +55,39 @@ pub struct Env {
     pub redis_prefix: String,
     pub topic_prefix: String,
     children: Vec<(String, Child)>,
+    /// Dropped (database, keys) when the environment is.
+    _db: Option<testkit::TestDb>,
+    _keys: Option<testkit::RedisPrefix>,
     pub gateways: Vec<String>,
     pub http: reqwest::Client,
 }
 
 impl Env {
-    pub async fn new() -> Env {
-        Self::with_redis(base_redis()).await
+    /// A distributed environment on the test Redis; `None` (the test is
+    /// skipped) when a service does not answer.
+    pub async fn new() -> Option<Env> {
+        if !testkit::available(&[Service::Postgres, Service::Redis, Service::Kafka]) {
+            return None;
+        }
+        Some(Self::with_redis(testkit::env::redis_url()).await)
     }
 
+    /// A distributed environment whose view is the Redis at `redis_url`.
     pub async fn with_redis(redis_url: String) -> Env {
-        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-        let db = format!("tg_e2e_{id}");
-        let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-            .execute(&pool)
-            .await
-            .expect("create test database");
-        pool.close().await;
-        let base = base_db();
-        let db_url = match base.rfind('/') {
-            Some(i) => format!("{}/{db}", &base[..i]),
-            None => panic!("database url without a path: {base}"),
-        };
+        let db = testkit::TestDb::new("tg_e2e").await;
+        let keys = testkit::RedisPrefix { url: redis_url.clone(), prefix: format!("tge2e:{}:", testkit::unique_id()) };
+        let id = testkit::unique_id();
         Env {
             mode: Mode::Distributed,
             data_dir: std::env::temp_dir().join(format!("tg-e2e-{id}")),
-            db_url,
+            db_url: db.url.clone(),
             redis_url,
-            redis_prefix: format!("tge2e:{id}:"),
-            topic_prefix: format!("tge2e.{id}."),
+            redis_prefix: keys.prefix.clone(),
+            topic_prefix: testkit::topic_prefix("tge2e"),
             id,
             children: Vec::new(),
+            _db: Some(db),
+            _keys: Some(keys),
             gateways: Vec::new(),
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("http client"),
         }
@@ -99,7 +95,7 @@ impl Env {
 
     /// An environment for `tollgate dev`, with a fresh data directory.
     pub async fn dev() -> Env {
-        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let id = testkit::unique_id();
         let data_dir = std::env::temp_dir().join(format!("tg-e2e-dev-{id}"));
         std::fs::create_dir_all(&data_dir).expect("data dir");
         Env {
@@ -111,15 +107,18 @@ impl Env {
             topic_prefix: "tollgate.".into(),
             id,
             children: Vec::new(),
+            _db: None,
+            _keys: None,
             gateways: Vec::new(),
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("http client"),
         }
     }
 
-    pub async fn of(mode: Mode) -> Env {
+    /// An environment of `mode`; `None` when a distributed one cannot run here.
+    pub async fn of(mode: Mode) -> Option<Env> {
         match mode {
             Mode::Distributed => Env::new().await,
-            Mode::Dev => Env::dev().await,
+            Mode::Dev => Some(Env::dev().await),
         }
     }
 
@@ -133,10 +132,11 @@ impl Env {
             .env("TOLLGATE_KAFKA_BROKERS", kafka())
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env("TOLLGATE_GATEWAY_TOKEN", GATEWAY)
-            .env("TOLLGATE_LOG", std::env::var("TEST_LOG").map(|_| "info").unwrap_or("warn"))
+            .env("TOLLGATE_CONFIG_TTL", "0s")
+            .env("TOLLGATE_LOG", if testkit::env::test_log() { "info" } else { "warn" })
             .stdin(Stdio::null())
             .stdout(Stdio::null());
-        if std::env::var("TEST_LOG").is_err() {
+        if !testkit::env::test_log() {
             c.stderr(Stdio::null());
         }
         c
@@ -292,6 +292,27 @@ impl Env {
             }
         };
         row.unwrap_or((0, 0, 0))
+    }
+
+    /// Durable billable tokens of one dimension's counters in one window kind.
+    pub async fn durable_tokens(&self, project: &str, dimension: &str, window: &str) -> i64 {
+        let sql = "SELECT CAST(COALESCE(SUM(tokens),0) AS BIGINT) FROM usage_aggregates
+                   WHERE project_id = $1 AND dimension = $2 AND window_kind = $3";
+        let r: Result<(i64,), sqlx::Error> = match self.mode {
+            Mode::Distributed => {
+                let pool = sqlx::PgPool::connect(&self.db_url).await.expect("connect test database");
+                let r = sqlx::query_as(sql).bind(project).bind(dimension).bind(window).fetch_one(&pool).await;
+                pool.close().await;
+                r
+            }
+            Mode::Dev => {
+                let pool = self.sqlite().await;
+                let r = sqlx::query_as(sql).bind(project).bind(dimension).bind(window).fetch_one(&pool).await;
+                pool.close().await;
+                r
+            }
+        };
+        r.expect("read aggregates").0
     }
 
     /// A connection to the dev data file (shared with the running process).

@@ -28,7 +28,7 @@ async fn exact_admission_dev() {
 }
 
 async fn exact_admission(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     if mode == Mode::Distributed {
         env.start_gateway().await;
@@ -101,7 +101,7 @@ async fn exact_admission(mode: Mode) {
 /// moments: the aggregates equal the totals of the acknowledged events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn projector_killed_five_times_loses_and_doubles_nothing() {
-    let mut env = Env::new().await;
+    let Some(mut env) = Env::new().await else { return };
     env.start_gateway().await;
     let mut proj = env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
@@ -164,7 +164,7 @@ async fn duplicate_event_ids_count_once_dev() {
 }
 
 async fn duplicates(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
@@ -199,7 +199,7 @@ async fn malformed_message_goes_to_the_dlq() {
     use rdkafka::message::Headers;
     use rdkafka::producer::{FutureProducer, FutureRecord};
 
-    let mut env = Env::new().await;
+    let Some(mut env) = Env::new().await else { return };
     env.start_gateway().await;
     env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
@@ -253,28 +253,12 @@ async fn malformed_message_goes_to_the_dlq() {
 /// counts again within seconds. Runs on a Redis server of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_flush_during_traffic_recovers() {
-    let port = free_port();
-    let dir = std::env::temp_dir().join(format!("tg-redis-{port}"));
-    std::fs::create_dir_all(&dir).expect("redis dir");
-    let mut redis = std::process::Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .current_dir(&dir)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server is installed");
-    let redis_url = format!("redis://127.0.0.1:{port}");
-    let client = redis::Client::open(redis_url.as_str()).expect("redis client");
-    let mut conn = None;
-    for _ in 0..50 {
-        if let Ok(c) = client.get_multiplexed_async_connection().await {
-            conn = Some(c);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let mut conn = conn.expect("own redis started");
+    testkit::require!(Postgres, Kafka);
+    let redis = testkit::RedisServer::start().await;
+    let client = redis::Client::open(redis.url()).expect("redis client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to own redis");
 
-    let mut env = Env::with_redis(redis_url).await;
+    let mut env = Env::with_redis(redis.url()).await;
     env.start_gateway().await;
     env.start_projector();
     let (pid, kid, secret) = env.project_with_key(safe_timezone()).await;
@@ -335,8 +319,7 @@ async fn redis_flush_during_traffic_recovers() {
     }
     assert_eq!(more, limit - n);
     drop(env);
-    let _ = redis.kill();
-    let _ = redis.wait();
+    drop(redis);
 }
 
 /// (f) The validity rules through the API: every metric × scope × window of
@@ -352,7 +335,7 @@ async fn quota_validity_table_dev() {
 }
 
 async fn validity(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     let (pid, kid, _) = env.project_with_key("UTC").await;
     let metrics = ["requests", "calls", "rows", "tokens", "cost_usd", "storage_bytes"];
@@ -563,7 +546,7 @@ async fn quota_set(env: &Env, pid: &str) -> std::collections::BTreeMap<String, (
 }
 
 async fn declarative(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     let (pid, kid, secret) = env.project_with_key("UTC").await;
     let dir = std::env::temp_dir().join(format!("tg-apply-{}", env.id));
@@ -720,7 +703,7 @@ async fn monitor_breach_is_audited_once_per_window_dev() {
 }
 
 async fn monitor_audit(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     let (pid, _, secret) = env.project_with_key(safe_timezone()).await;
     let qid = env
@@ -809,7 +792,7 @@ async fn deleted_key_leaves_an_inert_quota_dev() {
 }
 
 async fn inert_quota(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     let (pid, kid, secret) = env.project_with_key("UTC").await;
     let qid = env

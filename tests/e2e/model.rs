@@ -58,7 +58,7 @@ async fn cost_caps_are_exact_and_blackouts_refuse_dev() {
 }
 
 async fn cost(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     if mode == Mode::Distributed {
         env.start_projector();
@@ -243,7 +243,7 @@ async fn storage_and_actor_budgets_dev() {
 }
 
 async fn storage_and_actors(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     if mode == Mode::Distributed {
         env.start_projector();
@@ -314,7 +314,12 @@ async fn storage_and_actors(mode: Mode) {
         json!({"project_id": pid, "scope": "project", "metric": "tokens", "window": "calendar_month", "limit": 50}),
     )
     .await;
-    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    // The project's month counter was not watched when the tokens event was
+    // settled (no quota read it), so it carries that usage once it is folded.
+    env.eventually(10, "the tokens event folded into the project's month", || async {
+        env.durable_tokens(&pid, "p", "calendar_month").await >= 100
+    })
+    .await;
     let (s, b, _) = status_and_body(check(&env.http, env.gw(), &secret, json!({"actor_id": "alice"})).await).await;
     assert_eq!(s, 429);
     assert!(b["error"]["message"].as_str().is_some_and(|m| m.contains("actor")), "{b}");

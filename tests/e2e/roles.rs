@@ -38,7 +38,7 @@ async fn roles_give_each_caller_its_own_allowance_dev() {
 }
 
 async fn roles(mode: Mode) {
-    let mut env = Env::of(mode).await;
+    let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
     if mode == Mode::Distributed {
         env.start_projector();
@@ -128,7 +128,6 @@ async fn roles(mode: Mode) {
         env.admin_post(&format!("/v1/projects/{pid}/roles"), json!({"name": "admins", "exempt": true})).await;
     assert_eq!(s, 201);
     env.quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 1})).await;
-    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
     for _ in 0..5 {
         let (s, b) = check_body(&env, json!({"user": "user:root", "role_id": admins["id"]})).await;
         assert_eq!((s, b["exempt"].clone()), (200, json!(true)), "{b}");
