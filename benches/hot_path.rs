@@ -364,6 +364,8 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
         meter_type: None,
         reservation_id: None,
         gateway: "gw-bench0".into(),
+        received_at: Some(chrono::Utc::now()),
+        ..UsageFact::new(EventId::parse("bench-000000-00000")?, project.clone(), EventKind::Call, chrono::Utc::now())
     };
     let payload = schemas::encode_usage(&sample)?;
     let record_bytes = payload.len();
@@ -506,6 +508,12 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
                             meter_type: None,
                             reservation_id: None,
                             gateway: "gw-bench0".into(),
+                            ..UsageFact::new(
+                                EventId::parse("settle").expect("event id"),
+                                project.clone(),
+                                EventKind::Call,
+                                now,
+                            )
                         };
                         let deltas =
                             meter::usage::counters_for(&fact, chrono_tz::Tz::UTC, &meter::PriceBook::default())

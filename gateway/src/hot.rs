@@ -634,6 +634,14 @@ async fn parse_event(s: &AppState, i: usize, v: &Value, now: DateTime<Utc>) -> A
         meter_type,
         reservation_id,
         gateway: s.settings.instance.clone(),
+        // The receipt stamp: lateness is judged by it, on the log.
+        received_at: Some(now),
+        admitted: None,
+        lease_until: None,
+        held: Vec::new(),
+        breaches: Vec::new(),
+        corrects: None,
+        void: false,
     };
     meter::usage::check_fact(&fact).map_err(|e| ApiError::invalid(format!("{p}{}", e.field), e.message))?;
     Ok(fact)

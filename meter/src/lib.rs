@@ -76,6 +76,8 @@ pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSp
 pub use report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 pub use role::{Per, Role, RoleQuota};
 pub use tenant::{ApiKey, Grants, Project};
-pub use usage::{Counter, CounterKey, Dimension, EventKind, Field, Footprint, Outcome, Totals, UsageFact};
+pub use usage::{
+    Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,
+};
 pub use view::{CounterUsage, Hold, Settlement};
 pub use window::{Window, WindowKind, window_at};

@@ -10,7 +10,7 @@ use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{FieldError, named};
-use crate::ids::{ApiKeyId, EventId, ProjectId, ReservationId};
+use crate::ids::{ApiKeyId, EventId, ProjectId, QuotaId, ReservationId};
 use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens};
 use crate::window::{WindowKind, window_at};
 
@@ -106,6 +106,43 @@ pub struct UsageFact {
     pub reservation_id: Option<ReservationId>,
     /// The gateway instance that emitted it.
     pub gateway: String,
+    /// When the gateway accepted it: the clock its lateness is judged by
+    /// (`None` on events written before schema v3; readers then use the
+    /// log's own timestamp of the record).
+    #[serde(default)]
+    pub received_at: Option<DateTime<Utc>>,
+    /// On a request event: whether its check admitted the call.
+    #[serde(default)]
+    pub admitted: Option<bool>,
+    /// On an admitted request event: when its reservation lapses unsettled.
+    #[serde(default)]
+    pub lease_until: Option<DateTime<Utc>>,
+    /// On an admitted request event: the counters its reservation holds.
+    #[serde(default)]
+    pub held: Vec<Counter>,
+    /// On a request event: the quotas its check found over their limit.
+    #[serde(default)]
+    pub breaches: Vec<LoggedBreach>,
+    /// On a correction: the event it amends or voids.
+    #[serde(default)]
+    pub corrects: Option<EventId>,
+    /// On a correction: void the corrected event (else amend it).
+    #[serde(default)]
+    pub void: bool,
+}
+
+/// A quota a check found over its limit, as the check's request event
+/// records it (so a breach seen only on the hot path is on the log).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoggedBreach {
+    pub quota_id: QuotaId,
+    pub window_key: String,
+    /// The limit at the check, in the metric's unit.
+    pub limit: u64,
+    /// What the check compared: usage plus what the call needed.
+    pub observed: u64,
+    /// An enforce quota (the check was refused) or a monitor one.
+    pub enforce: bool,
 }
 
 impl UsageFact {
@@ -127,6 +164,13 @@ impl UsageFact {
             meter_type: None,
             reservation_id: None,
             gateway: String::new(),
+            received_at: None,
+            admitted: None,
+            lease_until: None,
+            held: Vec::new(),
+            breaches: Vec::new(),
+            corrects: None,
+            void: false,
         }
     }
 
@@ -158,6 +202,19 @@ pub fn check_fact_time(occurred_at: DateTime<Utc>, at: DateTime<Utc>, horizon: D
 /// Most token entries one event may carry.
 pub const MAX_TOKEN_ENTRIES: usize = 64;
 
+/// The largest quantity an event may carry (2^53), in any field and in any
+/// sum over its entries: the view compares in Lua doubles, which are exact up
+/// to it, and a counter summing such events has room for 1,024 of them before
+/// `i64` saturates.
+pub const MAX_QUANTITY: u64 = 1 << 53;
+
+fn bounded(field: impl Into<String>, v: u64) -> Result<(), FieldError> {
+    if v > MAX_QUANTITY {
+        return Err(FieldError::new(field, format!("is more than 2^53 ({MAX_QUANTITY})")));
+    }
+    Ok(())
+}
+
 /// Checks what the fold needs of a fact beyond its types.
 pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
     if !fact.kind.is_folded() {
@@ -167,9 +224,7 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
     if k != EventKind::Call && fact.rows != 0 {
         return Err(FieldError::new("rows", format!("a {k} event carries no rows")));
     }
-    if fact.rows > i64::MAX as u64 {
-        return Err(FieldError::new("rows", "is too large"));
-    }
+    bounded("rows", fact.rows)?;
     if k == EventKind::Tokens {
         if fact.tokens.is_empty() {
             return Err(FieldError::new("tokens", "a tokens event needs at least one entry"));
@@ -177,16 +232,27 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
         if fact.tokens.len() > MAX_TOKEN_ENTRIES {
             return Err(FieldError::new("tokens", format!("at most {MAX_TOKEN_ENTRIES} entries")));
         }
+        let mut sums = [0u64; 4];
         for (i, t) in fact.tokens.iter().enumerate() {
             check_name(&format!("tokens[{i}].provider"), &t.provider)?;
             check_name(&format!("tokens[{i}].model"), &t.model)?;
-            for (name, v) in
+            for (j, (name, v)) in
                 [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)]
+                    .into_iter()
+                    .enumerate()
             {
-                if v > i64::MAX as u64 {
-                    return Err(FieldError::new(format!("tokens[{i}].{name}"), "is too large"));
-                }
+                bounded(format!("tokens[{i}].{name}"), v)?;
+                // Each term is at most 2^53 and there are at most 64: no overflow.
+                sums[j] += v;
             }
+        }
+        for (name, sum) in ["input", "output", "cached", "reasoning"].iter().zip(sums) {
+            if sum > MAX_QUANTITY {
+                return Err(FieldError::new("tokens", format!("the {name} tokens of its entries sum past 2^53")));
+            }
+        }
+        if sums[0] + sums[1] + sums[2] > MAX_QUANTITY {
+            return Err(FieldError::new("tokens", "its billable tokens (input + output + cached) sum past 2^53"));
         }
     } else {
         if !fact.tokens.is_empty() {
@@ -195,6 +261,25 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
         if fact.meter_type.is_some() {
             return Err(FieldError::new("meter_type", "is only allowed on tokens events"));
         }
+    }
+    if let Some(b) = fact.storage_bytes {
+        bounded("storage_bytes", b.unsigned_abs())?;
+    }
+    if k != EventKind::Request {
+        let request_only = [
+            ("admitted", fact.admitted.is_some()),
+            ("lease_until", fact.lease_until.is_some()),
+            ("held", !fact.held.is_empty()),
+            ("breaches", !fact.breaches.is_empty()),
+        ];
+        if let Some((name, _)) = request_only.iter().find(|(_, set)| *set) {
+            return Err(FieldError::new(*name, format!("is only carried by request events, not {k}")));
+        }
+    } else if fact.admitted != Some(true) && (fact.lease_until.is_some() || !fact.held.is_empty()) {
+        return Err(FieldError::new("held", "a refused (or unknown) check holds nothing"));
+    }
+    if k != EventKind::Correction && (fact.corrects.is_some() || fact.void) {
+        return Err(FieldError::new("corrects", format!("only a correction corrects an event, not a {k} event")));
     }
     match (k, fact.storage_bytes) {
         (EventKind::StorageDelta, None) | (EventKind::StorageSnapshot, None) => {
@@ -303,7 +388,7 @@ impl CounterKey {
 pub const FOOTPRINT_KEY: &str = "current";
 
 /// A counter plus when it stops mattering (its window's reset).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counter {
     pub key: CounterKey,
     pub resets_at: Option<DateTime<Utc>>,
@@ -668,6 +753,41 @@ mod tests {
         for (c, _) in counters_for(&fact(EventKind::Call, Outcome::Success, 1), Tz::UTC, &PriceBook::default()) {
             assert_eq!(CounterKey::decode(&c.key.encode()), Some(c.key));
         }
+    }
+
+    #[test]
+    fn quantities_and_their_sums_are_bounded_by_2_pow_53() {
+        let field = |f: UsageFact| check_fact(&f).map_err(|e| e.field);
+        let big = MAX_QUANTITY;
+        assert_eq!(field(fact(EventKind::Call, Outcome::Success, big)), Ok(()));
+        assert_eq!(field(fact(EventKind::Call, Outcome::Success, big + 1)), Err("rows".into()));
+        let entry = |input| TokenUsage { provider: "p".into(), model: "m".into(), input, ..TokenUsage::default() };
+        let tokens = |entries| UsageFact { tokens: entries, ..fact(EventKind::Tokens, Outcome::Success, 0) };
+        assert_eq!(field(tokens(vec![entry(big)])), Ok(()));
+        assert_eq!(field(tokens(vec![entry(big + 1)])), Err("tokens[0].input".into()));
+        // Two entries each within the bound whose sum is not (the i64 overflow of old).
+        assert_eq!(field(tokens(vec![entry(big / 2 + 1), entry(big / 2)])), Err("tokens".into()));
+        let billable = TokenUsage { output: big / 2 + 1, ..entry(big / 2) };
+        assert_eq!(field(tokens(vec![billable])), Err("tokens".into()));
+        let storage = |b| UsageFact { storage_bytes: Some(b), ..fact(EventKind::StorageDelta, Outcome::Success, 0) };
+        assert_eq!(field(storage(-(big as i64))), Ok(()));
+        assert_eq!(field(storage(big as i64 + 1)), Err("storage_bytes".into()));
+        assert_eq!(field(storage(i64::MIN)), Err("storage_bytes".into()));
+    }
+
+    #[test]
+    fn what_a_check_decided_rides_only_on_request_events() {
+        let field = |f: UsageFact| check_fact(&f).map_err(|e| e.field);
+        let request = fact(EventKind::Request, Outcome::Success, 0);
+        let at = request.occurred_at;
+        let admitted = UsageFact { admitted: Some(true), lease_until: Some(at), ..request.clone() };
+        assert_eq!(field(admitted.clone()), Ok(()));
+        let refused_holding = UsageFact { admitted: Some(false), ..admitted };
+        assert_eq!(field(refused_holding), Err("held".into()));
+        let call = UsageFact { admitted: Some(true), ..fact(EventKind::Call, Outcome::Success, 1) };
+        assert_eq!(field(call), Err("admitted".into()));
+        let corrects = UsageFact { corrects: Some(EventId::parse("e0").expect("id")), ..request };
+        assert_eq!(field(corrects), Err("corrects".into()));
     }
 
     #[test]

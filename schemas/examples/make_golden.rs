@@ -16,7 +16,10 @@ use std::fs;
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact};
+use meter::{
+    ApiKeyId, Counter, CounterKey, Dimension, EventId, EventKind, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
+    ReservationId, TokenUsage, UsageFact, WindowKind,
+};
 use schemas::{encode_usage, usage_schema_version};
 
 fn main() -> Result<(), Box<dyn Error>> {
@@ -65,6 +68,14 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
         rows: 0,
         reservation_id: None,
         gateway: "gw-eu-1".into(),
+        // Version 3: the gateway stamps every event it accepts.
+        received_at: Some(at("2026-03-01T09:15:30.200001Z")?),
+        ..UsageFact::new(
+            EventId::parse("evt_01J9Z3Q8R2")?,
+            ProjectId::parse("proj_acme")?,
+            EventKind::Request,
+            at("2026-03-01T09:15:30.123456Z")?,
+        )
     };
     Ok(vec![
         ("request", base.clone()),
@@ -175,6 +186,79 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
                 user_id: Some("user:alice".into()),
                 kind: EventKind::Call,
                 rows: 7,
+                ..base.clone()
+            },
+        ),
+        // Version 3: what a check decided, and corrections.
+        (
+            "request_admitted",
+            UsageFact {
+                id: EventId::parse("req_01J9Z3Q8RB")?,
+                reservation_id: Some(ReservationId::parse("res_01J9Z3Q8RB")?),
+                admitted: Some(true),
+                lease_until: Some(at("2026-03-01T09:16:30.123456Z")?),
+                held: vec![
+                    Counter {
+                        key: CounterKey {
+                            dimension: Dimension::ApiKey(ApiKeyId::parse("key_live_7f3a")?),
+                            window: WindowKind::Day,
+                            window_key: "2026-03-01".into(),
+                        },
+                        resets_at: Some(at("2026-03-02T00:00:00Z")?),
+                    },
+                    Counter {
+                        key: CounterKey {
+                            dimension: Dimension::Project,
+                            window: WindowKind::Rolling1m,
+                            window_key: "2026-03-01T09:15Z".into(),
+                        },
+                        resets_at: Some(at("2026-03-01T09:16:00Z")?),
+                    },
+                ],
+                ..base.clone()
+            },
+        ),
+        (
+            "request_refused",
+            UsageFact {
+                id: EventId::parse("req_01J9Z3Q8RC")?,
+                admitted: Some(false),
+                breaches: vec![
+                    LoggedBreach {
+                        quota_id: QuotaId::parse("quota_day_calls")?,
+                        window_key: "2026-03-01".into(),
+                        limit: 1000,
+                        observed: 1001,
+                        enforce: true,
+                    },
+                    LoggedBreach {
+                        quota_id: QuotaId::parse("quota_watch_rows")?,
+                        window_key: "2026-03".into(),
+                        limit: 50_000,
+                        observed: 61_200,
+                        enforce: false,
+                    },
+                ],
+                ..base.clone()
+            },
+        ),
+        (
+            "correction_amend",
+            UsageFact {
+                id: EventId::parse("fix_01J9Z3Q8RD")?,
+                kind: EventKind::Correction,
+                corrects: Some(EventId::parse("evt_01J9Z3Q8R3")?),
+                rows: 40,
+                ..base.clone()
+            },
+        ),
+        (
+            "correction_void",
+            UsageFact {
+                id: EventId::parse("fix_01J9Z3Q8RE")?,
+                kind: EventKind::Correction,
+                corrects: Some(EventId::parse("evt_01J9Z3Q8R6")?),
+                void: true,
                 ..base
             },
         ),

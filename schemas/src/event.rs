@@ -22,7 +22,10 @@
 
 use chrono::{DateTime, Utc};
 use meter::usage::delta_of;
-use meter::{ApiKeyId, EventId, EventKind, IdError, MeterType, Outcome, ProjectId, ReservationId, UsageFact};
+use meter::{
+    ApiKeyId, Counter, CounterKey, EventId, EventKind, IdError, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
+    ReservationId, UsageFact,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::SchemaError;
@@ -52,6 +55,39 @@ pub struct UsageEvent {
     pub meter_type: Option<String>,
     pub reservation_id: Option<String>,
     pub gateway: String,
+    /// When the gateway accepted the event (`timestamp-micros`), since v3.
+    #[serde(default)]
+    pub received_at: Option<i64>,
+    #[serde(default)]
+    pub admitted: Option<bool>,
+    #[serde(default)]
+    pub lease_until: Option<i64>,
+    #[serde(default)]
+    pub held: Option<Vec<HeldCounter>>,
+    #[serde(default)]
+    pub breaches: Option<Vec<QuotaBreach>>,
+    #[serde(default)]
+    pub corrects: Option<String>,
+    #[serde(default)]
+    pub void: bool,
+}
+
+/// A counter a reservation holds (`tollgate.HeldCounter`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldCounter {
+    /// [`meter::CounterKey::encode`].
+    pub counter: String,
+    pub resets_at: Option<i64>,
+}
+
+/// A quota a check found over its limit (`tollgate.QuotaBreach`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaBreach {
+    pub quota_id: String,
+    pub window_key: String,
+    pub limit: i64,
+    pub observed: i64,
+    pub enforce: bool,
 }
 
 /// Tokens consumed from one model of one provider (`tollgate.TokenUsage`).
@@ -101,8 +137,40 @@ impl From<&UsageFact> for UsageEvent {
             meter_type: fact.meter_type.map(|m| m.as_str().to_owned()),
             reservation_id: fact.reservation_id.as_ref().map(ToString::to_string),
             gateway: fact.gateway.clone(),
+            received_at: fact.received_at.map(|t| t.timestamp_micros()),
+            admitted: fact.admitted,
+            lease_until: fact.lease_until.map(|t| t.timestamp_micros()),
+            held: (!fact.held.is_empty()).then(|| {
+                fact.held
+                    .iter()
+                    .map(|c| HeldCounter {
+                        counter: c.key.encode(),
+                        resets_at: c.resets_at.map(|t| t.timestamp_micros()),
+                    })
+                    .collect()
+            }),
+            breaches: (!fact.breaches.is_empty()).then(|| {
+                fact.breaches
+                    .iter()
+                    .map(|b| QuotaBreach {
+                        quota_id: b.quota_id.to_string(),
+                        window_key: b.window_key.clone(),
+                        limit: long(b.limit),
+                        observed: long(b.observed),
+                        enforce: b.enforce,
+                    })
+                    .collect()
+            }),
+            corrects: fact.corrects.as_ref().map(ToString::to_string),
+            void: fact.void,
         }
     }
+}
+
+fn instant(field: &str, micros: i64) -> Result<DateTime<Utc>, SchemaError> {
+    DateTime::<Utc>::from_timestamp_micros(micros).ok_or_else(|| {
+        SchemaError::invalid(field, format!("{micros} microseconds is outside the representable time range"))
+    })
 }
 
 impl TryFrom<UsageEvent> for UsageFact {
@@ -111,12 +179,7 @@ impl TryFrom<UsageEvent> for UsageFact {
     fn try_from(event: UsageEvent) -> Result<Self, SchemaError> {
         let rows = u64::try_from(event.rows)
             .map_err(|_| SchemaError::invalid("rows", format!("must not be negative, got {}", event.rows)))?;
-        let occurred_at = DateTime::<Utc>::from_timestamp_micros(event.occurred_at).ok_or_else(|| {
-            SchemaError::invalid(
-                "occurred_at",
-                format!("{} microseconds is outside the representable time range", event.occurred_at),
-            )
-        })?;
+        let occurred_at = instant("occurred_at", event.occurred_at)?;
         let mut tokens = Vec::new();
         for (i, t) in event.tokens.unwrap_or_default().into_iter().enumerate() {
             let q = |name: &str, v: i64| {
@@ -162,6 +225,13 @@ impl TryFrom<UsageEvent> for UsageFact {
                 .map(|s| parse_id("reservation_id", s, ReservationId::parse))
                 .transpose()?,
             gateway: event.gateway,
+            received_at: event.received_at.map(|t| instant("received_at", t)).transpose()?,
+            admitted: event.admitted,
+            lease_until: event.lease_until.map(|t| instant("lease_until", t)).transpose()?,
+            held: held(event.held.unwrap_or_default())?,
+            breaches: breaches(event.breaches.unwrap_or_default())?,
+            corrects: event.corrects.map(|s| parse_id("corrects", s, EventId::parse)).transpose()?,
+            void: event.void,
         };
         if fact.kind.is_folded() {
             let expected = delta_of(&fact, &meter::PriceBook::default()).calls;
@@ -179,6 +249,39 @@ impl TryFrom<UsageEvent> for UsageFact {
         }
         Ok(fact)
     }
+}
+
+fn held(list: Vec<HeldCounter>) -> Result<Vec<Counter>, SchemaError> {
+    list.into_iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let key = CounterKey::decode(&h.counter).ok_or_else(|| {
+                SchemaError::invalid(&format!("held[{i}].counter"), format!("{:?} is not a counter key", h.counter))
+            })?;
+            let resets_at = h.resets_at.map(|t| instant(&format!("held[{i}].resets_at"), t)).transpose()?;
+            Ok(Counter { key, resets_at })
+        })
+        .collect()
+}
+
+fn breaches(list: Vec<QuotaBreach>) -> Result<Vec<LoggedBreach>, SchemaError> {
+    list.into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let count = |name: &str, v: i64| {
+                u64::try_from(v).map_err(|_| {
+                    SchemaError::invalid(&format!("breaches[{i}].{name}"), format!("must not be negative, got {v}"))
+                })
+            };
+            Ok(LoggedBreach {
+                quota_id: parse_id(&format!("breaches[{i}].quota_id"), b.quota_id, QuotaId::parse)?,
+                window_key: b.window_key,
+                limit: count("limit", b.limit)?,
+                observed: count("observed", b.observed)?,
+                enforce: b.enforce,
+            })
+        })
+        .collect()
 }
 
 fn long(v: u64) -> i64 {
@@ -211,6 +314,13 @@ mod tests {
             meter_type: None,
             reservation_id: Some("r1".into()),
             gateway: "gw".into(),
+            received_at: Some(1_780_000_000_223_456),
+            admitted: None,
+            lease_until: None,
+            held: None,
+            breaches: None,
+            corrects: None,
+            void: false,
         }
     }
 

@@ -32,6 +32,6 @@ pub mod registry;
 pub mod single_object;
 
 pub use error::SchemaError;
-pub use event::{TokenUsage, UsageEvent};
+pub use event::{HeldCounter, QuotaBreach, TokenUsage, UsageEvent};
 pub use registry::{SchemaVersion, find_usage_schema, usage_schema, usage_schema_version, usage_schema_versions};
 pub use single_object::{decode_event, decode_usage, encode_event, encode_usage};

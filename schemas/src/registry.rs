@@ -36,8 +36,11 @@ use apache_avro::rabin::Rabin;
 use crate::SchemaError;
 
 /// The source of every shipped usage schema version, oldest first.
-pub const USAGE_SOURCES: &[(u32, &str)] =
-    &[(1, include_str!("../avro/usage_event.v1.avsc")), (2, include_str!("../avro/usage_event.v2.avsc"))];
+pub const USAGE_SOURCES: &[(u32, &str)] = &[
+    (1, include_str!("../avro/usage_event.v1.avsc")),
+    (2, include_str!("../avro/usage_event.v2.avsc")),
+    (3, include_str!("../avro/usage_event.v3.avsc")),
+];
 
 /// One known version of the usage schema.
 #[derive(Debug, Clone)]

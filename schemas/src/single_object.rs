@@ -135,6 +135,12 @@ mod tests {
             rows: 12,
             reservation_id: Some(ReservationId::parse("r1").expect("id")),
             gateway: "gw-1".into(),
+            ..UsageFact::new(
+                EventId::parse("e1").expect("id"),
+                ProjectId::parse("p1").expect("id"),
+                EventKind::Call,
+                DateTime::<Utc>::UNIX_EPOCH,
+            )
         }
     }
 

@@ -1,7 +1,10 @@
 //! Encoding then decoding any valid fact gives the fact back.
 
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact};
+use meter::{
+    ApiKeyId, Counter, CounterKey, Dimension, EventId, EventKind, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
+    ReservationId, TokenUsage, UsageFact, WindowKind,
+};
 use proptest::prelude::*;
 use schemas::{decode_usage, encode_usage};
 
@@ -31,6 +34,7 @@ fn fact() -> impl Strategy<Value = UsageFact> {
             proptest::option::of(any::<i64>()),
             proptest::option::of(proptest::sample::select(MeterType::ALL.to_vec())),
         ),
+        v3(),
     )
         .prop_map(
             |(
@@ -41,8 +45,16 @@ fn fact() -> impl Strategy<Value = UsageFact> {
                 outcome,
                 rows,
                 (user_id, tokens, storage_bytes, meter_type),
+                (received_at, admitted, lease_until, held, breaches, corrects, void),
             )| {
                 UsageFact {
+                    received_at,
+                    admitted,
+                    lease_until,
+                    held,
+                    breaches,
+                    corrects,
+                    void,
                     user_id,
                     tokens,
                     storage_bytes,
@@ -61,6 +73,54 @@ fn fact() -> impl Strategy<Value = UsageFact> {
                 }
             },
         )
+}
+
+type V3 = (
+    Option<DateTime<Utc>>,
+    Option<bool>,
+    Option<DateTime<Utc>>,
+    Vec<Counter>,
+    Vec<LoggedBreach>,
+    Option<EventId>,
+    bool,
+);
+
+/// The fields schema v3 added.
+fn v3() -> impl Strategy<Value = V3> {
+    let counter = (
+        prop_oneof![
+            Just(Dimension::Project),
+            Just(Dimension::AllApiKeys),
+            ID.prop_map(|k| Dimension::ApiKey(ApiKeyId::parse(k).expect("id alphabet"))),
+            "[a-z0-9_.:-]{1,12}".prop_map(Dimension::Actor),
+            "[a-z0-9_.:-]{1,12}".prop_map(Dimension::Agent),
+        ],
+        proptest::sample::select(WindowKind::ALL.to_vec()),
+        "[0-9T:-]{1,16}",
+        proptest::option::of(occurred_at()),
+    )
+        .prop_map(|(dimension, window, window_key, resets_at)| Counter {
+            key: CounterKey { dimension, window, window_key },
+            resets_at,
+        });
+    let breach = (ID, ".{0,12}", 0..=i64::MAX as u64, 0..=i64::MAX as u64, any::<bool>()).prop_map(
+        |(q, window_key, limit, observed, enforce)| LoggedBreach {
+            quota_id: QuotaId::parse(q).expect("id alphabet"),
+            window_key,
+            limit,
+            observed,
+            enforce,
+        },
+    );
+    (
+        proptest::option::of(occurred_at()),
+        proptest::option::of(any::<bool>()),
+        proptest::option::of(occurred_at()),
+        proptest::collection::vec(counter, 0..3),
+        proptest::collection::vec(breach, 0..3),
+        proptest::option::of(ID.prop_map(|e| EventId::parse(e).expect("id alphabet"))),
+        any::<bool>(),
+    )
 }
 
 fn token_usage() -> impl Strategy<Value = TokenUsage> {

@@ -166,6 +166,13 @@ fn fact(project: &str, n: usize) -> UsageFact {
         meter_type: None,
         reservation_id: None,
         gateway: "gw-test".into(),
+        received_at: Some(at() + chrono::Duration::milliseconds(n as i64 + 3)),
+        ..UsageFact::new(
+            EventId::parse(format!("{project}-e{n}")).expect("event id"),
+            ProjectId::parse(project).expect("project id"),
+            EventKind::Request,
+            at(),
+        )
     }
 }
 
