@@ -349,6 +349,227 @@ impl Drop for RedisServer {
     }
 }
 
+/// Sends a signal to a process by pid, through `kill(1)`.
+fn signal(pid: u32, sig: &str) {
+    let _ = std::process::Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status();
+}
+
+/// A tansu broker of a test's own on a free port, storing in a SQLite file
+/// in its own directory: for tests that freeze (`SIGSTOP`), thaw or restart
+/// the log. Killed on drop. The binary is `TOLLGATE_TEST_TANSU`, else
+/// `tansu` on the `PATH` or in `~/.cargo/bin`.
+#[derive(Debug)]
+pub struct Tansu {
+    pub port: u16,
+    pub dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl Tansu {
+    fn binary() -> std::path::PathBuf {
+        if let Some(p) = std::env::var_os("TOLLGATE_TEST_TANSU") {
+            return p.into();
+        }
+        let home = std::env::var_os("HOME").map(std::path::PathBuf::from).unwrap_or_default();
+        let cargo = home.join(".cargo/bin/tansu");
+        if cargo.exists() { cargo } else { "tansu".into() }
+    }
+
+    pub async fn start() -> Tansu {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("tg-tansu-{port}-{}", unique_id()));
+        std::fs::create_dir_all(&dir).expect("tansu dir");
+        let mut t = Tansu { port, dir, child: None };
+        t.spawn().await;
+        t
+    }
+
+    /// `host:port`, for `TOLLGATE_KAFKA_BROKERS`.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    async fn spawn(&mut self) {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let child = std::process::Command::new(Self::binary())
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .env_remove("SCHEMA_REGISTRY")
+            .env_remove("CLUSTER_ID")
+            .current_dir(&self.dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start tansu (installed by scripts/test)");
+        self.child = Some(child);
+        for _ in 0..200 {
+            if reachable(&self.brokers()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("tansu on port {} did not listen", self.port);
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
+    /// Freezes the broker (`SIGSTOP`): connections stay open, nothing answers.
+    pub fn freeze(&self) {
+        if let Some(pid) = self.pid() {
+            signal(pid, "STOP");
+        }
+    }
+
+    /// Lets a frozen broker go on (`SIGCONT`).
+    pub fn thaw(&self) {
+        if let Some(pid) = self.pid() {
+            signal(pid, "CONT");
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            signal(c.id(), "CONT");
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills the broker (`SIGKILL`) and starts it again on the same file and port.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+
+    /// Kills the broker and leaves it down until [`Tansu::restart`].
+    pub fn stop(&mut self) {
+        self.kill();
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A PostgreSQL cluster of a test's own (`initdb` + `pg_ctl` from
+/// `/usr/lib/postgresql/*/bin`, run as the `postgres` user when the test
+/// runs as root), on a free port, trust auth: for tests that stop or restart
+/// PostgreSQL. Stopped and removed on drop.
+#[derive(Debug)]
+pub struct PgCluster {
+    pub port: u16,
+    pub dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    running: bool,
+}
+
+impl PgCluster {
+    fn bin_dir() -> std::path::PathBuf {
+        let mut found: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .map(|d| {
+                d.filter_map(Result::ok).map(|e| e.path().join("bin")).filter(|p| p.join("pg_ctl").exists()).collect()
+            })
+            .unwrap_or_default();
+        found.sort();
+        found.pop().expect("initdb and pg_ctl under /usr/lib/postgresql/*/bin")
+    }
+
+    fn as_postgres(program: &std::path::Path) -> std::process::Command {
+        let root = std::process::Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false);
+        if root {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(program);
+            c
+        } else {
+            std::process::Command::new(program)
+        }
+    }
+
+    /// `initdb`s a new cluster and starts it.
+    pub async fn start() -> PgCluster {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("tg-pg-{port}-{}", unique_id()));
+        std::fs::create_dir_all(&dir).expect("pg dir");
+        let _ = std::process::Command::new("chown").args(["-R", "postgres:postgres"]).arg(&dir).status();
+        let bin = Self::bin_dir();
+        let ok = Self::as_postgres(&bin.join("initdb"))
+            .args(["-D"])
+            .arg(dir.join("data"))
+            .args(["-U", "postgres", "--auth=trust", "--no-sync"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("run initdb");
+        assert!(ok.success(), "initdb failed");
+        let mut c = PgCluster { port, dir, bin, running: false };
+        c.start_again().await;
+        c
+    }
+
+    /// A URL of the cluster's `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> bool {
+        let opts = format!("-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", self.port, self.dir.display());
+        Self::as_postgres(&self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-o", &opts, "-l"])
+            .arg(self.dir.join("log"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Starts a stopped cluster and waits until it answers.
+    pub async fn start_again(&mut self) {
+        assert!(self.pg_ctl(&["-w", "start"]), "pg_ctl start failed (see {}/log)", self.dir.display());
+        self.running = true;
+        for _ in 0..200 {
+            if reachable(&format!("127.0.0.1:{}", self.port)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("PostgreSQL on port {} did not answer", self.port);
+    }
+
+    /// Stops the cluster at once (`-m immediate`: what a crash does).
+    pub fn stop(&mut self) {
+        if self.running {
+            self.pg_ctl(&["-w", "-m", "immediate", "stop"]);
+            self.running = false;
+        }
+    }
+
+    /// Stops and starts it again.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.start_again().await;
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Runs a clean-up future to completion on a thread and runtime of its own,
 /// so it works from `Drop` inside or outside a runtime, and while panicking.
 fn on_own_runtime<F: std::future::Future<Output = ()> + Send + 'static>(f: F) {
@@ -377,6 +598,36 @@ mod tests {
         assert_eq!(with_database("postgres://p@h:5432/test", "x"), "postgres://p@h:5432/x");
         assert_eq!(with_database("postgres://p@h:5432/test?a=b", "x"), "postgres://p@h:5432/x?a=b");
         assert_eq!(with_database("postgres://p@h:5432", "x"), "postgres://p@h:5432/x");
+    }
+
+    #[tokio::test]
+    async fn own_servers_start_stop_and_restart() {
+        // Needs the binaries, not the shared services.
+        if std::process::Command::new("redis-server").arg("--version").output().is_ok() {
+            let mut r = RedisServer::start().await;
+            r.restart_empty().await;
+            assert!(reachable(&format!("127.0.0.1:{}", r.port)));
+        }
+        if std::path::Path::new("/usr/lib/postgresql").exists() {
+            let mut pg = PgCluster::start().await;
+            assert!(reachable(&format!("127.0.0.1:{}", pg.port)));
+            pg.stop();
+            assert!(!reachable(&format!("127.0.0.1:{}", pg.port)));
+            pg.start_again().await;
+            let mut conn = {
+                use sqlx::Connection;
+                sqlx::PgConnection::connect(&pg.url()).await.expect("connect to own cluster")
+            };
+            let one: (i32,) = sqlx::query_as("SELECT 1").fetch_one(&mut conn).await.expect("select");
+            assert_eq!(one.0, 1);
+        }
+        if Tansu::binary().exists() {
+            let mut t = Tansu::start().await;
+            t.freeze();
+            t.thaw();
+            t.restart().await;
+            assert!(reachable(&t.brokers()));
+        }
     }
 
     #[test]
