@@ -187,8 +187,14 @@ pub struct TestDb {
 impl TestDb {
     /// Creates `<tag>_<id>` on the server at `TOLLGATE_TEST_DATABASE_URL`.
     pub async fn new(tag: &str) -> TestDb {
+        TestDb::on(&env::database_url(), tag).await
+    }
+
+    /// Creates `<tag>_<id>` on the server at `server` (a URL of any of its
+    /// databases), e.g. a [`PgCluster`] of the test's own.
+    pub async fn on(server: &str, tag: &str) -> TestDb {
         use sqlx::Connection;
-        let server = env::database_url();
+        let server = server.to_owned();
         let name = format!("{tag}_{}", unique_id());
         let mut admin = sqlx::PgConnection::connect(&server).await.expect("connect to the test PostgreSQL server");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))

@@ -35,6 +35,21 @@ pub fn safe_timezone() -> &'static str {
     "UTC"
 }
 
+/// Services a fault test brings of its own; `None` takes the shared one.
+#[derive(Debug, Clone, Default)]
+pub struct Services {
+    /// A PostgreSQL server URL (the test database is created on it).
+    pub pg_server: Option<String>,
+    pub redis_url: Option<String>,
+    pub brokers: Option<String>,
+}
+
+/// The time zone a project was created with.
+pub async fn safe_timezone_of(env: &Env, project: &str) -> chrono_tz::Tz {
+    let (_, p) = env.admin_get(&format!("/v1/projects/{project}")).await;
+    p["timezone"].as_str().and_then(|t| t.parse().ok()).expect("the project's time zone")
+}
+
 /// Which deployment a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -54,6 +69,8 @@ pub struct Env {
     pub redis_url: String,
     pub redis_prefix: String,
     pub topic_prefix: String,
+    /// The broker(s) its processes use (`TOLLGATE_KAFKA_BROKERS`).
+    pub brokers: String,
     children: Vec<(String, Child)>,
     /// Dropped (database, keys) when the environment is.
     _db: Option<testkit::TestDb>,
@@ -74,7 +91,17 @@ impl Env {
 
     /// A distributed environment whose view is the Redis at `redis_url`.
     pub async fn with_redis(redis_url: String) -> Env {
-        let db = testkit::TestDb::new("tg_e2e").await;
+        Self::with_services(Services { redis_url: Some(redis_url), ..Services::default() }).await
+    }
+
+    /// A distributed environment on the given services (a fault test's own
+    /// broker, Redis or PostgreSQL cluster), the shared ones for the rest.
+    pub async fn with_services(services: Services) -> Env {
+        let redis_url = services.redis_url.unwrap_or_else(testkit::env::redis_url);
+        let db = match &services.pg_server {
+            Some(server) => testkit::TestDb::on(server, "tg_e2e").await,
+            None => testkit::TestDb::new("tg_e2e").await,
+        };
         let keys = testkit::RedisPrefix { url: redis_url.clone(), prefix: format!("tge2e:{}:", testkit::unique_id()) };
         let id = testkit::unique_id();
         Env {
@@ -84,6 +111,7 @@ impl Env {
             redis_url,
             redis_prefix: keys.prefix.clone(),
             topic_prefix: testkit::topic_prefix("tge2e"),
+            brokers: services.brokers.unwrap_or_else(kafka),
             id,
             children: Vec::new(),
             _db: Some(db),
@@ -105,6 +133,7 @@ impl Env {
             redis_url: String::new(),
             redis_prefix: String::new(),
             topic_prefix: "tollgate.".into(),
+            brokers: String::new(),
             id,
             children: Vec::new(),
             _db: None,
@@ -129,7 +158,7 @@ impl Env {
             .env("TOLLGATE_REDIS_URL", &self.redis_url)
             .env("TOLLGATE_REDIS_PREFIX", &self.redis_prefix)
             .env("TOLLGATE_TOPIC_PREFIX", &self.topic_prefix)
-            .env("TOLLGATE_KAFKA_BROKERS", kafka())
+            .env("TOLLGATE_KAFKA_BROKERS", &self.brokers)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env("TOLLGATE_GATEWAY_TOKEN", GATEWAY)
             .env("TOLLGATE_CONFIG_TTL", "0s")

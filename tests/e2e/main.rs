@@ -2,6 +2,7 @@
 //! and a Kafka-protocol broker (see `scripts/test`).
 
 mod harness;
+mod invariants;
 mod model;
 mod roles;
 
@@ -150,6 +151,15 @@ async fn projector_killed_five_times_loses_and_doubles_nothing() {
     assert_eq!((c, r), (calls, rows), "nothing lost, nothing counted twice");
     let (_, c, r) = env.durable(&pid, &format!("k:{kid}"), "calendar_month").await;
     assert_eq!((c, r), (calls, rows));
+
+    // The invariants, from the log itself.
+    let audit = invariants::LogAudit::of(&env).await;
+    let acked: Vec<String> =
+        (0..4).flat_map(|t| (0..25).flat_map(move |b| (0..500).map(move |i| format!("t{t}-b{b}-e{i}")))).collect();
+    audit.assert_acknowledged_on_log(&pid, &acked);
+    audit.assert_accounted(&env).await;
+    let tz: chrono_tz::Tz = safe_timezone_of(&env, &pid).await;
+    audit.assert_folded_once(&env, &pid, tz).await;
 }
 
 /// (c) The same event id, in one batch and in two batches, is counted once.
@@ -204,7 +214,7 @@ async fn malformed_message_goes_to_the_dlq() {
     env.start_projector();
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
     let producer: FutureProducer =
-        rdkafka::ClientConfig::new().set("bootstrap.servers", kafka()).create().expect("producer");
+        rdkafka::ClientConfig::new().set("bootstrap.servers", &env.brokers).create().expect("producer");
     let topic = format!("{}usage", env.topic_prefix);
     producer
         .send(FutureRecord::to(&topic).key(&pid).payload(b"not avro at all".as_slice()), Duration::from_secs(10))
@@ -224,7 +234,7 @@ async fn malformed_message_goes_to_the_dlq() {
         .await;
 
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", kafka())
+        .set("bootstrap.servers", &env.brokers)
         .set("group.id", format!("dlq-reader-{}", env.id))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
