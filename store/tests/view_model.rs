@@ -23,7 +23,8 @@
 //! it (a live window's reset + the grace, a lease + the grace, an event
 //! index's `at` + 7 days). The scripts set expiries with `PEXPIREAT` from
 //! the arguments, as the model computes them, so the two agree exactly —
-//! on expiry and on every recorded expiry time. Leases, which the scripts
+//! on expiry and on every recorded expiry time. (Each sequence opens with a
+//! read at `t0`, so the model's clock starts where Redis's is.) Leases, which the scripts
 //! compare with the `at` they are given, do run out during a case.
 //!
 //! Expiry *during* a sequence (counters an hour after their reset, event
@@ -455,6 +456,17 @@ impl Run<'_> {
     }
 
     async fn run(&mut self, ops: &[Op]) -> Result<(), TestCaseError> {
+        // A timed read first, so the model's clock (the latest `at` it was
+        // given) starts at t0, where Redis's is: before it, the model's
+        // clock is the beginning of time, and a fold of a window that closed
+        // hours ago would still land in it (MemoryView's too) while Redis
+        // drops the key at once.
+        let (p, key, t0) = (self.project.clone(), CounterKey::footprint(), self.t0);
+        let model = Ok(self.model.usage(&p, &key, t0));
+        let m = self.memory.usage(&p, &key, t0).await;
+        let r = on_redis(self.redis, |r| r.usage(&p, &key, t0)).await;
+        let opened = same(0, &Op::Advance(0), model, m, r)?;
+        prop_assert_eq!(opened, Ok(None), "a fresh project is unseeded");
         for (i, op) in ops.iter().enumerate() {
             self.step(i, op).await?;
         }
