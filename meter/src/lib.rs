@@ -10,7 +10,7 @@
 //! Values first, rules on them, ports last: [`ids`], [`error`], [`clock`],
 //! [`window`], [`price`], [`quota`], [`tenant`], [`role`], [`usage`] (facts
 //! and counters), [`fold`], [`admission`] (plan and verdict), [`apply`]
-//! (declarative quota plans), [`audit`], [`report`], [`view`], and
+//! (declarative quota plans), [`audit`], [`report`], [`view`] (with the view's reference model), and
 //! [`ports`], which only declares traits over them. No module imports one
 //! that imports it back.
 //!
@@ -79,5 +79,5 @@ pub use tenant::{ApiKey, Grants, Project};
 pub use usage::{
     Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,
 };
-pub use view::{CounterUsage, Hold, Settlement};
+pub use view::{CounterUsage, Hold, ProjectDump, Settlement, ViewModel};
 pub use window::{Window, WindowKind, window_at};

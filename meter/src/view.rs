@@ -1,5 +1,14 @@
 //! What the hot-path view exchanges with its callers: a check's hold, a
-//! settled fact, and a counter's usage as the view sees it.
+//! settled fact, and a counter's usage as the view sees it; and, in
+//! [`model`], the view's rules: its reference state machine, which
+//! `MemoryView` runs and `RedisView`'s scripts are checked against.
+
+pub mod model;
+
+pub use model::{
+    COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, Millis, ProjectDump, Values, ViewModel, counter_expiry, event_expiry,
+    hold_expiry,
+};
 
 use chrono::{DateTime, Utc};
 

@@ -5,8 +5,9 @@
 //!   +05:30/+05:45/+12:45 offsets;
 //! - the fold is order-insensitive, idempotent per event id, additive over
 //!   disjoint batches, and equal to a naive reference model;
-//! - admission, run against a small in-test view that follows the contract
-//!   in `meter::admission`, never overshoots `calls` or `requests`, keeps the
+//! - admission, run against the reference model of the view
+//!   (`meter::ViewModel`), which keeps the contract in `meter::admission`
+//!   (checked at every step), never overshoots `calls` or `requests`, keeps the
 //!   `rows` overshoot to the calls in flight, reserves nothing when it
 //!   refuses, reports the most specific breaching scope, and never lets a
 //!   monitor quota refuse.
@@ -21,9 +22,9 @@ use proptest::sample::select;
 
 use meter::usage::counters_for;
 use meter::{
-    ApiKeyId, Caller, CheckInput, CheckOutcome, CounterKey, Dimension, EventId, EventKind, Fold, Metric, Mode, Outcome,
-    PriceBook, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Totals, UsageFact, WindowKind, decide, plan_check,
-    window_at,
+    ApiKeyId, Caller, CheckInput, CheckOutcome, CounterKey, CounterUsage, Dimension, EventId, EventKind, Fold, Hold,
+    Metric, Mode, Outcome, PriceBook, ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope, Settlement, Totals,
+    UsageFact, ViewModel, WindowKind, decide, plan_check, window_at,
 };
 
 fn utc(s: &str) -> DateTime<Utc> {
@@ -600,7 +601,8 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-/// What the in-test view holds per counter.
+/// What the view holds on a counter, as the laws read it: durable +
+/// pending, and the live reservations.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Held {
     requests: u64,
@@ -609,19 +611,33 @@ struct Held {
     reserved: u64,
 }
 
+impl Held {
+    fn of(u: CounterUsage) -> Held {
+        Held {
+            requests: u.durable.requests + u.pending.requests,
+            calls: u.durable.calls + u.pending.calls,
+            rows: u.durable.rows + u.pending.rows,
+            reserved: u.reserved_calls,
+        }
+    }
+}
+
 /// An admitted call not yet finished.
 struct InFlight {
+    hold: Hold,
     reserved: Vec<CounterKey>,
     counters: Vec<CounterKey>,
     fact: UsageFact,
 }
 
-/// The view of the contract in `meter::admission`: count the request, read
-/// each limit's usage, admit iff no enforce limit has `used + need > limit`,
-/// then reserve on every reserving counter or on none.
-#[derive(Default)]
-struct ModelView {
-    counters: BTreeMap<CounterKey, Held>,
+/// The view the laws run against: the reference model of the view
+/// (`meter::ViewModel`, which `MemoryView` runs and `RedisView`'s scripts are
+/// checked against), with what the laws keep beside it.
+struct Harness {
+    view: ViewModel,
+    project: ProjectId,
+    /// Every counter a plan or a settle named, so the laws can read them all.
+    seen: BTreeSet<CounterKey>,
     in_flight: Vec<InFlight>,
     /// Admitted checks per counter a requests quota counts on.
     admitted_requests: BTreeMap<CounterKey, u64>,
@@ -631,10 +647,38 @@ struct ModelView {
     next_event: u64,
 }
 
+impl Harness {
+    fn new(at: DateTime<Utc>) -> Harness {
+        let project = ProjectId::parse("p1").expect("id");
+        let mut view = ViewModel::new();
+        view.seed(&project, &[], at);
+        Harness {
+            view,
+            project,
+            seen: BTreeSet::new(),
+            in_flight: Vec::new(),
+            admitted_requests: BTreeMap::new(),
+            rows_bound: BTreeMap::new(),
+            next_event: 0,
+        }
+    }
+
+    /// What the view holds on every counter seen so far.
+    fn held(&mut self, at: DateTime<Utc>) -> BTreeMap<CounterKey, Held> {
+        let keys: Vec<CounterKey> = self.seen.iter().cloned().collect();
+        keys.into_iter()
+            .map(|k| {
+                let u = self.view.usage(&self.project, &k, at).expect("the project is seeded");
+                (k, Held::of(u))
+            })
+            .collect()
+    }
+}
+
 fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> {
     let tz = chrono_tz::America::New_York;
     let mut at = utc("2026-03-08T06:55:00Z"); // five minutes before the clocks jump
-    let mut view = ModelView::default();
+    let mut view = Harness::new(at);
     for s in steps {
         match s {
             Step::Check { key, actor, advance_secs } => {
@@ -657,15 +701,30 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                     prop_assert_eq!(l.reserve, q.spec.metric == Metric::Calls && q.spec.mode == Mode::Enforce);
                 }
 
-                let before = view.counters.clone();
+                view.seen.extend(plan.counters.iter().map(|c| c.key.clone()));
+                let before = view.held(at);
+                view.next_event += 1;
+                let hold = Hold {
+                    reservation: ReservationId::parse(format!("r{}", view.next_event)).expect("id"),
+                    request_event: EventId::parse(format!("req{}", view.next_event)).expect("id"),
+                    // Calls hold their slot until they finish.
+                    lease_until: at + Duration::days(1),
+                };
+                let outcome = view.view.check(&view.project, &plan, &hold, at).expect("a valid plan").expect("seeded");
+
+                // The view kept the contract of `meter::admission`: it counted
+                // the request, read each limit's usage, admitted iff no enforce
+                // limit has `used + need > limit`, and reserved on every
+                // reserving counter or on none.
+                let mut counted = before.clone();
                 for &c in &plan.count_request {
-                    view.counters.entry(plan.counters[c].key.clone()).or_default().requests += 1;
+                    counted.entry(plan.counters[c].key.clone()).or_default().requests += 1;
                 }
-                let used: Vec<u64> = plan
+                let expected_used: Vec<u64> = plan
                     .limits
                     .iter()
                     .map(|l| {
-                        let h = view.counters.get(&plan.counters[l.counter].key).copied().unwrap_or_default();
+                        let h = counted.get(&plan.counters[l.counter].key).copied().unwrap_or_default();
                         match l.metric {
                             Metric::Requests => h.requests,
                             Metric::Calls => h.calls + h.reserved,
@@ -673,14 +732,20 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                         }
                     })
                     .collect();
+                prop_assert_eq!(&outcome.used, &expected_used, "what the view read");
+                let used = outcome.used.clone();
                 let over = |li: usize| used[li] + plan.limits[li].need > plan.limits[li].limit;
                 let admitted = !(0..plan.limits.len()).any(|li| plan.limits[li].enforce && over(li));
+                prop_assert_eq!(outcome.admitted, admitted, "all or nothing");
+                let after = view.held(at);
+                let mut expected = counted.clone();
                 if admitted {
                     for c in plan.reserved_counters() {
-                        view.counters.entry(plan.counters[c].key.clone()).or_default().reserved += 1;
+                        expected.entry(plan.counters[c].key.clone()).or_default().reserved += 1;
                     }
                 }
-                let verdict = decide(quotas, &plan, &CheckOutcome { admitted, used: used.clone() }, at);
+                prop_assert_eq!(&after, &expected, "what the check changed");
+                let verdict = decide(quotas, &plan, &outcome, at);
 
                 prop_assert_eq!(verdict.admitted(), admitted);
                 // Monitor quotas never refuse; each one over its limit is reported.
@@ -721,11 +786,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                 }
                 if !admitted {
                     // Refused: only the request was counted; nothing is held.
-                    let mut expected = before.clone();
-                    for &c in &plan.count_request {
-                        expected.entry(plan.counters[c].key.clone()).or_default().requests += 1;
-                    }
-                    prop_assert_eq!(&view.counters, &expected);
+                    prop_assert_eq!(&after, &counted);
                 }
                 // Headers: what is left on the tightest enforce limit, as the view now holds it.
                 for (metric, reported) in
@@ -736,7 +797,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                         .iter()
                         .filter(|l| l.enforce && l.metric == metric)
                         .map(|l| {
-                            let h = view.counters.get(&plan.counters[l.counter].key).copied().unwrap_or_default();
+                            let h = after.get(&plan.counters[l.counter].key).copied().unwrap_or_default();
                             let u = if metric == Metric::Calls { h.calls + h.reserved } else { h.rows };
                             l.limit.saturating_sub(u)
                         })
@@ -754,8 +815,8 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                             prop_assert!(used[li] < l.limit);
                         }
                     }
-                    view.next_event += 1;
                     view.in_flight.push(InFlight {
+                        hold,
                         reserved: plan.reserved_counters().iter().map(|&c| plan.counters[c].key.clone()).collect(),
                         counters: plan.counters.iter().map(|c| c.key.clone()).collect(),
                         fact: UsageFact {
@@ -771,7 +832,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                         },
                     });
                     for c in &plan.counters {
-                        let rows_now = view.counters.get(&c.key).map_or(0, |h| h.rows);
+                        let rows_now = after.get(&c.key).map_or(0, |h| h.rows);
                         let in_flight = view.in_flight.iter().filter(|f| f.counters.contains(&c.key)).count() as u64;
                         view.rows_bound.insert(c.key.clone(), rows_now + MAX_ROWS * in_flight);
                     }
@@ -782,27 +843,39 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                     continue;
                 }
                 let done = view.in_flight.remove(which.index(view.in_flight.len()));
+                let before = view.held(at);
                 for key in &done.reserved {
-                    let h = view.counters.get_mut(key).expect("reserved counter exists");
+                    let h = before.get(key).expect("a reserved counter was seen");
                     prop_assert!(h.reserved > 0);
-                    h.reserved -= 1;
                 }
                 let fact = UsageFact {
                     outcome: if *success { Outcome::Success } else { Outcome::Failure },
                     rows: *rows,
                     ..done.fact
                 };
-                for (counter, delta) in counters_for(&fact, tz, &PriceBook::default()) {
-                    let h = view.counters.entry(counter.key).or_default();
+                // The gateway settles the call: its deltas replace its reservation.
+                let deltas = counters_for(&fact, tz, &PriceBook::default());
+                view.seen.extend(deltas.iter().map(|(c, _)| c.key.clone()));
+                let mut expected = view.held(at);
+                for key in &done.reserved {
+                    expected.entry(key.clone()).or_default().reserved -= 1;
+                }
+                for (counter, delta) in &deltas {
+                    let h = expected.entry(counter.key.clone()).or_default();
                     h.calls += delta.calls;
                     h.rows += delta.rows;
                 }
+                let settlement =
+                    Settlement { event: fact.id.clone(), reservation: Some(done.hold.reservation.clone()), deltas };
+                view.view.settle(&view.project, &[settlement], at);
+                prop_assert_eq!(&view.held(at), &expected, "what the settle changed");
             }
         }
 
         // Invariants after every step, for every enforce quota.
+        let held = view.held(at);
         for q in quotas.iter().filter(|q| q.spec.mode == Mode::Enforce) {
-            for (key, h) in view.counters.iter().filter(|(k, _)| governs(q, k)) {
+            for (key, h) in held.iter().filter(|(k, _)| governs(q, k)) {
                 match q.spec.metric {
                     Metric::Calls => prop_assert!(
                         h.calls + h.reserved <= q.spec.limit,

@@ -4,6 +4,7 @@
 //! The expectations are written out from the quotas reference and DESIGN §3,
 //! independently of how `meter` encodes them.
 
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
@@ -14,9 +15,9 @@ use meter::price::{MAX_UNPRICED_ROWS, price_tokens};
 use meter::quota::{QuotaDraft, validate};
 use meter::usage::{Footprint, counters_for};
 use meter::{
-    ApiKeyId, BreachKind, Caller, CheckInput, CheckOutcome, Component, CounterKey, Dimension, EventId, EventKind,
-    Field, Fold, LimitKind, MeterType, Metric, Mode, Price, PriceBook, PriceKey, ProjectId, Quota, QuotaId, QuotaSpec,
-    Scope, TokenUsage, UsageFact, Usd, WindowKind, decide, plan_check, window_at,
+    ApiKeyId, BreachKind, Caller, CheckInput, Component, CounterKey, Dimension, EventId, EventKind, Field, Fold, Hold,
+    MeterType, Metric, Mode, Price, PriceBook, PriceKey, ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope,
+    TokenUsage, UsageFact, Usd, ViewModel, WindowKind, decide, plan_check, window_at,
 };
 
 fn utc(s: &str) -> DateTime<Utc> {
@@ -146,37 +147,51 @@ fn quota(id: &str, scope: Scope, scope_ref: Option<&str>, metric: Metric, window
     Quota { id: QuotaId::parse(id).expect("id"), spec, created_at: t0, updated_at: t0 }
 }
 
-/// A tiny in-memory view: counters by key, checked as the real views do.
-#[derive(Default)]
-struct Counters(BTreeMap<CounterKey, meter::Totals>);
+/// A tiny view: facts folded into durable totals by counter, and checked by
+/// the reference model of the view (`meter::ViewModel`) as the real views
+/// check them.
+struct Counters {
+    totals: BTreeMap<CounterKey, meter::Totals>,
+    view: RefCell<ViewModel>,
+    checks: Cell<u32>,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        let mut view = ViewModel::new();
+        view.seed(&project(), &[], utc("2026-01-01T00:00:00Z"));
+        Counters { totals: BTreeMap::new(), view: RefCell::new(view), checks: Cell::new(0) }
+    }
+}
+
+fn project() -> ProjectId {
+    ProjectId::parse("p1").expect("id")
+}
 
 impl Counters {
+    /// Folds a fact, as the projector does: the counters' new totals go to the view.
     fn fold(&mut self, fact: &UsageFact, tz: Tz, book: &PriceBook) {
+        let mut folded = Vec::new();
         for (c, d) in counters_for(fact, tz, book) {
-            self.0.entry(c.key).or_default().add(d);
+            let t = self.totals.entry(c.key.clone()).or_default();
+            t.add(d);
+            folded.push((c, *t));
         }
+        self.view.get_mut().apply_fold(&project(), &folded, std::slice::from_ref(&fact.id), fact.occurred_at);
     }
 
     fn check(&self, quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc>) -> meter::Verdict {
         let plan = plan_check(quotas, tz, input, at);
-        let used: Vec<u64> = plan
-            .limits
-            .iter()
-            .map(|l| {
-                let t = self.0.get(&plan.counters[l.counter].key).copied().unwrap_or_default();
-                let sum: i64 = l.fields.iter().map(|f| t.get(*f)).sum();
-                match l.kind {
-                    LimitKind::Blackout if t.get(Field::LlmPriced) > 0 => 0,
-                    _ => u64::try_from(sum).unwrap_or(0),
-                }
-            })
-            .collect();
-        let admitted = plan
-            .limits
-            .iter()
-            .zip(&used)
-            .all(|(l, u)| !l.enforce || l.kind == LimitKind::Probe || u + l.need <= l.limit);
-        decide(quotas, &plan, &CheckOutcome { admitted, used }, at)
+        let n = self.checks.get() + 1;
+        self.checks.set(n);
+        let hold = Hold {
+            reservation: ReservationId::parse(format!("r{n}")).expect("id"),
+            request_event: EventId::parse(format!("req{n}")).expect("id"),
+            lease_until: at + chrono::Duration::seconds(30),
+        };
+        let outcome =
+            self.view.borrow_mut().check(&project(), &plan, &hold, at).expect("a valid plan").expect("seeded");
+        decide(quotas, &plan, &outcome, at)
     }
 }
 

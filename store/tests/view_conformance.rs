@@ -11,6 +11,11 @@
 //! The bodies use the real time, since Redis expires keys by its own clock.
 //! Backend-specific behaviour stays in its module: connection errors and key
 //! prefixes for Redis; for memory, what needs the time moved by days.
+//!
+//! These examples are the readable spec of the view. The rules themselves
+//! are written once, in the reference model `meter::ViewModel` (which
+//! `MemoryView` runs); `tests/view_model.rs` checks `RedisView` against it
+//! on generated operation sequences.
 
 use std::sync::Arc;
 

@@ -14,7 +14,7 @@
 -- ARGV[2]        lease_until (ms): the reservation's score
 -- ARGV[3]        reservation id
 -- ARGV[4]        when the reservation's keys may expire (ms): lease + grace
--- ARGV[5]        TTL of the event index (ms)
+-- ARGV[5]        when the event index may expire (ms): now + its TTL
 -- ARGV[6]        N; then per counter 4 values: name, expire-at (ms, '' = never),
 --                counts the request ('1'/'0'), reserved when admitted ('1'/'0')
 -- then           L; then per limit 6 values: counter index (1-based), kind
@@ -85,13 +85,13 @@ for i = 1, n do
   a = a + 4
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
   if counts == '1' and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
-    redis.call('HINCRBY', ckey, 'p_req', 1)
+    redis.call('HINCRBY', ckey, P_FIELDS[REQ], 1)
     expire_at(ckey, exp)
     counted = true
   end
 end
 if counted then
-  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  redis.call('PEXPIREAT', KEYS[2], ARGV[5])
 end
 
 -- What each counter holds now, read only for the fields some limit needs.

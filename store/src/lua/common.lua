@@ -1,5 +1,7 @@
 -- common.lua: helpers prepended (by RedisView) to every view script; not a
--- script on its own.
+-- script on its own. The rules these scripts follow are meter's reference
+-- model of the view (meter/src/view/model.rs); a property test
+-- (store/tests/view_model.rs) checks them against it.
 --
 -- Key layout (P = prefix, p = project id, n = CounterKey::encode()):
 --   P{p}:c:<n>        hash  t_<f> (durable, from the projector) and
@@ -27,11 +29,13 @@
 -- about $9,007 is approximate, off by at most the doubles' spacing there (at
 -- most 4,096 picodollars below 2^64, i.e. under a millionth of a cent).
 
--- The counter fields, in meter's Field::ALL order (Field::as_str). All are
--- sums except sto, the storage footprint (absolute when durable, a delta
--- when pending), which sto_n (the storage facts it reflects) orders.
-local FIELDS = { 'req', 'calls', 'rows', 'tok', 'c_llm', 'c_cpu', 'c_api', 'c_sto', 'llm', 'llm_p', 'llm_u', 'sto_n', 'sto' }
-local CALLS, LLM_P, STO_N, STO = 2, 10, 12, 13
+-- The counter fields: FIELDS, their short names in meter's Field::ALL order
+-- (Field::as_str), and the positions REQ, CALLS, LLM_P, STO_N and STO are
+-- not written here: RedisView generates them from Field::ALL and prepends
+-- them to every script, so the list has one definition (no script names a
+-- field itself). All are sums except sto, the storage footprint (absolute
+-- when durable, a delta when pending), which sto_n (the storage facts it
+-- reflects) orders.
 local FIELD_AT, T_FIELDS, P_FIELDS = {}, {}, {}
 for i, f in ipairs(FIELDS) do
   FIELD_AT[f] = i
@@ -65,8 +69,8 @@ local function extend_expiry(key, at)
   if cur < 0 or cur < tonumber(at) then redis.call('PEXPIREAT', key, at) end
 end
 
--- Raises a counter's durable totals to new ones: ARGV[a .. a+12], decimal
--- strings in FIELDS order.
+-- Raises a counter's durable totals to new ones: ARGV[a .. a+#FIELDS-1],
+-- decimal strings in FIELDS order.
 -- Sums: t = max(current, new), so a late or repeated fold never lowers one.
 -- The footprint can go down, so max does not apply: t_sto is replaced when
 -- the new one reflects more storage facts (t_sto_n greater, or none stored
@@ -75,9 +79,9 @@ end
 -- Zeros are not written where nothing is stored (a missing field reads 0).
 local function raise_totals(key, a)
   local cur = redis.call('HMGET', key, unpack(T_FIELDS))
-  for i = 1, STO_N - 1 do
+  for i = 1, #FIELDS do
     local new = ARGV[a + i - 1]
-    if (cur[i] or new ~= '0') and (not cur[i] or dec_gt(new, cur[i])) then
+    if i ~= STO_N and i ~= STO and (cur[i] or new ~= '0') and (not cur[i] or dec_gt(new, cur[i])) then
       redis.call('HSET', key, T_FIELDS[i], new)
     end
   end

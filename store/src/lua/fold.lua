@@ -6,8 +6,8 @@
 -- check would count the event twice (or not at all).
 --
 -- ARGV[1]   base "P{p}:"
--- ARGV[2]   C, the number of counters; then per counter 14 values:
---             expire-at (ms, '' = never), then the 13 durable totals in
+-- ARGV[2]   C, the number of counters; then per counter 1 + #FIELDS values:
+--             expire-at (ms, '' = never), then the durable totals in
 --             FIELDS order (decimal strings)
 -- KEYS[1..C]    P{p}:c:<name> per counter
 -- KEYS[C+1..]   P{p}:ev:<event> per folded event

@@ -5,8 +5,8 @@
 --
 -- KEYS[1]       P{p}:loaded
 -- KEYS[2..]     P{p}:c:<name> per counter
--- ARGV          per counter 14 values: expire-at (ms, '' = never), then the
---               13 durable totals in FIELDS order (decimal strings)
+-- ARGV          per counter 1 + #FIELDS values: expire-at (ms, '' = never),
+--               then the durable totals in FIELDS order (decimal strings)
 -- Totals are raised as raise_totals says: a sum is never lowered, the
 -- footprint only by one that reflects more storage facts. Returns the
 -- number of counters.

@@ -6,7 +6,8 @@
 -- pending" must be atomic so the same event id counts once.
 --
 -- ARGV[1]   base "P{p}:" (for the zsets of a reservation, found at run time)
--- ARGV[2]   TTL of an event index (ms)
+-- ARGV[2]   when a written event index may expire (ms): the settle's time +
+--           the index's TTL
 -- ARGV[3]   S, the number of settlements; then per settlement:
 --             event id, reservation id ('' = none), D = number of deltas,
 --             then per delta 3 values: counter name, expire-at (ms, '' =
@@ -20,7 +21,7 @@
 -- Returns the number of settlements whose deltas were added (not already pending).
 
 local base = ARGV[1]
-local ttl = ARGV[2]
+local ev_expire_at = ARGV[2]
 local s = tonumber(ARGV[3])
 local a, k = 4, 1
 local added = 0
@@ -53,7 +54,7 @@ for _ = 1, s do
     end
   end
   if wrote then
-    redis.call('PEXPIRE', evkey, ttl)
+    redis.call('PEXPIREAT', evkey, ev_expire_at)
     added = added + 1
   end
 end

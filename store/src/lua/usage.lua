@@ -8,8 +8,9 @@
 -- KEYS[2]   P{p}:c:<name>
 -- KEYS[3]   P{p}:r:<name>
 -- ARGV[1]   now (ms)
--- Returns nil when the project is not seeded, else 27 decimal strings: the
--- 13 t_<f> in FIELDS order, the 13 p_<f>, then the live reservations.
+-- Returns nil when the project is not seeded, else 2 * #FIELDS + 1 decimal
+-- strings: the t_<f> in FIELDS order, the p_<f>, then the live reservations
+-- (lease after now).
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return false

@@ -1,0 +1,859 @@
+//! # The view's reference model
+//!
+//! The hot-path view (DESIGN §5) has one set of rules, and they are written
+//! here: [`ViewModel`] is the view's state machine as plain data and plain
+//! methods, with no I/O, no lock and no clock. `MemoryView` (in `store`) is
+//! this model behind a mutex; the Lua scripts of `RedisView` implement the
+//! same rules inside Redis; and a property test (`store/tests/view_model.rs`)
+//! runs generated sequences of operations against the model, a `MemoryView`
+//! and a `RedisView` and requires the same answers at every step and the same
+//! state ([`ProjectDump`]) at the end. A rule changes here first.
+//!
+//! ## State
+//!
+//! Per project, the records Redis holds under the project's keys (see
+//! `store/src/redis_view.rs` for the key layout), each with the same expiry.
+//! Times are milliseconds since the epoch ([`Millis`]), the scripts'
+//! resolution.
+//!
+//! | record | Redis key | holds | expires |
+//! |---|---|---|---|
+//! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
+//! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
+//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds | at its lease + [`LEASE_GRACE`] |
+//! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending | [`EVENT_INDEX_TTL`] after the `at` of its last write |
+//! | `loaded` | `loaded` | the durable totals were seeded | never |
+//!
+//! `<counter>` is [`CounterKey::encode`](crate::CounterKey::encode). A
+//! record exists exactly when its Redis key would: a write that stores
+//! nothing creates nothing, and an empty lease set or a released hold is gone.
+//!
+//! ## Rules
+//!
+//! - **Unseeded is unknown.** A check or a usage read of a project without
+//!   the `loaded` marker answers `None` and changes nothing: the caller seeds
+//!   from the store and asks again, so a flushed view never admits against
+//!   zero. Seed sets the marker; settle, unsettle, release and fold neither
+//!   need it nor set it.
+//! - **The request is counted before the compare**, once per request event
+//!   and counter (a retried check counts nothing again), and it stays counted
+//!   when the check is refused: a refused request is still a request.
+//! - **A check is all or nothing.** Every limit of the plan is read (see
+//!   [`LimitKind`]); if any enforce cap or blackout has `used + need > limit`
+//!   the check is refused and reserves nothing; else it reserves this
+//!   reservation on every reserving counter. A limit's `used` counts the live
+//!   reservations (lease after the check's `at`) when `calls` is among its
+//!   fields, without the check's own reservation (a retry).
+//! - **A settle replaces the reservation with the real delta**: it releases
+//!   the reservation and adds the deltas to pending (a counter named twice is
+//!   summed), indexed by event id. An event already indexed adds nothing.
+//! - **Pending is dropped by event id**: unsettle and fold take back exactly
+//!   what the index says the event added, then forget the event; a counter
+//!   that expired meanwhile is left alone, not recreated.
+//! - **Durable totals are never lowered** by a seed or a fold (`max`), and
+//!   the footprint (`storage`) is replaced only by a total reflecting more
+//!   storage facts (`storage_events` greater, or none stored yet); a total
+//!   with no storage facts says nothing about storage.
+//! - **Expiry**: a counter goes [`COUNTER_GRACE`] after its window resets
+//!   (late settles of a closed window still land); a lease set and a hold at
+//!   their latest lease + [`LEASE_GRACE`]; an event index
+//!   [`EVENT_INDEX_TTL`] after its last write. A record whose expiry is set
+//!   at or before the view's clock is gone at once (as `PEXPIREAT` in the past
+//!   deletes a key). A lease that ended is no longer counted, and is purged
+//!   from its set by the next check of that counter.
+//!
+//! ## Time
+//!
+//! Every operation takes an explicit `at`. The model's clock, the analogue
+//! of the Redis server's clock that expires keys, is the latest `at` it was
+//! given: it never runs backwards, and a record is expired when its expiry
+//! is at or before the clock. Leases are compared with each call's own `at`,
+//! as the scripts compare them with the `now` they are given; absolute
+//! expiries (a window's reset, a lease, an event index's `at` + TTL) are
+//! computed from the arguments, as the scripts compute their `PEXPIREAT`s.
+//!
+//! ## Accuracy
+//!
+//! Sums and comparisons are exact integers, where the scripts use doubles
+//! (exact up to 2^53): the two agree on every count, token and byte amount,
+//! and on costs up to about $9,007 (picodollars). A pending amount saturates
+//! at `i64` bounds where Redis's `HINCRBY` would fail.
+
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::Hash;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::admission::{CheckOutcome, CheckPlan, LimitKind};
+use crate::error::{PortError, PortResult};
+use crate::ids::{EventId, ProjectId, ReservationId};
+use crate::usage::{Counter, CounterKey, Field, Totals};
+use crate::view::{CounterUsage, Hold, Settlement};
+
+/// How long a counter outlives its window's reset (late settles still land).
+pub const COUNTER_GRACE: Duration = Duration::from_secs(3600);
+/// How long a reservation's records outlive its lease.
+pub const LEASE_GRACE: Duration = Duration::from_secs(3600);
+/// How long an event's pending index lives after its last write, if the
+/// event is never folded.
+pub const EVENT_INDEX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Milliseconds since the epoch: the resolution of every time the view keeps.
+pub type Millis = i64;
+
+/// Signed amounts of every field, in [`Field::ALL`] order: a counter's
+/// pending deltas, or what one event added to one counter (the scripts'
+/// "value list").
+pub type Values = [i64; Field::ALL.len()];
+
+/// An instant at the view's resolution.
+pub fn millis(at: DateTime<Utc>) -> Millis {
+    at.timestamp_millis()
+}
+
+fn duration_millis(d: Duration) -> Millis {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// When a counter may go: [`COUNTER_GRACE`] after its window resets, or never.
+pub fn counter_expiry(c: &Counter) -> Option<Millis> {
+    c.resets_at.map(|r| millis(r).saturating_add(duration_millis(COUNTER_GRACE)))
+}
+
+/// When the records of a reservation (its lease sets and its hold) may go:
+/// [`LEASE_GRACE`] after its lease.
+pub fn hold_expiry(hold: &Hold) -> Millis {
+    millis(hold.lease_until).saturating_add(duration_millis(LEASE_GRACE))
+}
+
+/// When an event index last written at `at` may go.
+pub fn event_expiry(at: DateTime<Utc>) -> Millis {
+    millis(at).saturating_add(duration_millis(EVENT_INDEX_TTL))
+}
+
+/// The `u64` behind a sum field of `t`, or `None` for `storage` (an `i64`).
+/// [`Totals::get`] clamps at `i64::MAX`; durable sums are kept exact to `u64`.
+pub fn sum_field(t: &mut Totals, f: Field) -> Option<&mut u64> {
+    Some(match f {
+        Field::Requests => &mut t.requests,
+        Field::Calls => &mut t.calls,
+        Field::Rows => &mut t.rows,
+        Field::Tokens => &mut t.tokens,
+        Field::CostLlmTokens => &mut t.cost_llm_tokens,
+        Field::CostComputeExecution => &mut t.cost_compute_execution,
+        Field::CostApiRequest => &mut t.cost_api_request,
+        Field::CostStorage => &mut t.cost_storage,
+        Field::LlmEvents => &mut t.llm_events,
+        Field::LlmPriced => &mut t.llm_priced,
+        Field::LlmUnpriced => &mut t.llm_unpriced,
+        Field::StorageEvents => &mut t.storage_events,
+        Field::Storage => return None,
+    })
+}
+
+/// A durable value of one field, exact: a `u64` sum or the `i64` footprint.
+pub fn durable_value(t: &Totals, f: Field) -> i128 {
+    let mut t = *t;
+    match sum_field(&mut t, f) {
+        Some(v) => i128::from(*v),
+        None => i128::from(t.storage),
+    }
+}
+
+/// A malformed plan is refused before anything is read or written: every
+/// limit must name a counter of the plan.
+pub fn validate_plan(plan: &CheckPlan) -> PortResult<()> {
+    match plan.limits.iter().find(|l| l.counter >= plan.counters.len()) {
+        Some(l) => {
+            Err(PortError::Permanent(format!("check plan names counter {} of {}", l.counter, plan.counters.len())))
+        }
+        None => Ok(()),
+    }
+}
+
+/// One counter's delta of a settlement, after merging.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergedDelta {
+    /// [`CounterKey::encode`].
+    pub name: String,
+    pub expires: Option<Millis>,
+    pub values: Values,
+}
+
+/// The deltas of one settlement, one per counter, in name order: a counter
+/// named twice is summed ([`Totals::add`]), its expiry the first one's.
+pub fn merged_deltas(deltas: &[(Counter, Totals)]) -> Vec<MergedDelta> {
+    let mut by: BTreeMap<String, (Option<Millis>, Totals)> = BTreeMap::new();
+    for (c, t) in deltas {
+        let e = by.entry(c.key.encode()).or_insert_with(|| (counter_expiry(c), Totals::default()));
+        e.1.add(*t);
+    }
+    by.into_iter().map(|(name, (expires, t))| MergedDelta { name, expires, values: t.values() }).collect()
+}
+
+fn add_values(to: &mut Values, v: &Values) {
+    for (a, b) in to.iter_mut().zip(v) {
+        *a = a.saturating_add(*b);
+    }
+}
+
+fn sub_values(to: &mut Values, v: &Values) {
+    for (a, b) in to.iter_mut().zip(v) {
+        *a = a.saturating_sub(*b);
+    }
+}
+
+/// What a counted request adds: one request.
+fn one_request() -> Values {
+    let mut v = [0; Field::ALL.len()];
+    v[Field::Requests.index()] = 1;
+    v
+}
+
+// ---------------------------------------------------------------- records
+
+/// A record that may expire (`None` = never).
+trait Expiring {
+    fn expires(&self) -> Option<Millis>;
+    fn expired(&self, now: Millis) -> bool {
+        self.expires().is_some_and(|e| e <= now)
+    }
+}
+
+/// `c:<counter>`: a counter's durable totals and pending deltas.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CounterRecord {
+    /// The projector's totals, exact.
+    pub durable: Totals,
+    /// Whether a durable footprint is stored (Redis: `t_sto_n` exists).
+    pub footprint: bool,
+    /// Settled but not folded, signed as `HINCRBY` keeps it.
+    pub pending: Values,
+    pub expires: Option<Millis>,
+}
+
+impl CounterRecord {
+    /// `max(0, durable + pending)` of one field, as a check reads it.
+    fn value(&self, f: Field) -> u128 {
+        let v = durable_value(&self.durable, f) + i128::from(self.pending[f.index()]);
+        u128::try_from(v).unwrap_or(0)
+    }
+}
+
+/// `r:<counter>`: the reservations held on a counter.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LeaseRecord {
+    /// Reservation id → lease end.
+    pub leases: BTreeMap<ReservationId, Millis>,
+    pub expires: Option<Millis>,
+}
+
+/// `res:<rid>`: the counters a reservation holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HoldRecord {
+    /// Counter names ([`CounterKey::encode`]).
+    pub counters: BTreeSet<String>,
+    pub expires: Option<Millis>,
+}
+
+/// `ev:<event>`: what an event added to each counter's pending.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventRecord {
+    /// Counter name → the amounts added there.
+    pub deltas: BTreeMap<String, Values>,
+    pub expires: Option<Millis>,
+}
+
+macro_rules! expiring {
+    ($($t:ty),*) => {$(
+        impl Expiring for $t {
+            fn expires(&self) -> Option<Millis> {
+                self.expires
+            }
+        }
+    )*};
+}
+expiring!(CounterRecord, LeaseRecord, HoldRecord, EventRecord);
+
+/// `PEXPIREAT` unless the record already expires later (`extend_expiry`).
+fn extend(expires: &mut Option<Millis>, until: Millis) {
+    if expires.is_none_or(|e| e < until) {
+        *expires = Some(until);
+    }
+}
+
+/// The live record under `key`, dropping it first if it expired.
+fn live<'a, K, Q, V>(map: &'a mut HashMap<K, V>, key: &Q, now: Millis) -> Option<&'a mut V>
+where
+    K: Borrow<Q> + Hash + Eq,
+    Q: Hash + Eq + ?Sized,
+    V: Expiring,
+{
+    if map.get(key).is_some_and(|v| v.expired(now)) {
+        map.remove(key);
+    }
+    map.get_mut(key)
+}
+
+/// The live record under `key`, created empty when missing or expired (a
+/// write to a missing Redis key creates it).
+fn live_or_new<'a, K, V>(map: &'a mut HashMap<K, V>, key: &K, now: Millis) -> &'a mut V
+where
+    K: Hash + Eq + Clone,
+    V: Expiring + Default,
+{
+    if map.get(key).is_some_and(|v| v.expired(now)) {
+        map.remove(key);
+    }
+    map.entry(key.clone()).or_default()
+}
+
+/// The live record under `key`, for reading.
+fn live_ref<'a, K, Q, V>(map: &'a HashMap<K, V>, key: &Q, now: Millis) -> Option<&'a V>
+where
+    K: Borrow<Q> + Hash + Eq,
+    Q: Hash + Eq + ?Sized,
+    V: Expiring,
+{
+    map.get(key).filter(|v| !v.expired(now))
+}
+
+/// Drops `key` if its record is expired (after a write set its expiry).
+fn drop_if_expired<K: Hash + Eq, V: Expiring>(map: &mut HashMap<K, V>, key: &K, now: Millis) {
+    if map.get(key).is_some_and(|v| v.expired(now)) {
+        map.remove(key);
+    }
+}
+
+/// The live records of a map, ordered, for a dump.
+fn live_sorted<K: Ord + Clone, V: Expiring + Clone>(map: &HashMap<K, V>, now: Millis) -> BTreeMap<K, V> {
+    map.iter().filter(|(_, v)| !v.expired(now)).map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+// ---------------------------------------------------------------- a project
+
+/// One project's state in one comparable form: its live records, as the
+/// model, `MemoryView` and (read back key by key) `RedisView` hold them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProjectDump {
+    pub loaded: bool,
+    pub counters: BTreeMap<String, CounterRecord>,
+    pub leases: BTreeMap<String, LeaseRecord>,
+    pub holds: BTreeMap<ReservationId, HoldRecord>,
+    pub events: BTreeMap<EventId, EventRecord>,
+}
+
+/// Everything the view holds for one project.
+#[derive(Debug, Clone, Default)]
+struct ProjectState {
+    loaded: bool,
+    counters: HashMap<String, CounterRecord>,
+    leases: HashMap<String, LeaseRecord>,
+    holds: HashMap<ReservationId, HoldRecord>,
+    events: HashMap<EventId, EventRecord>,
+}
+
+impl ProjectState {
+    fn records(&self) -> usize {
+        self.counters.len() + self.leases.len() + self.holds.len() + self.events.len()
+    }
+
+    /// Writes a counter (creating it), then sets its expiry (`expire_at`,
+    /// which leaves it alone for a counter that never resets).
+    fn write_counter(
+        &mut self,
+        name: &str,
+        expires: Option<Millis>,
+        now: Millis,
+        write: impl FnOnce(&mut CounterRecord),
+    ) {
+        let name = name.to_owned();
+        let c = live_or_new(&mut self.counters, &name, now);
+        write(c);
+        if expires.is_some() {
+            c.expires = expires;
+        }
+        drop_if_expired(&mut self.counters, &name, now);
+    }
+
+    /// Raises a counter's durable totals to `t` (`raise_totals` +
+    /// `expire_at`). On a missing counter, all-zero totals store nothing, so
+    /// they create nothing.
+    fn raise(&mut self, c: &Counter, t: Totals, now: Millis) {
+        let name = c.key.encode();
+        if t.is_zero() && live(&mut self.counters, name.as_str(), now).is_none() {
+            return;
+        }
+        self.write_counter(&name, counter_expiry(c), now, |rec| {
+            let mut new = t;
+            for f in Field::ALL {
+                if f != Field::StorageEvents
+                    && let (Some(d), Some(n)) = (sum_field(&mut rec.durable, f), sum_field(&mut new, f))
+                {
+                    *d = (*d).max(*n);
+                }
+            }
+            let says = t.storage_events != 0 || t.storage != 0;
+            if says && (!rec.footprint || t.storage_events > rec.durable.storage_events) {
+                rec.durable.storage_events = t.storage_events;
+                rec.durable.storage = t.storage;
+                rec.footprint = true;
+            }
+        });
+    }
+
+    /// Takes back what an event added to pending, then forgets the event
+    /// (`drop_event`). A counter that already expired is left alone.
+    fn drop_event(&mut self, event: &EventId, now: Millis) {
+        let Some(ev) = live(&mut self.events, event, now).map(std::mem::take) else { return };
+        self.events.remove(event);
+        for (name, v) in ev.deltas {
+            if let Some(c) = live(&mut self.counters, name.as_str(), now) {
+                sub_values(&mut c.pending, &v);
+            }
+        }
+    }
+
+    /// Frees a reservation on every counter it holds (`release`).
+    fn release(&mut self, rid: &ReservationId, now: Millis) {
+        let Some(hold) = live(&mut self.holds, rid, now).map(std::mem::take) else { return };
+        self.holds.remove(rid);
+        for name in hold.counters {
+            if let Some(z) = live(&mut self.leases, name.as_str(), now) {
+                z.leases.remove(rid);
+                if z.leases.is_empty() {
+                    self.leases.remove(name.as_str());
+                }
+            }
+        }
+    }
+
+    /// Sets an event index's expiry after a write (`PEXPIREAT`).
+    fn expire_event(&mut self, event: &EventId, at: DateTime<Utc>, now: Millis) {
+        if let Some(ev) = self.events.get_mut(event) {
+            ev.expires = Some(event_expiry(at));
+        }
+        drop_if_expired(&mut self.events, event, now);
+    }
+
+    /// check.lua, on a seeded project and a validated plan.
+    fn check(&mut self, plan: &CheckPlan, hold: &Hold, at: DateTime<Utc>, now: Millis) -> CheckOutcome {
+        let names: Vec<String> = plan.counters.iter().map(|c| c.key.encode()).collect();
+        let rid = &hold.reservation;
+        let at_ms = millis(at);
+
+        // Purge ended leases; count the request once per event and counter.
+        let mut counted = false;
+        for (i, c) in plan.counters.iter().enumerate() {
+            if let Some(z) = live(&mut self.leases, names[i].as_str(), now) {
+                z.leases.retain(|_, lease| *lease > at_ms);
+                if z.leases.is_empty() {
+                    self.leases.remove(names[i].as_str());
+                }
+            }
+            if plan.count_request.contains(&i) {
+                let ev = live_or_new(&mut self.events, &hold.request_event, now);
+                if !ev.deltas.contains_key(&names[i]) {
+                    ev.deltas.insert(names[i].clone(), one_request());
+                    self.write_counter(&names[i], counter_expiry(c), now, |rec| {
+                        add_values(&mut rec.pending, &one_request());
+                    });
+                    counted = true;
+                }
+            }
+        }
+        if counted {
+            self.expire_event(&hold.request_event, at, now);
+        }
+
+        // What each limit reads (live reservations without this check's own).
+        let mut admitted = true;
+        let mut used = Vec::with_capacity(plan.limits.len());
+        for l in &plan.limits {
+            let name = names[l.counter].as_str();
+            let rec = live_ref(&self.counters, name, now);
+            let value = |f: Field| rec.map_or(0, |c| c.value(f));
+            let held = || {
+                live_ref(&self.leases, name, now)
+                    .map_or(0, |z| z.leases.iter().filter(|(r, lease)| **lease > at_ms && *r != rid).count())
+            };
+            let mut u: u128 = 0;
+            for f in &l.fields {
+                u = u.saturating_add(value(*f));
+                if *f == Field::Calls && l.kind != LimitKind::Blackout {
+                    u = u.saturating_add(held() as u128);
+                }
+            }
+            if l.kind == LimitKind::Blackout && value(Field::LlmPriced) > 0 {
+                u = 0;
+            }
+            let u = u64::try_from(u).unwrap_or(u64::MAX);
+            used.push(u);
+            if l.enforce && l.kind != LimitKind::Probe && u.saturating_add(l.need) > l.limit {
+                admitted = false;
+            }
+        }
+
+        if admitted {
+            let lease = millis(hold.lease_until);
+            let until = hold_expiry(hold);
+            let mut held = false;
+            for i in plan.reserved_counters() {
+                let z = live_or_new(&mut self.leases, &names[i], now);
+                z.leases.insert(rid.clone(), lease);
+                extend(&mut z.expires, until);
+                drop_if_expired(&mut self.leases, &names[i], now);
+                live_or_new(&mut self.holds, rid, now).counters.insert(names[i].clone());
+                held = true;
+            }
+            if held && let Some(h) = self.holds.get_mut(rid) {
+                extend(&mut h.expires, until);
+                drop_if_expired(&mut self.holds, rid, now);
+            }
+        }
+
+        CheckOutcome { admitted, used }
+    }
+
+    /// settle.lua.
+    fn settle(&mut self, settlements: &[Settlement], at: DateTime<Utc>, now: Millis) {
+        for s in settlements {
+            if let Some(rid) = &s.reservation {
+                self.release(rid, now);
+            }
+            if live(&mut self.events, &s.event, now).is_some() {
+                continue; // already pending: adds nothing
+            }
+            let mut wrote = false;
+            for d in merged_deltas(&s.deltas) {
+                if d.values.iter().all(|v| *v == 0) {
+                    continue;
+                }
+                self.write_counter(&d.name, d.expires, now, |rec| add_values(&mut rec.pending, &d.values));
+                live_or_new(&mut self.events, &s.event, now).deltas.insert(d.name, d.values);
+                wrote = true;
+            }
+            if wrote {
+                self.expire_event(&s.event, at, now);
+            }
+        }
+    }
+
+    /// usage.lua (writes nothing; ended leases are not counted).
+    fn usage(&self, counter: &CounterKey, at: DateTime<Utc>, now: Millis) -> CounterUsage {
+        let name = counter.encode();
+        let (durable, pending) = live_ref(&self.counters, name.as_str(), now)
+            .map(|c| (c.durable, Totals::from_values(&c.pending)))
+            .unwrap_or_default();
+        let at_ms = millis(at);
+        let reserved = live_ref(&self.leases, name.as_str(), now)
+            .map_or(0, |z| z.leases.values().filter(|lease| **lease > at_ms).count());
+        CounterUsage { durable, pending, reserved_calls: reserved as u64 }
+    }
+
+    fn dump(&self, now: Millis) -> ProjectDump {
+        ProjectDump {
+            loaded: self.loaded,
+            counters: live_sorted(&self.counters, now),
+            leases: live_sorted(&self.leases, now),
+            holds: live_sorted(&self.holds, now),
+            events: live_sorted(&self.events, now),
+        }
+    }
+
+    /// Forgets expired records; whether anything is left.
+    fn sweep(&mut self, now: Millis) -> bool {
+        self.counters.retain(|_, v| !v.expired(now));
+        self.leases.retain(|_, v| !v.expired(now) && !v.leases.is_empty());
+        self.holds.retain(|_, v| !v.expired(now));
+        self.events.retain(|_, v| !v.expired(now));
+        self.loaded || self.records() > 0
+    }
+}
+
+// ---------------------------------------------------------------- the view
+
+/// The view's state machine: every project's records and the view's clock.
+/// Each method is one atomic operation of [`View`](crate::View) (one script
+/// in Redis), with the time made explicit.
+#[derive(Debug, Clone)]
+pub struct ViewModel {
+    /// The latest `at` any operation was given.
+    clock: Millis,
+    projects: HashMap<ProjectId, ProjectState>,
+}
+
+impl Default for ViewModel {
+    fn default() -> Self {
+        ViewModel { clock: millis(DateTime::<Utc>::MIN_UTC), projects: HashMap::new() }
+    }
+}
+
+impl ViewModel {
+    /// An empty view: every project is unseeded, and no time has passed.
+    pub fn new() -> ViewModel {
+        ViewModel::default()
+    }
+
+    /// The view's clock: the latest `at` it was given (the earliest instant
+    /// before any). An adapter whose port gives an operation no time passes
+    /// this.
+    pub fn now(&self) -> DateTime<Utc> {
+        DateTime::from_timestamp_millis(self.clock).unwrap_or(DateTime::<Utc>::MIN_UTC)
+    }
+
+    /// Moves the clock to `at`, never back.
+    fn advance(&mut self, at: DateTime<Utc>) -> Millis {
+        self.clock = self.clock.max(millis(at));
+        self.clock
+    }
+
+    /// [`View::check`](crate::View::check): `None` when the project is not
+    /// seeded (nothing changes); an error, changing nothing, for a malformed
+    /// plan.
+    pub fn check(
+        &mut self,
+        project: &ProjectId,
+        plan: &CheckPlan,
+        hold: &Hold,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<CheckOutcome>> {
+        validate_plan(plan)?;
+        let now = self.advance(at);
+        Ok(match self.projects.get_mut(project) {
+            Some(p) if p.loaded => Some(p.check(plan, hold, at, now)),
+            _ => None,
+        })
+    }
+
+    /// [`View::seed`](crate::View::seed): raises durable totals and marks
+    /// the project seeded.
+    pub fn seed(&mut self, project: &ProjectId, totals: &[(Counter, Totals)], at: DateTime<Utc>) {
+        let now = self.advance(at);
+        let p = self.projects.entry(project.clone()).or_default();
+        for (c, t) in totals {
+            p.raise(c, *t, now);
+        }
+        p.loaded = true;
+    }
+
+    /// [`View::settle`](crate::View::settle).
+    pub fn settle(&mut self, project: &ProjectId, settlements: &[Settlement], at: DateTime<Utc>) {
+        let now = self.advance(at);
+        if settlements.is_empty() {
+            return;
+        }
+        self.projects.entry(project.clone()).or_default().settle(settlements, at, now);
+    }
+
+    /// [`View::unsettle`](crate::View::unsettle).
+    pub fn unsettle(&mut self, project: &ProjectId, events: &[EventId], at: DateTime<Utc>) {
+        let now = self.advance(at);
+        if let Some(p) = self.projects.get_mut(project) {
+            for e in events {
+                p.drop_event(e, now);
+            }
+        }
+    }
+
+    /// [`View::release`](crate::View::release).
+    pub fn release(&mut self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) {
+        let now = self.advance(at);
+        if let Some(p) = self.projects.get_mut(project) {
+            p.release(reservation, now);
+        }
+    }
+
+    /// [`View::apply_fold`](crate::View::apply_fold): raises durable totals,
+    /// then drops the pending deltas of the folded events.
+    pub fn apply_fold(
+        &mut self,
+        project: &ProjectId,
+        totals: &[(Counter, Totals)],
+        events: &[EventId],
+        at: DateTime<Utc>,
+    ) {
+        let now = self.advance(at);
+        if totals.is_empty() && events.is_empty() {
+            return;
+        }
+        let p = self.projects.entry(project.clone()).or_default();
+        for (c, t) in totals {
+            p.raise(c, *t, now);
+        }
+        for e in events {
+            p.drop_event(e, now);
+        }
+    }
+
+    /// [`View::usage`](crate::View::usage): `None` when not seeded.
+    pub fn usage(&mut self, project: &ProjectId, counter: &CounterKey, at: DateTime<Utc>) -> Option<CounterUsage> {
+        let now = self.advance(at);
+        self.projects.get(project).filter(|p| p.loaded).map(|p| p.usage(counter, at, now))
+    }
+
+    /// One project's live records, in one comparable form.
+    pub fn dump(&self, project: &ProjectId) -> ProjectDump {
+        self.projects.get(project).map(|p| p.dump(self.clock)).unwrap_or_default()
+    }
+
+    /// Forgets every expired record, and the projects left with nothing
+    /// (an unseeded project with no live record is no different from an
+    /// unknown one). Changes no answer and no dump: it only frees memory.
+    pub fn sweep(&mut self) {
+        let now = self.clock;
+        self.projects.retain(|_, p| p.sweep(now));
+    }
+
+    /// How many records (counters, lease sets, holds, event indexes, and one
+    /// per project) the model holds, expired ones not swept yet included.
+    pub fn records(&self) -> usize {
+        self.projects.values().map(|p| 1 + p.records()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::Duration as Span;
+
+    use super::*;
+    use crate::admission::PlannedLimit;
+    use crate::quota::Metric;
+    use crate::usage::Dimension;
+    use crate::window::WindowKind;
+
+    fn t0() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2030-01-01T00:00:00Z").expect("timestamp").with_timezone(&Utc)
+    }
+
+    fn project() -> ProjectId {
+        ProjectId::parse("p1").expect("project id")
+    }
+
+    fn day_counter(resets_at: DateTime<Utc>) -> Counter {
+        Counter {
+            key: CounterKey { dimension: Dimension::Project, window: WindowKind::Day, window_key: "d".into() },
+            resets_at: Some(resets_at),
+        }
+    }
+
+    fn hold(n: u32, lease_until: DateTime<Utc>) -> Hold {
+        Hold {
+            reservation: ReservationId::parse(format!("r{n}")).expect("id"),
+            request_event: EventId::parse(format!("q{n}")).expect("id"),
+            lease_until,
+        }
+    }
+
+    /// Counts the request and caps calls at `limit` on one counter.
+    fn plan(c: &Counter, calls: u64) -> CheckPlan {
+        let cap = |metric, fields: Vec<Field>, limit, need, reserve| PlannedLimit {
+            quota: 0,
+            counter: 0,
+            metric,
+            kind: LimitKind::Cap,
+            fields,
+            limit,
+            need,
+            enforce: true,
+            reserve,
+        };
+        CheckPlan {
+            counters: vec![c.clone()],
+            limits: vec![
+                cap(Metric::Requests, vec![Field::Requests], 100, 0, false),
+                cap(Metric::Calls, vec![Field::Calls], calls, 1, true),
+            ],
+            count_request: vec![0],
+            windows: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_clock_never_runs_backwards() {
+        let mut v = ViewModel::new();
+        assert_eq!(v.now(), DateTime::<Utc>::MIN_UTC);
+        let p = project();
+        v.seed(&p, &[], t0());
+        v.usage(&p, &day_counter(t0()).key, t0() - Span::days(1));
+        assert_eq!(v.now(), t0());
+    }
+
+    #[test]
+    fn a_zero_total_creates_no_counter_and_a_past_expiry_removes_one() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let live = day_counter(t0() + Span::days(1));
+        v.seed(&p, &[(live.clone(), Totals::default())], t0());
+        assert!(v.dump(&p).counters.is_empty(), "nothing stored, nothing created");
+        // A window that reset more than the grace ago: written, then gone at once.
+        let closed = day_counter(t0() - Span::hours(2));
+        v.apply_fold(&p, &[(closed, Totals { calls: 1, ..Totals::default() })], &[], t0());
+        assert!(v.dump(&p).counters.is_empty());
+        v.apply_fold(&p, &[(live.clone(), Totals { calls: 1, ..Totals::default() })], &[], t0());
+        let dump = v.dump(&p);
+        let rec = dump.counters.get(&live.key.encode()).expect("stored");
+        assert_eq!((rec.durable.calls, rec.expires), (1, counter_expiry(&live)));
+    }
+
+    #[test]
+    fn an_admitted_check_holds_until_its_lease_ends_or_it_is_released() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        v.seed(&p, &[], t0());
+        let pl = plan(&c, 1);
+        let first = hold(1, t0() + Span::seconds(10));
+        let o = v.check(&p, &pl, &first, t0()).expect("valid").expect("seeded");
+        assert_eq!(o, CheckOutcome { admitted: true, used: vec![1, 0] });
+        let d = v.dump(&p);
+        assert_eq!(d.holds[&first.reservation].expires, Some(hold_expiry(&first)));
+        assert_eq!(d.events[&first.request_event].expires, Some(event_expiry(t0())));
+        let o = v.check(&p, &pl, &hold(2, t0() + Span::seconds(10)), t0()).expect("valid").expect("seeded");
+        assert_eq!(o, CheckOutcome { admitted: false, used: vec![2, 1] });
+        // The lease ended: the next check purges it and takes the slot.
+        let later = t0() + Span::seconds(11);
+        let third = hold(3, later + Span::seconds(10));
+        assert!(v.check(&p, &pl, &third, later).expect("valid").expect("seeded").admitted);
+        assert_eq!(v.dump(&p).leases[&c.key.encode()].leases.len(), 1, "the ended lease was purged");
+        v.release(&p, &third.reservation, later);
+        let d = v.dump(&p);
+        assert!(d.leases.is_empty() && !d.holds.contains_key(&third.reservation));
+    }
+
+    #[test]
+    fn a_malformed_plan_changes_nothing() {
+        let mut v = ViewModel::new();
+        let p = project();
+        v.seed(&p, &[], t0());
+        let mut pl = plan(&day_counter(t0() + Span::days(1)), 1);
+        pl.limits[1].counter = 1;
+        let before = v.dump(&p);
+        assert!(v.check(&p, &pl, &hold(1, t0()), t0()).is_err());
+        assert_eq!(v.dump(&p), before);
+    }
+
+    #[test]
+    fn sweeping_changes_no_dump() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::hours(1));
+        v.seed(&p, &[(c.clone(), Totals { rows: 3, ..Totals::default() })], t0());
+        v.check(&p, &plan(&c, 5), &hold(1, t0() + Span::seconds(30)), t0()).expect("valid");
+        let s = Settlement {
+            event: EventId::parse("e1").expect("id"),
+            reservation: None,
+            deltas: vec![(c.clone(), Totals { calls: 1, ..Totals::default() })],
+        };
+        v.settle(&p, &[s], t0());
+        for later in [t0(), t0() + Span::hours(3), t0() + Span::days(8)] {
+            v.usage(&p, &c.key, later);
+            let before = v.dump(&p);
+            v.sweep();
+            assert_eq!(v.dump(&p), before, "at {later}");
+        }
+        assert_eq!(v.records(), 1, "only the project's loaded marker is left");
+    }
+}
