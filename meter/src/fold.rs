@@ -3,8 +3,9 @@
 //! The fold is a sum keyed by (project, counter), so it is associative and
 //! commutative: any order of the same facts gives the same totals. It is
 //! idempotent per event id: a fact whose id was already applied adds nothing.
-//! The projector uses it per batch, after PostgreSQL has filtered out the ids
-//! it saw in earlier batches, and upserts the result in one statement.
+//! A store folds each batch with it ([`crate::ledger`]), after its dedup set
+//! has filtered out the ids it saw in earlier batches, and upserts the result
+//! in one statement.
 
 use std::collections::{BTreeMap, HashSet};
 

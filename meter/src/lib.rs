@@ -9,8 +9,9 @@
 //!
 //! Values first, rules on them, ports last: [`ids`], [`error`], [`clock`],
 //! [`window`], [`price`], [`quota`], [`tenant`], [`role`], [`usage`] (facts
-//! and counters), [`fold`], [`admission`] (plan and verdict), [`apply`]
-//! (declarative quota plans), [`audit`], [`report`], [`view`] (with the view's reference model), and
+//! and counters), [`fold`], [`ledger`] (a batch's fold as a store persists
+//! it), [`admission`] (plan and verdict), [`apply`] (declarative quota
+//! plans), [`audit`], [`report`], [`view`] (with the view's reference model), and
 //! [`ports`], which only declares traits over them. No module imports one
 //! that imports it back.
 //!
@@ -50,6 +51,7 @@ pub mod clock;
 pub mod error;
 pub mod fold;
 pub mod ids;
+pub mod ledger;
 pub mod ports;
 pub mod price;
 pub mod quota;
@@ -70,6 +72,10 @@ pub use clock::{Clock, ManualClock};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
 pub use fold::{Fold, FoldBatch, FoldReport, OffsetMove};
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
+pub use ledger::{
+    BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, Posting, StorageFact, StorageKind, StoredFootprint,
+    UnknownProject,
+};
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};

@@ -680,17 +680,35 @@ pub struct Footprint {
 }
 
 impl Footprint {
+    /// A footprint resumed from what a store holds of a project's storage
+    /// facts, summed up: its newest `snapshot` (at, event id, bytes), its
+    /// deltas as sums each placed at an instant (a sum counts when its
+    /// instant is after the newest snapshot, exactly as one delta there
+    /// would), and how many `events` they are. See [`crate::ledger`].
+    pub fn resume(
+        snapshot: Option<(DateTime<Utc>, EventId, i64)>,
+        deltas: Vec<(DateTime<Utc>, i64)>,
+        events: u64,
+    ) -> Footprint {
+        Footprint { snapshot, deltas, events }
+    }
+
     pub fn apply(&mut self, fact: &UsageFact) {
-        let bytes = fact.storage_bytes.unwrap_or(0);
-        match fact.kind {
-            EventKind::StorageDelta => self.deltas.push((fact.occurred_at, bytes)),
+        self.add(fact.kind, fact.occurred_at, &fact.id, fact.storage_bytes.unwrap_or(0));
+    }
+
+    /// [`Footprint::apply`] of a fact given by its parts; a kind other than
+    /// the two storage kinds adds nothing.
+    pub fn add(&mut self, kind: EventKind, at: DateTime<Utc>, id: &EventId, bytes: i64) {
+        match kind {
+            EventKind::StorageDelta => self.deltas.push((at, bytes)),
             EventKind::StorageSnapshot => {
                 let newer = match &self.snapshot {
                     None => true,
-                    Some((t, id, _)) => (fact.occurred_at, &fact.id) > (*t, id),
+                    Some((t, snapshot_id, _)) => (at, id) > (*t, snapshot_id),
                 };
                 if newer {
-                    self.snapshot = Some((fact.occurred_at, fact.id.clone(), bytes));
+                    self.snapshot = Some((at, id.clone(), bytes));
                 }
             }
             _ => return,

@@ -56,6 +56,7 @@ macro_rules! conformance {
             a_late_snapshot_keeps_only_the_deltas_after_it,
             the_order_of_storage_facts_does_not_change_the_footprint,
             concurrent_folds_of_one_project_keep_every_storage_fact,
+            a_batch_with_a_snapshot_among_stored_and_new_deltas_keeps_only_those_after_it,
             an_exception_is_filed_once_and_counts_its_occurrences,
             exceptions_page_by_quota_id,
             a_tokens_events_breakdown_lands_in_its_local_day_and_month,
@@ -71,6 +72,16 @@ macro_rules! conformance {
             let db = $fixture.await;
             let store = &db.store;
             super::purging_the_dedup_set_forgets_old_ids_only(store, async |before| {
+                store.purge_processed_before(before).await.expect("purge")
+            })
+            .await;
+        }
+
+        #[tokio::test]
+        async fn a_storage_fact_refolded_after_its_id_was_purged_is_not_counted_twice() {
+            let db = $fixture.await;
+            let store = &db.store;
+            super::a_storage_fact_refolded_after_its_id_was_purged_is_not_counted_twice(store, async |before| {
                 store.purge_processed_before(before).await.expect("purge")
             })
             .await;
@@ -1518,6 +1529,59 @@ pub async fn concurrent_folds_of_one_project_keep_every_storage_fact(s: &dyn Sto
         let t = total(s, "proj_1", CounterKey::footprint()).await;
         assert_eq!((t.storage, t.storage_events), footprint_of(&all), "round {round}");
     }
+}
+
+/// A late snapshot that lands between stored deltas, in a batch that also
+/// brings deltas before and after it and an older snapshot: only the deltas
+/// after it count, stored or new.
+pub async fn a_batch_with_a_snapshot_among_stored_and_new_deltas_keeps_only_those_after_it(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let first = vec![
+        snapshot("s0", "2026-07-07T11:00:00Z", 50),
+        delta("d1", "2026-07-07T12:00:00Z", 100),
+        delta("d2", "2026-07-07T12:10:00Z", 10),
+        delta("d3", "2026-07-07T12:20:00Z", 5),
+    ];
+    let report = s.fold_batch(&batch(0, 4, first.clone())).await.expect("fold");
+    assert_eq!(reported_footprint(s, &report, "proj_1").await.storage, 165);
+
+    let second = vec![
+        delta("d4", "2026-07-07T12:04:00Z", 1_000),
+        snapshot("s2", "2026-07-07T12:05:00Z", 500),
+        snapshot("s1", "2026-07-07T11:30:00Z", 7),
+        // At the snapshot's instant: already in it.
+        delta("d5", "2026-07-07T12:05:00Z", 3),
+        delta("d6", "2026-07-07T12:30:00Z", 2),
+    ];
+    let report = s.fold_batch(&batch(4, 9, second.clone())).await.expect("fold");
+    let all: Vec<UsageFact> = first.into_iter().chain(second).collect();
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (500 + 10 + 5 + 2, 9));
+    assert_eq!((t.storage, t.storage_events), footprint_of(&all));
+}
+
+/// An id the dedup set forgot (older than the horizon) folds again, but the
+/// store still holds its storage fact: the footprint counts it once.
+pub async fn a_storage_fact_refolded_after_its_id_was_purged_is_not_counted_twice(
+    s: &dyn Store,
+    purge: impl AsyncFn(DateTime<Utc>) -> u64,
+) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let facts = vec![
+        delta("d1", "2026-05-01T00:00:00Z", 100),
+        snapshot("s1", "2026-05-01T00:01:00Z", 1000),
+        delta("d2", "2026-07-01T00:00:00Z", 5),
+    ];
+    let report = s.fold_batch(&batch(0, 3, facts.clone())).await.expect("fold");
+    let before = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((before.storage, before.storage_events), (1005, 3));
+    assert_eq!(purge(utc("2026-07-01T00:00:00Z") - Duration::days(35)).await, 2);
+
+    let report = s.fold_batch(&batch(3, 6, facts)).await.expect("fold again");
+    let e = |id: &str| (pid("proj_1"), EventId::parse(id).expect("id"));
+    assert_eq!(report.folded, vec![e("d1"), e("s1")], "the dedup set forgot them");
+    assert_eq!(report.duplicates, vec![e("d2")]);
+    assert_eq!(reported_footprint(s, &report, "proj_1").await, before);
 }
 
 // --- Exceptions ----------------------------------------------------------------

@@ -1,0 +1,629 @@
+//! The fold of one batch, as a durable store persists it.
+//!
+//! A store's [`Ledger::fold_batch`](crate::ports::Ledger::fold_batch) only
+//! does I/O: it fences the offsets, asks its dedup set which ids are new,
+//! reads what the arithmetic needs (time zones, the prices of the batch's
+//! models, what it holds of each touched project's storage footprint) and
+//! writes what this module computed. Everything in between is here, once for
+//! every database:
+//!
+//! 1. [`BatchFold::new`] takes the batch's facts. Within a batch the first
+//!    occurrence of a (project, event id) wins; [`BatchFold::candidates`]
+//!    lists those in (project, id) order, the order a store offers them to
+//!    its dedup set (so concurrent writers take row locks alike). The store's
+//!    `INSERT … ON CONFLICT DO NOTHING RETURNING` stays the judge of which
+//!    ids it never folded.
+//! 2. [`BatchFold::post`], given those new ids, each project's time zone and
+//!    the slice of the price book the batch names ([`BatchFold::price_keys`]),
+//!    returns a [`Posting`]: one [`FactOutcome`] per fact, the sums to add to
+//!    each counter (with its reset), the unpriced rows, the token breakdown by
+//!    model for the day and month, the storage facts to keep, and what to read
+//!    of each touched project's stored footprint ([`FootprintRead`]).
+//! 3. [`Posting::footprints`], given what the store read
+//!    ([`StoredFootprint`]) and which storage facts it actually kept, returns
+//!    each touched project's new [`Footprint`]: the store sets it, never adds.
+//!
+//! Guarantees (property-tested in `meter/tests/ledger.rs` against a model
+//! store): folding facts batch by batch, in any split and any order, with any
+//! redelivery, adds up to one [`Fold`] of the distinct facts, and leaves each
+//! project's footprint equal to the [`Footprint`] of all its storage facts; a
+//! batch folded again adds nothing.
+//!
+//! Outcomes are per fact, not one verdict for the batch, so that a fold can
+//! later refuse or saturate one record and fold the rest.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use chrono::{DateTime, SubsecRound, TimeDelta, Utc};
+use chrono_tz::Tz;
+
+use crate::error::named;
+use crate::fold::{Fold, FoldReport};
+use crate::ids::{EventId, ProjectId};
+use crate::price::{MeterType, PriceBook, PriceKey, Usd};
+use crate::report::{ModelUsageRow, UnpricedRow};
+use crate::usage::{
+    Counter, CounterKey, EventKind, Footprint, Totals, UsageFact, component_usage, counters_for, priced,
+};
+use crate::window::{WindowKind, window_at};
+
+/// The windows the token breakdown by model is kept for.
+pub const MODEL_USAGE_WINDOWS: [WindowKind; 2] = [WindowKind::Day, WindowKind::CalendarMonth];
+
+/// What became of one fact of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FactOutcome {
+    /// New: added to the aggregates.
+    Folded,
+    /// Its id was folded before, in an earlier batch or earlier in this
+    /// one: it adds nothing.
+    Duplicate,
+}
+
+/// A fact of a project the store does not know: a bug upstream (the
+/// projector dead-letters those), so the batch fails and changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("project {project_id} of event {event_id} does not exist")]
+pub struct UnknownProject {
+    pub project_id: ProjectId,
+    pub event_id: EventId,
+}
+
+/// The two kinds of storage fact, as a store keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StorageKind {
+    Delta,
+    Snapshot,
+}
+
+impl StorageKind {
+    pub const ALL: [StorageKind; 2] = [StorageKind::Delta, StorageKind::Snapshot];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageKind::Delta => "delta",
+            StorageKind::Snapshot => "snapshot",
+        }
+    }
+
+    pub fn event_kind(self) -> EventKind {
+        match self {
+            StorageKind::Delta => EventKind::StorageDelta,
+            StorageKind::Snapshot => EventKind::StorageSnapshot,
+        }
+    }
+}
+
+named!(StorageKind, "storage kind", StorageKind::ALL);
+
+/// One storage fact a store keeps, the source its footprints are folded from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageFact {
+    pub project_id: ProjectId,
+    pub event_id: EventId,
+    pub kind: StorageKind,
+    /// To the microsecond: stores keep (and compare) instants so, and the
+    /// footprint must order the batch's facts exactly as the stored ones.
+    pub occurred_at: DateTime<Utc>,
+    /// Added (> 0) or removed (< 0) by a delta; held by a snapshot.
+    pub bytes: i64,
+}
+
+impl StorageFact {
+    /// The storage fact of a `storage_delta` or `storage_snapshot` fact.
+    pub fn of(fact: &UsageFact) -> Option<StorageFact> {
+        let kind = match fact.kind {
+            EventKind::StorageDelta => StorageKind::Delta,
+            EventKind::StorageSnapshot => StorageKind::Snapshot,
+            _ => return None,
+        };
+        Some(StorageFact {
+            project_id: fact.project_id.clone(),
+            event_id: fact.id.clone(),
+            kind,
+            occurred_at: fact.occurred_at.trunc_subsecs(6),
+            bytes: fact.storage_bytes.unwrap_or(0),
+        })
+    }
+}
+
+/// What a store must read of one project's stored footprint, before it keeps
+/// the batch's storage facts: a [`StoredFootprint`] with `after_cut` taken
+/// at `cut`, the instant of the batch's newest new snapshot (if any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FootprintRead {
+    pub project_id: ProjectId,
+    pub cut: Option<DateTime<Utc>>,
+}
+
+/// What a store holds of one project's storage facts, as much as a fold
+/// needs, whatever their number: one row per project.
+///
+/// It is enough because no new snapshot is newer than the read's cut: the
+/// footprint's newest snapshot is then either the stored one (and the stored
+/// deltas that count are `after_snapshot`) or a new one at the cut (and they
+/// are `after_cut`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoredFootprint {
+    /// The newest stored snapshot by (occurred_at, event id): when, its id
+    /// and its bytes.
+    pub snapshot: Option<(DateTime<Utc>, EventId, i64)>,
+    /// The sum of the stored deltas strictly after that snapshot; of all of
+    /// them if there is none.
+    pub after_snapshot: i64,
+    /// The sum of the stored deltas strictly after the read's cut (0 if it
+    /// has none).
+    pub after_cut: i64,
+    /// How many storage facts are stored (snapshots and deltas).
+    pub events: u64,
+}
+
+impl StoredFootprint {
+    /// The stored footprint as a [`Footprint`] new facts can be applied to:
+    /// the stored deltas enter as (at most) two sums, placed so that each
+    /// counts exactly when its deltas would. `cut` is the read's.
+    fn resume(&self, cut: Option<DateTime<Utc>>) -> Footprint {
+        // Stored instants are whole microseconds, so nothing lies between
+        // an instant and the next nanosecond.
+        let just_after = |t: DateTime<Utc>| t.checked_add_signed(TimeDelta::nanoseconds(1)).unwrap_or(t);
+        let at = self.snapshot.as_ref().map(|(t, _, _)| *t);
+        let deltas = match (at, cut) {
+            // Up to the cut: count unless a new snapshot at the cut wins.
+            // After it: count whichever snapshot wins.
+            (at, Some(c)) if at.is_none_or(|s| s < c) => {
+                vec![(c, self.after_snapshot.saturating_sub(self.after_cut)), (just_after(c), self.after_cut)]
+            }
+            // The stored snapshot is at or after every new one: the newest
+            // is at its instant, and every delta after it counts.
+            (Some(s), _) => vec![(just_after(s), self.after_snapshot)],
+            // No snapshot at all: every delta counts.
+            (None, _) => vec![(DateTime::<Utc>::MIN_UTC, self.after_snapshot)],
+        };
+        Footprint::resume(self.snapshot.clone(), deltas, self.events)
+    }
+}
+
+/// What a batch adds to one (provider, model, component, meter) of the
+/// token breakdown, in one window of a project.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelUsageAdd {
+    pub project_id: ProjectId,
+    pub window: WindowKind,
+    pub window_key: String,
+    pub row: ModelUsageRow,
+}
+
+/// One batch's facts, deduplicated within the batch.
+#[derive(Debug, Clone)]
+pub struct BatchFold<'a> {
+    facts: &'a [UsageFact],
+    /// Whether each fact is the first of its (project, id) in the batch.
+    first: Vec<bool>,
+}
+
+impl<'a> BatchFold<'a> {
+    pub fn new(facts: &'a [UsageFact]) -> BatchFold<'a> {
+        let mut seen: HashSet<(&ProjectId, &EventId)> = HashSet::with_capacity(facts.len());
+        let first = facts.iter().map(|f| seen.insert((&f.project_id, &f.id))).collect();
+        BatchFold { facts, first }
+    }
+
+    /// The batch's projects, distinct and ordered: whose zones to read.
+    pub fn projects(&self) -> Vec<&'a ProjectId> {
+        let set: BTreeSet<&ProjectId> = self.facts.iter().map(|f| &f.project_id).collect();
+        set.into_iter().collect()
+    }
+
+    fn firsts(&self) -> impl Iterator<Item = &'a UsageFact> + '_ {
+        self.facts.iter().zip(&self.first).filter(|(_, first)| **first).map(|(f, _)| f)
+    }
+
+    /// The first occurrence of each (project, id), in (project, id) order:
+    /// what to offer the dedup set.
+    pub fn candidates(&self) -> Vec<&'a UsageFact> {
+        let mut out: Vec<&UsageFact> = self.firsts().collect();
+        out.sort_unstable_by(|a, b| (&a.project_id, &a.id).cmp(&(&b.project_id, &b.id)));
+        out
+    }
+
+    /// The (provider, model) pairs the candidates' token entries name: the
+    /// rows of the price book that can price them (a price is looked up by
+    /// its key only, so the rest of the book cannot change a cost). Empty
+    /// when no candidate is a tokens event.
+    pub fn price_keys(&self) -> BTreeSet<(&'a str, &'a str)> {
+        self.firsts()
+            .filter(|f| f.kind == EventKind::Tokens)
+            .flat_map(|f| f.tokens.iter().map(|t| (t.provider.as_str(), t.model.as_str())))
+            .collect()
+    }
+
+    /// Folds the facts whose ids are `new` (the first occurrence of each):
+    /// everything a store writes but the footprints. Tokens events are
+    /// priced at their event time against `book`; every fact's project must
+    /// have a zone in `zones`.
+    pub fn post(
+        &self,
+        new: &HashSet<(ProjectId, EventId)>,
+        zones: &HashMap<ProjectId, Tz>,
+        book: &PriceBook,
+    ) -> Result<Posting<'a>, UnknownProject> {
+        if let Some(f) = self.facts.iter().find(|f| !zones.contains_key(&f.project_id)) {
+            return Err(UnknownProject { project_id: f.project_id.clone(), event_id: f.id.clone() });
+        }
+        let footprint = CounterKey::footprint();
+        let mut outcomes = Vec::with_capacity(self.facts.len());
+        let mut fold = Fold::new();
+        let mut unpriced: BTreeMap<(ProjectId, CounterKey, PriceKey), Option<DateTime<Utc>>> = BTreeMap::new();
+        type ModelKey = (ProjectId, WindowKind, String, PriceKey, MeterType, bool);
+        let mut models: BTreeMap<ModelKey, (u64, u64, Usd)> = BTreeMap::new();
+        let mut storage = Vec::new();
+        let mut cuts: BTreeMap<ProjectId, Option<DateTime<Utc>>> = BTreeMap::new();
+        for (fact, first) in self.facts.iter().zip(&self.first) {
+            if !*first || !new.contains(&(fact.project_id.clone(), fact.id.clone())) {
+                outcomes.push(FactOutcome::Duplicate);
+                continue;
+            }
+            outcomes.push(FactOutcome::Folded);
+            // Invariant: every fact's zone was checked above.
+            let tz = zones.get(&fact.project_id).copied().unwrap_or(Tz::UTC);
+            fold.apply(fact, tz, book);
+            if let Some(s) = StorageFact::of(fact) {
+                let cut = cuts.entry(s.project_id.clone()).or_default();
+                if s.kind == StorageKind::Snapshot && cut.is_none_or(|c| c < s.occurred_at) {
+                    *cut = Some(s.occurred_at);
+                }
+                storage.push(s);
+            }
+            if fact.kind != EventKind::Tokens {
+                continue;
+            }
+            // The breakdown by model, for the day and month of the fact.
+            let rows = component_usage(fact, book);
+            for kind in MODEL_USAGE_WINDOWS {
+                let window_key = window_at(kind, tz, fact.occurred_at).key;
+                for r in &rows {
+                    let key = (fact.project_id.clone(), kind, window_key.clone(), r.key.clone(), r.meter, r.embedding);
+                    let (priced, unpriced, cost) = models.entry(key).or_default();
+                    *priced = priced.saturating_add(r.priced_quantity);
+                    *unpriced = unpriced.saturating_add(r.unpriced_quantity);
+                    *cost = cost.saturating_add(r.cost);
+                }
+            }
+            // Unpriced components are remembered on every counter the fact lands in.
+            let keys = priced(fact, book).unpriced_rows;
+            if keys.is_empty() {
+                continue;
+            }
+            for (counter, _) in counters_for(fact, tz, book) {
+                if counter.key == footprint {
+                    continue;
+                }
+                for k in &keys {
+                    unpriced.insert((fact.project_id.clone(), counter.key.clone(), k.clone()), counter.resets_at);
+                }
+            }
+        }
+        storage.sort_unstable_by(|a: &StorageFact, b| (&a.project_id, &a.event_id).cmp(&(&b.project_id, &b.event_id)));
+        Ok(Posting {
+            facts: self.facts,
+            outcomes,
+            sums: fold.totals().filter(|(_, c, _)| c.key != footprint).map(|(p, c, t)| (p.clone(), c, t)).collect(),
+            unpriced: unpriced
+                .into_iter()
+                .map(|((p, key, k), resets_at)| (p, UnpricedRow { counter: Counter { key, resets_at }, key: k }))
+                .collect(),
+            model_usage: models
+                .into_iter()
+                .map(|((project_id, window, window_key, key, meter, embedding), (priced, unpriced, cost))| {
+                    ModelUsageAdd {
+                        project_id,
+                        window,
+                        window_key,
+                        row: ModelUsageRow {
+                            key,
+                            meter,
+                            embedding,
+                            priced_quantity: priced,
+                            unpriced_quantity: unpriced,
+                            cost,
+                        },
+                    }
+                })
+                .collect(),
+            storage,
+            footprint_reads: cuts.into_iter().map(|(project_id, cut)| FootprintRead { project_id, cut }).collect(),
+        })
+    }
+}
+
+/// Everything a store writes for one batch, computed. Every list is in key
+/// order, so concurrent writers take row locks alike.
+#[derive(Debug, Clone)]
+pub struct Posting<'a> {
+    facts: &'a [UsageFact],
+    /// One per fact of the batch, in the batch's order.
+    pub outcomes: Vec<FactOutcome>,
+    /// What to add to each counter the new facts touched (with its reset),
+    /// by project then counter. Never the footprint: see [`Posting::footprints`].
+    pub sums: Vec<(ProjectId, Counter, Totals)>,
+    /// The distinct unpriced (provider, model, component) of each counter
+    /// the new tokens facts landed in.
+    pub unpriced: Vec<(ProjectId, UnpricedRow)>,
+    /// The new tokens facts broken down by model, summed per day and month.
+    pub model_usage: Vec<ModelUsageAdd>,
+    /// The new storage facts, in (project, event id) order.
+    pub storage: Vec<StorageFact>,
+    /// Per project with new storage facts: what to read of its footprint.
+    pub footprint_reads: Vec<FootprintRead>,
+}
+
+impl Posting<'_> {
+    /// The folded and duplicate ids, in the batch's order; no totals yet
+    /// (the store reports the absolute ones it wrote).
+    pub fn report(&self) -> FoldReport {
+        let mut report = FoldReport::default();
+        for (fact, outcome) in self.facts.iter().zip(&self.outcomes) {
+            let id = (fact.project_id.clone(), fact.id.clone());
+            match outcome {
+                FactOutcome::Folded => report.folded.push(id),
+                FactOutcome::Duplicate => report.duplicates.push(id),
+            }
+        }
+        report
+    }
+
+    /// The new footprint of every project of [`Posting::footprint_reads`]:
+    /// what the store read of it (`stored`; a project missing there holds
+    /// nothing) plus the storage facts it kept of [`Posting::storage`]
+    /// (`kept`, by its `INSERT … ON CONFLICT DO NOTHING RETURNING`; a fact it
+    /// already held is in `stored`).
+    pub fn footprints(
+        &self,
+        stored: &BTreeMap<ProjectId, StoredFootprint>,
+        kept: &HashSet<(ProjectId, EventId)>,
+    ) -> Vec<(ProjectId, Footprint)> {
+        let mut out: BTreeMap<&ProjectId, Footprint> = self
+            .footprint_reads
+            .iter()
+            .map(|r| (&r.project_id, stored.get(&r.project_id).cloned().unwrap_or_default().resume(r.cut)))
+            .collect();
+        for s in &self.storage {
+            if !kept.contains(&(s.project_id.clone(), s.event_id.clone())) {
+                continue;
+            }
+            if let Some(fp) = out.get_mut(&s.project_id) {
+                fp.add(s.kind.event_kind(), s.occurred_at, &s.event_id, s.bytes);
+            }
+        }
+        out.into_iter().map(|(p, fp)| (p.clone(), fp)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::ApiKeyId;
+    use crate::price::{Component, Price, TokenUsage};
+    use crate::usage::{Dimension, Outcome};
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
+    }
+
+    fn pid(s: &str) -> ProjectId {
+        ProjectId::parse(s).expect("project id")
+    }
+
+    fn eid(s: &str) -> EventId {
+        EventId::parse(s).expect("event id")
+    }
+
+    fn fact(project: &str, id: &str, kind: EventKind, at: &str) -> UsageFact {
+        UsageFact { gateway: "g1".into(), ..UsageFact::new(eid(id), pid(project), kind, utc(at)) }
+    }
+
+    fn call(project: &str, id: &str, rows: u64) -> UsageFact {
+        UsageFact {
+            api_key_id: Some(ApiKeyId::parse("k1").expect("key id")),
+            rows,
+            ..fact(project, id, EventKind::Call, "2026-07-07T12:31:00Z")
+        }
+    }
+
+    fn storage(id: &str, kind: EventKind, at: &str, bytes: i64) -> UsageFact {
+        UsageFact { storage_bytes: Some(bytes), ..fact("p1", id, kind, at) }
+    }
+
+    fn zones(projects: &[&str]) -> HashMap<ProjectId, Tz> {
+        projects.iter().map(|p| (pid(p), Tz::UTC)).collect()
+    }
+
+    /// Every candidate is new.
+    fn all_new(batch: &BatchFold<'_>) -> HashSet<(ProjectId, EventId)> {
+        batch.candidates().into_iter().map(|f| (f.project_id.clone(), f.id.clone())).collect()
+    }
+
+    #[test]
+    fn the_first_occurrence_of_an_id_wins_and_the_store_decides_what_is_new() {
+        let facts = vec![call("p2", "e1", 1), call("p1", "e2", 2), call("p1", "e2", 50), call("p1", "e3", 3)];
+        let batch = BatchFold::new(&facts);
+        assert_eq!(batch.projects(), vec![&pid("p1"), &pid("p2")]);
+        let candidates: Vec<_> = batch.candidates().into_iter().map(|f| (f.project_id.as_str(), f.rows)).collect();
+        assert_eq!(candidates, vec![("p1", 2), ("p1", 3), ("p2", 1)], "first occurrences, in (project, id) order");
+
+        // The store already folded e3.
+        let new: HashSet<_> = [(pid("p2"), eid("e1")), (pid("p1"), eid("e2"))].into();
+        let posting = batch.post(&new, &zones(&["p1", "p2"]), &PriceBook::default()).expect("post");
+        use FactOutcome::{Duplicate, Folded};
+        assert_eq!(posting.outcomes, vec![Folded, Folded, Duplicate, Duplicate]);
+        let report = posting.report();
+        assert_eq!(report.folded, vec![(pid("p2"), eid("e1")), (pid("p1"), eid("e2"))]);
+        assert_eq!(report.duplicates, vec![(pid("p1"), eid("e2")), (pid("p1"), eid("e3"))]);
+        let day = |p: &str| {
+            posting
+                .sums
+                .iter()
+                .find(|(q, c, _)| {
+                    q == &pid(p) && c.key.dimension == Dimension::Project && c.key.window == WindowKind::Day
+                })
+                .map(|(_, _, t)| *t)
+        };
+        assert_eq!(day("p1"), Some(Totals { calls: 1, rows: 2, ..Totals::default() }), "the first copy of e2 only");
+        assert_eq!(day("p2"), Some(Totals { calls: 1, rows: 1, ..Totals::default() }));
+        assert!(posting.sums.windows(2).all(|w| (&w[0].0, &w[0].1.key) < (&w[1].0, &w[1].1.key)));
+        assert!(posting.storage.is_empty() && posting.footprint_reads.is_empty());
+    }
+
+    #[test]
+    fn a_fact_of_an_unknown_project_is_refused_by_name() {
+        let facts = vec![call("p1", "e1", 1), call("ghost", "e2", 1)];
+        let batch = BatchFold::new(&facts);
+        let e = batch.post(&all_new(&batch), &zones(&["p1"]), &PriceBook::default()).expect_err("unknown project");
+        assert_eq!(e.to_string(), "project ghost of event e2 does not exist");
+    }
+
+    #[test]
+    fn tokens_facts_give_their_breakdown_and_unpriced_rows() {
+        let book = PriceBook::new([Price {
+            key: PriceKey { provider: "openai".into(), model: "alpha".into(), component: Component::InputTokens },
+            unit_price_usd: Usd(2),
+            effective_from: utc("2026-01-01T00:00:00Z"),
+        }]);
+        let entry =
+            TokenUsage { provider: "openai".into(), model: "alpha".into(), input: 10, output: 4, ..Default::default() };
+        let tokens = |id: &str| UsageFact {
+            tokens: vec![entry.clone()],
+            ..fact("p1", id, EventKind::Tokens, "2026-07-07T12:31:00Z")
+        };
+        let facts = vec![tokens("t1"), tokens("t2")];
+        let batch = BatchFold::new(&facts);
+        assert_eq!(batch.price_keys(), BTreeSet::from([("openai", "alpha")]));
+        let posting = batch.post(&all_new(&batch), &zones(&["p1"]), &book).expect("post");
+
+        // Input priced, output not: two rows per window, summed over both facts.
+        assert_eq!(posting.model_usage.len(), 2 * MODEL_USAGE_WINDOWS.len());
+        let input = posting
+            .model_usage
+            .iter()
+            .find(|m| m.window == WindowKind::Day && m.row.key.component == Component::InputTokens)
+            .expect("input row");
+        assert_eq!((input.window_key.as_str(), input.row.priced_quantity, input.row.cost), ("2026-07-07", 20, Usd(40)));
+        // The unpriced output lands on every counter of the fact, once.
+        assert_eq!(posting.unpriced.len(), WindowKind::FLOW.len());
+        assert!(posting.unpriced.iter().all(|(_, r)| r.key.component == Component::OutputTokens));
+    }
+
+    fn footprint_of(facts: &[UsageFact]) -> (i64, u64) {
+        let mut f = Footprint::default();
+        facts.iter().for_each(|fact| f.apply(fact));
+        (f.bytes(), f.events())
+    }
+
+    /// A store holding `held` (a [`StoredFootprint`] read at `cut`).
+    fn stored(held: &[UsageFact], cut: Option<DateTime<Utc>>) -> StoredFootprint {
+        let mut fp = Footprint::default();
+        held.iter().for_each(|f| fp.apply(f));
+        let snapshot = held
+            .iter()
+            .filter(|f| f.kind == EventKind::StorageSnapshot)
+            .max_by(|a, b| (a.occurred_at, &a.id).cmp(&(b.occurred_at, &b.id)))
+            .map(|s| (s.occurred_at, s.id.clone(), s.storage_bytes.unwrap_or(0)));
+        let sum_after = |t: Option<DateTime<Utc>>| -> i64 {
+            held.iter()
+                .filter(|f| f.kind == EventKind::StorageDelta && t.is_none_or(|t| f.occurred_at > t))
+                .map(|f| f.storage_bytes.unwrap_or(0))
+                .sum()
+        };
+        StoredFootprint {
+            after_snapshot: sum_after(snapshot.as_ref().map(|s| s.0)),
+            after_cut: cut.map(|c| sum_after(Some(c))).unwrap_or(0),
+            snapshot,
+            events: fp.events(),
+        }
+    }
+
+    /// Folds `batch` over a store holding `held`, every fact kept.
+    fn fold_over(held: &[UsageFact], batch: &[UsageFact]) -> (i64, u64) {
+        let plan = BatchFold::new(batch);
+        let posting = plan.post(&all_new(&plan), &zones(&["p1"]), &PriceBook::default()).expect("post");
+        let reads: BTreeMap<_, _> =
+            posting.footprint_reads.iter().map(|r| (r.project_id.clone(), stored(held, r.cut))).collect();
+        let kept = posting.storage.iter().map(|s| (s.project_id.clone(), s.event_id.clone())).collect();
+        let fps = posting.footprints(&reads, &kept);
+        assert_eq!(fps.len(), 1);
+        (fps[0].1.bytes(), fps[0].1.events())
+    }
+
+    #[test]
+    fn a_footprint_is_the_footprint_of_the_stored_and_the_new_facts() {
+        use EventKind::{StorageDelta as D, StorageSnapshot as S};
+        let held = vec![
+            storage("d1", D, "2026-07-07T12:00:00Z", 100),
+            storage("s1", S, "2026-07-07T12:05:00Z", 1000),
+            storage("d2", D, "2026-07-07T12:06:00Z", 10),
+            storage("d3", D, "2026-07-07T12:20:00Z", 5),
+        ];
+        let cases: [&[UsageFact]; 6] = [
+            // Deltas only: after the stored snapshot or not.
+            &[storage("d4", D, "2026-07-07T12:30:00Z", 1), storage("d5", D, "2026-07-07T12:01:00Z", 7)],
+            // A late snapshot, between stored deltas.
+            &[storage("s2", S, "2026-07-07T12:10:00Z", 500)],
+            // An older one: only the count moves.
+            &[storage("s0", S, "2026-07-07T11:00:00Z", 1)],
+            // At the stored snapshot's instant: the greater id wins either way.
+            &[storage("s0", S, "2026-07-07T12:05:00Z", 3), storage("s9", S, "2026-07-07T12:05:00Z", 4)],
+            // At a stored delta's instant: the delta is in it.
+            &[storage("s2", S, "2026-07-07T12:20:00Z", 50), storage("d6", D, "2026-07-07T12:20:00Z", 9)],
+            // Newer than everything, with deltas around it.
+            &[
+                storage("d7", D, "2026-07-07T12:59:00Z", 2),
+                storage("s3", S, "2026-07-07T13:00:00Z", 70),
+                storage("d8", D, "2026-07-07T13:01:00Z", 3),
+            ],
+        ];
+        for batch in cases {
+            let all: Vec<UsageFact> = held.iter().chain(batch).cloned().collect();
+            assert_eq!(fold_over(&held, batch), footprint_of(&all), "{batch:?}");
+            // Over a store that holds nothing, or only deltas.
+            assert_eq!(fold_over(&[], batch), footprint_of(batch), "{batch:?}");
+            let deltas: Vec<UsageFact> = held.iter().filter(|f| f.kind == D).cloned().collect();
+            let all: Vec<UsageFact> = deltas.iter().chain(batch).cloned().collect();
+            assert_eq!(fold_over(&deltas, batch), footprint_of(&all), "{batch:?}");
+        }
+    }
+
+    #[test]
+    fn a_storage_fact_the_store_already_held_is_not_counted_twice() {
+        let held = vec![storage("d1", EventKind::StorageDelta, "2026-07-07T12:00:00Z", 100)];
+        let batch = [held[0].clone(), storage("d2", EventKind::StorageDelta, "2026-07-07T12:01:00Z", 5)];
+        let plan = BatchFold::new(&batch);
+        // Its id left the dedup set (purged), but the store kept the fact.
+        let posting = plan.post(&all_new(&plan), &zones(&["p1"]), &PriceBook::default()).expect("post");
+        let reads = BTreeMap::from([(pid("p1"), stored(&held, posting.footprint_reads[0].cut))]);
+        let kept = HashSet::from([(pid("p1"), eid("d2"))]);
+        let fps = posting.footprints(&reads, &kept);
+        assert_eq!((fps[0].1.bytes(), fps[0].1.events()), (105, 2));
+    }
+
+    #[test]
+    fn storage_facts_are_kept_to_the_microsecond_and_cut_at_the_newest_new_snapshot() {
+        let facts = vec![
+            storage("s1", EventKind::StorageSnapshot, "2026-07-07T12:00:00.123456789Z", 1),
+            storage("s2", EventKind::StorageSnapshot, "2026-07-07T11:00:00Z", 1),
+            UsageFact {
+                outcome: Outcome::Failure,
+                ..storage("d1", EventKind::StorageDelta, "2026-07-07T13:00:00Z", 5)
+            },
+        ];
+        let plan = BatchFold::new(&facts);
+        let posting = plan.post(&all_new(&plan), &zones(&["p1"]), &PriceBook::default()).expect("post");
+        assert_eq!(posting.storage.len(), 3, "a storage fact's outcome does not matter");
+        assert_eq!(posting.storage[1].occurred_at, utc("2026-07-07T12:00:00.123456Z"));
+        assert_eq!(
+            posting.footprint_reads,
+            vec![FootprintRead { project_id: pid("p1"), cut: Some(utc("2026-07-07T12:00:00.123456Z")) }]
+        );
+        assert!(posting.sums.is_empty(), "the footprint is set, never added");
+        assert_eq!("snapshot".parse::<StorageKind>(), Ok(StorageKind::Snapshot));
+    }
+}

@@ -1,0 +1,488 @@
+//! The ledger over SQL: the fold of a batch, its offsets, the durable
+//! totals, and the reports read from them.
+//!
+//! [`Ledger::fold_batch`] is **one transaction** with a fixed number of
+//! statements per batch, never one per event: one or two per partition for
+//! the fence, one for the time zones, one for the dedup set, one for the
+//! prices its tokens events name, one upsert of the sums, one for their
+//! unpriced rows, one for their breakdown by model (`model_usage`), and
+//! four for the storage footprint. `meter::ledger` computes what they write;
+//! this module only reads what that needs and persists it. That is what
+//! makes the fold exactly-once: a redelivered batch is fenced by its offsets,
+//! and a resent event id adds nothing.
+//!
+//! The footprint is not a sum: the fold keeps every storage fact
+//! (`storage_facts`), reads what the project already holds (its newest
+//! snapshot, the deltas after it and after the batch's newest snapshot,
+//! summed, and their count: one row per project whatever their number) and
+//! sets the footprint meter merges from it and the facts it kept, so facts
+//! may arrive in any order. The footprint rows are locked (created if need
+//! be), in project order, before that read: two transactions folding
+//! storage facts of one project then go one after the other, the second
+//! reading the first's facts (each statement of a PostgreSQL READ COMMITTED
+//! transaction reads what committed before it; SQLite's write lock
+//! serialises folds anyway).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::LazyLock;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use meter::{
+    BatchFold, Counter, CounterKey, Dimension, EventId, Field, FoldBatch, FoldReport, Ledger, ModelUsageAdd,
+    ModelUsageRow, Population, PortError, PortResult, Posting, PriceBook, ProjectId, ReportStore, StoredFootprint,
+    Totals, Usd, WindowKind,
+};
+
+use super::prices::{PRICE_COLUMNS, insert_unpriced, price, price_key};
+use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error, to_i64};
+
+/// The `usage_aggregates` column of each field of [`Totals`] (the match is
+/// exhaustive, so a new field does not compile until it has a column).
+fn column(f: Field) -> &'static str {
+    match f {
+        Field::Requests => "requests",
+        Field::Calls => "calls",
+        Field::Rows => "rows",
+        Field::Tokens => "tokens",
+        Field::CostLlmTokens => "cost_llm_tokens",
+        Field::CostComputeExecution => "cost_compute_execution",
+        Field::CostApiRequest => "cost_api_request",
+        Field::CostStorage => "cost_storage",
+        Field::LlmEvents => "llm_events",
+        Field::LlmPriced => "llm_priced",
+        Field::LlmUnpriced => "llm_unpriced",
+        Field::StorageEvents => "storage_events",
+        Field::Storage => "storage",
+    }
+}
+
+/// A counter's columns, then every field of [`Totals`] in `Field::ALL`
+/// order, quoted (`"rows"` is a keyword).
+static AGGREGATE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
+    let fields = Field::ALL.map(|f| format!("\"{}\"", column(f)));
+    format!("project_id, dimension, window_kind, window_key, resets_at, {}", fields.join(", "))
+});
+
+const MODEL_USAGE_COLUMNS: &str = "provider, model, component, meter_type, embedding, priced_quantity, \
+                                   unpriced_quantity, cost_picos";
+
+fn totals<B: Backend>(r: &Rec<'_, B>) -> PortResult<Totals> {
+    let mut t = Totals::default();
+    for f in Field::ALL {
+        let v = r.int(column(f))?;
+        // Every field is a sum but the footprint, which deltas before any
+        // snapshot can take below zero.
+        if v < 0 && f != Field::Storage {
+            return Err(corrupt(column(f), &v.to_string()));
+        }
+        t.set(f, v);
+    }
+    Ok(t)
+}
+
+fn counter_key<B: Backend>(r: &Rec<'_, B>) -> PortResult<CounterKey> {
+    let dimension = r.text("dimension")?;
+    Ok(CounterKey {
+        dimension: Dimension::decode(&dimension).ok_or_else(|| corrupt("dimension", &dimension))?,
+        window: r.parse("window_kind")?,
+        window_key: r.text("window_key")?,
+    })
+}
+
+fn counter<B: Backend>(r: &Rec<'_, B>) -> PortResult<(Counter, Totals)> {
+    Ok((Counter { key: counter_key(r)?, resets_at: r.opt_time("resets_at")? }, totals(r)?))
+}
+
+/// A row of `usage_aggregates` with its project, as a fold reports it.
+fn aggregate<B: Backend>(r: &Rec<'_, B>) -> PortResult<(ProjectId, Counter, Totals)> {
+    let (c, t) = counter(r)?;
+    Ok((r.id("project_id")?, c, t))
+}
+
+fn model_usage_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<ModelUsageRow> {
+    Ok(ModelUsageRow {
+        key: price_key(r)?,
+        meter: r.parse("meter_type")?,
+        embedding: r.get("embedding")?,
+        priced_quantity: r.count("priced_quantity")?,
+        unpriced_quantity: r.count("unpriced_quantity")?,
+        cost: Usd(i64::try_from(r.count("cost_picos")?).map_err(|_| corrupt("cost_picos", "out of range"))?),
+    })
+}
+
+/// (1) The fence: each partition must still be where the batch began.
+async fn fence<B: Backend>(c: &mut B::Connection, batch: &FoldBatch) -> PortResult<()> {
+    for m in &batch.offsets {
+        if m.to < m.from {
+            return Err(PortError::Permanent(format!(
+                "offsets of {}[{}] would move backwards from {} to {}",
+                batch.topic, m.partition, m.from, m.to
+            )));
+        }
+        let moved = Stmt::new(
+            r#"UPDATE consumer_offsets SET next_offset = $5
+               WHERE consumer = $1 AND topic = $2 AND "partition" = $3 AND next_offset = $4"#,
+        )
+        .text(&batch.consumer)
+        .text(&batch.topic)
+        .int(m.partition.into())
+        .int(m.from)
+        .int(m.to);
+        if B::execute(c, moved).await? == 1 {
+            continue;
+        }
+        // No row at `from`: a fresh start may create it; anything else
+        // means another consumer moved (or created) it first.
+        let create = Stmt::new(
+            r#"INSERT INTO consumer_offsets (consumer, topic, "partition", next_offset)
+               VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
+        )
+        .text(&batch.consumer)
+        .text(&batch.topic)
+        .int(m.partition.into())
+        .int(m.to);
+        if m.from != 0 || B::execute(c, create).await? != 1 {
+            return Err(PortError::Fenced(format!(
+                "consumer {} on {}[{}] is no longer at offset {}",
+                batch.consumer, batch.topic, m.partition, m.from
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// (2) The time zones of the batch's projects.
+async fn zones<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortResult<HashMap<ProjectId, Tz>> {
+    let projects = plan.projects();
+    if projects.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let stmt = Stmt::new("SELECT id, timezone FROM projects WHERE id IN (SELECT id FROM {rows} AS t)")
+        .rows(Rows::new().text("id", projects.into_iter().map(ProjectId::as_str)));
+    let rows = B::fetch(c, stmt).await?;
+    Ok(each(&rows, |r: &Rec<'_, B>| Ok((r.id("id")?, r.parse("timezone")?)))?.into_iter().collect())
+}
+
+/// (3) The dedup set: the candidates' ids it did not know yet, which it now
+/// does (RETURNING reports only the rows actually inserted).
+async fn dedup<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortResult<HashSet<(ProjectId, EventId)>> {
+    let candidates = plan.candidates();
+    if candidates.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let rows = Rows::new()
+        .text("project_id", candidates.iter().map(|f| f.project_id.as_str()))
+        .text("event_id", candidates.iter().map(|f| f.id.as_str()))
+        .time("occurred_at", candidates.iter().map(|f| f.occurred_at));
+    // `WHERE true` keeps SQLite from reading ON CONFLICT as a join's ON.
+    let stmt = Stmt::new(
+        "INSERT INTO processed_events (project_id, event_id, occurred_at) \
+         SELECT * FROM {rows} AS t WHERE true ON CONFLICT DO NOTHING RETURNING project_id, event_id",
+    )
+    .rows(rows);
+    Ok(each(&B::fetch(c, stmt).await?, ids::<B>)?.into_iter().collect())
+}
+
+fn ids<B: Backend>(r: &Rec<'_, B>) -> PortResult<(ProjectId, EventId)> {
+    Ok((r.id("project_id")?, r.id("event_id")?))
+}
+
+/// (4) The part of the price book that can price the batch: the rows of
+/// the (provider, model) pairs its token entries name, as this transaction
+/// reads them. Empty (no statement) when no fact is a tokens event.
+async fn price_book<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortResult<PriceBook> {
+    let keys = plan.price_keys();
+    if keys.is_empty() {
+        return Ok(PriceBook::default());
+    }
+    let rows = Rows::new().text("provider", keys.iter().map(|k| k.0)).text("model", keys.iter().map(|k| k.1));
+    let stmt = Stmt::new(format!(
+        "SELECT {PRICE_COLUMNS} FROM prices WHERE (provider, model) IN (SELECT provider, model FROM {{rows}} AS t)"
+    ))
+    .rows(rows);
+    Ok(PriceBook::new(each(&B::fetch(c, stmt).await?, price::<B>)?))
+}
+
+/// (5) Adding the sums in one upsert, which returns the new absolute totals
+/// of every counter it touched.
+fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
+    let mut rows = Rows::new()
+        .text("project_id", sums.iter().map(|(p, _, _)| p.as_str()))
+        .text("dimension", sums.iter().map(|(_, c, _)| c.key.dimension.encode()))
+        .text("window_kind", sums.iter().map(|(_, c, _)| c.key.window.as_str()))
+        .text("window_key", sums.iter().map(|(_, c, _)| c.key.window_key.as_str()))
+        .opt_time("resets_at", sums.iter().map(|(_, c, _)| c.resets_at));
+    for f in Field::ALL {
+        rows = rows.int(column(f), sums.iter().map(|(_, _, t)| t.get(f)));
+    }
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        let add = Field::ALL.map(|f| format!("\"{0}\" = a.\"{0}\" + excluded.\"{0}\"", column(f)));
+        format!(
+            "INSERT INTO usage_aggregates AS a ({cols}) SELECT * FROM {{rows}} AS t WHERE true \
+             ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET {add} RETURNING {cols}",
+            cols = *AGGREGATE_COLUMNS,
+            add = add.join(", ")
+        )
+    });
+    Stmt::new(SQL.as_str()).rows(rows)
+}
+
+/// (7) Adding the breakdown by model in one upsert.
+fn add_model_usage(adds: &[ModelUsageAdd]) -> PortResult<Stmt> {
+    let rows = Rows::new()
+        .text("project_id", adds.iter().map(|m| m.project_id.as_str()))
+        .text("window_kind", adds.iter().map(|m| m.window.as_str()))
+        .text("window_key", adds.iter().map(|m| m.window_key.as_str()))
+        .text("provider", adds.iter().map(|m| m.row.key.provider.as_str()))
+        .text("model", adds.iter().map(|m| m.row.key.model.as_str()))
+        .text("component", adds.iter().map(|m| m.row.key.component.as_str()))
+        .text("meter_type", adds.iter().map(|m| m.row.meter.as_str()))
+        .flag("embedding", adds.iter().map(|m| m.row.embedding))
+        .int(
+            "priced_quantity",
+            adds.iter().map(|m| to_i64("priced quantity", m.row.priced_quantity)).collect::<PortResult<Vec<_>>>()?,
+        )
+        .int(
+            "unpriced_quantity",
+            adds.iter()
+                .map(|m| to_i64("unpriced quantity", m.row.unpriced_quantity))
+                .collect::<PortResult<Vec<_>>>()?,
+        )
+        .int("cost_picos", adds.iter().map(|m| m.row.cost.picos()));
+    Ok(Stmt::new(format!(
+        "INSERT INTO model_usage AS m (project_id, window_kind, window_key, {MODEL_USAGE_COLUMNS}) \
+         SELECT * FROM {{rows}} AS t WHERE true \
+         ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
+         DO UPDATE SET priced_quantity = m.priced_quantity + excluded.priced_quantity, \
+                       unpriced_quantity = m.unpriced_quantity + excluded.unpriced_quantity, \
+                       cost_picos = m.cost_picos + excluded.cost_picos"
+    ))
+    .rows(rows))
+}
+
+/// (8) The footprint of every project with new storage facts: lock its
+/// row, read what it holds, keep the new facts, set what meter merged.
+async fn set_footprints<B: Backend>(
+    c: &mut B::Connection,
+    posting: &Posting<'_>,
+) -> PortResult<Vec<(ProjectId, Counter, Totals)>> {
+    if posting.footprint_reads.is_empty() {
+        return Ok(Vec::new());
+    }
+    let footprint = CounterKey::footprint();
+    let projects = || posting.footprint_reads.iter().map(|r| r.project_id.as_str());
+    let at_footprint = |stmt: Stmt| {
+        stmt.text(footprint.dimension.encode()).text(footprint.window.as_str()).text(&footprint.window_key)
+    };
+
+    // (a) Lock (creating them if need be) the footprint rows, in project order.
+    let lock = Stmt::new(
+        "INSERT INTO usage_aggregates AS a (project_id, dimension, window_kind, window_key) \
+         SELECT project_id, $1, $2, $3 FROM {rows} AS t WHERE true \
+         ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET storage = a.storage",
+    );
+    B::execute(c, at_footprint(lock).rows(Rows::new().text("project_id", projects()))).await?;
+
+    // (b) What each project holds, as `StoredFootprint` defines it.
+    let read = Stmt::new(
+        "SELECT r.fp_project, s.occurred_at AS snapshot_at, s.event_id AS snapshot_id, s.bytes AS snapshot_bytes,
+                CAST(COALESCE((SELECT sum(d.bytes) FROM storage_facts d
+                               WHERE d.project_id = r.fp_project AND d.kind = 'delta'
+                                 AND (s.occurred_at IS NULL OR d.occurred_at > s.occurred_at)), 0) AS BIGINT)
+                    AS after_snapshot,
+                CAST(COALESCE((SELECT sum(d.bytes) FROM storage_facts d
+                               WHERE d.project_id = r.fp_project AND d.kind = 'delta' AND d.occurred_at > r.cut), 0)
+                     AS BIGINT) AS after_cut,
+                (SELECT count(*) FROM storage_facts n WHERE n.project_id = r.fp_project) AS events
+         FROM (SELECT t.project_id AS fp_project, t.cut,
+                      (SELECT x.event_id FROM storage_facts x WHERE x.project_id = t.project_id AND x.kind = 'snapshot'
+                       ORDER BY x.occurred_at DESC, x.event_id DESC LIMIT 1) AS snapshot_id
+               FROM {rows} AS t) AS r
+         LEFT JOIN storage_facts s ON s.project_id = r.fp_project AND s.event_id = r.snapshot_id",
+    )
+    .rows(Rows::new().text("project_id", projects()).opt_time("cut", posting.footprint_reads.iter().map(|r| r.cut)));
+    let stored: BTreeMap<ProjectId, StoredFootprint> = each(&B::fetch(c, read).await?, |r: &Rec<'_, B>| {
+        let snapshot = match (r.opt_time("snapshot_at")?, r.opt_id("snapshot_id")?, r.get("snapshot_bytes")?) {
+            (Some(at), Some(id), Some(bytes)) => Some((at, id, bytes)),
+            _ => None,
+        };
+        let stored = StoredFootprint {
+            snapshot,
+            after_snapshot: r.int("after_snapshot")?,
+            after_cut: r.int("after_cut")?,
+            events: r.count("events")?,
+        };
+        Ok((r.id("fp_project")?, stored))
+    })?
+    .into_iter()
+    .collect();
+
+    // (c) Keep the new facts; RETURNING says which were not already kept.
+    let s = &posting.storage;
+    let keep = Stmt::new(
+        "INSERT INTO storage_facts (project_id, event_id, kind, occurred_at, bytes) \
+         SELECT * FROM {rows} AS t WHERE true ON CONFLICT DO NOTHING RETURNING project_id, event_id",
+    )
+    .rows(
+        Rows::new()
+            .text("project_id", s.iter().map(|f| f.project_id.as_str()))
+            .text("event_id", s.iter().map(|f| f.event_id.as_str()))
+            .text("kind", s.iter().map(|f| f.kind.as_str()))
+            .time("occurred_at", s.iter().map(|f| f.occurred_at))
+            .int("bytes", s.iter().map(|f| f.bytes)),
+    );
+    let kept: HashSet<(ProjectId, EventId)> = each(&B::fetch(c, keep).await?, ids::<B>)?.into_iter().collect();
+
+    // (d) Set (not add) each footprint.
+    let footprints = posting.footprints(&stored, &kept);
+    let events =
+        footprints.iter().map(|(_, f)| to_i64("storage events", f.events())).collect::<PortResult<Vec<_>>>()?;
+    let set = Stmt::new(format!(
+        "UPDATE usage_aggregates AS a SET storage = f.fp_bytes, storage_events = f.fp_events FROM {{rows}} AS f \
+         WHERE a.project_id = f.fp_project AND a.dimension = $1 AND a.window_kind = $2 AND a.window_key = $3 \
+         RETURNING {}",
+        *AGGREGATE_COLUMNS
+    ));
+    let rows = Rows::new()
+        .text("fp_project", footprints.iter().map(|(p, _)| p.as_str()))
+        .int("fp_bytes", footprints.iter().map(|(_, f)| f.bytes()))
+        .int("fp_events", events);
+    each(&B::fetch(c, at_footprint(set).rows(rows)).await?, aggregate::<B>)
+}
+
+#[async_trait]
+impl<B: Backend> Ledger for SqlStore<B> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "offsets"))]
+    async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
+        let stmt = Stmt::new(
+            r#"SELECT CAST("partition" AS BIGINT) AS "partition", next_offset FROM consumer_offsets
+               WHERE consumer = $1 AND topic = $2"#,
+        )
+        .text(consumer)
+        .text(topic);
+        let rows = each(&self.all(stmt).await?, |r: &Rec<'_, B>| {
+            let p = r.int("partition")?;
+            Ok((i32::try_from(p).map_err(|_| corrupt("partition", &p.to_string()))?, r.int("next_offset")?))
+        })?;
+        Ok(rows.into_iter().collect())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = B::SPAN_DB, op = "fold_batch", facts = batch.facts.len(), partitions = batch.offsets.len())
+    )]
+    async fn fold_batch(&self, batch: &FoldBatch) -> PortResult<FoldReport> {
+        // Dropping `tx` without committing rolls everything back, so every
+        // early return below changes nothing. (On SQLite the transaction
+        // begins IMMEDIATE: a second writer waits for the write lock, up to
+        // the busy timeout, then reads the offsets this one wrote.)
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
+        fence::<B>(&mut *tx, batch).await?;
+        let plan = BatchFold::new(&batch.facts);
+        let zones = zones::<B>(&mut *tx, &plan).await?;
+        let new = dedup::<B>(&mut *tx, &plan).await?;
+        let book = price_book::<B>(&mut *tx, &plan).await?;
+        let posting = plan.post(&new, &zones, &book).map_err(|e| PortError::Permanent(e.to_string()))?;
+
+        let mut report = posting.report();
+        if !posting.sums.is_empty() {
+            report.totals = each(&B::fetch(&mut *tx, add_sums(&posting.sums)).await?, aggregate::<B>)?;
+        }
+        if let Some(stmt) = insert_unpriced(posting.unpriced.iter().map(|(p, r)| (p, r))) {
+            B::execute(&mut *tx, stmt).await?;
+        }
+        if !posting.model_usage.is_empty() {
+            B::execute(&mut *tx, add_model_usage(&posting.model_usage)?).await?;
+        }
+        report.totals.extend(set_footprints::<B>(&mut *tx, &posting).await?);
+        report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
+
+        tx.commit().await.map_err(error::<B>)?;
+        Ok(report)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "totals"))]
+    async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>> {
+        if counters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let wanted = Rows::new()
+            .text("dimension", counters.iter().map(|c| c.dimension.encode()))
+            .text("window_kind", counters.iter().map(|c| c.window.as_str()))
+            .text("window_key", counters.iter().map(|c| c.window_key.as_str()));
+        let stmt = Stmt::new(format!(
+            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND (dimension, window_kind, window_key) IN \
+             (SELECT dimension, window_kind, window_key FROM {{rows}} AS t)",
+            *AGGREGATE_COLUMNS
+        ))
+        .text(project.as_str())
+        .rows(wanted);
+        let found: HashMap<CounterKey, Totals> =
+            each(&self.all(stmt).await?, |r: &Rec<'_, B>| Ok((counter_key(r)?, totals(r)?)))?.into_iter().collect();
+        Ok(counters.iter().map(|c| (c.clone(), found.get(c).copied().unwrap_or_default())).collect())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "open_totals"))]
+    async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>> {
+        // `resets_at IS NULL` keeps the windows that never reset: the
+        // storage footprint.
+        let stmt = Stmt::new(format!(
+            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND (resets_at IS NULL OR resets_at > $2) \
+             ORDER BY dimension, window_kind, window_key",
+            *AGGREGATE_COLUMNS
+        ))
+        .text(project.as_str())
+        .time(at);
+        each(&self.all(stmt).await?, counter::<B>)
+    }
+}
+
+#[async_trait]
+impl<B: Backend> ReportStore for SqlStore<B> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "model_usage"))]
+    async fn model_usage(
+        &self,
+        project: &ProjectId,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<ModelUsageRow>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {MODEL_USAGE_COLUMNS} FROM model_usage WHERE project_id = $1 AND window_kind = $2 AND window_key = $3"
+        ))
+        .text(project.as_str())
+        .text(window.as_str())
+        .text(window_key);
+        let mut out = each(&self.all(stmt).await?, model_usage_row::<B>)?;
+        // meter's orders (components and meters are not in name order).
+        out.sort_by(|a, b| (&a.key, a.meter, a.embedding).cmp(&(&b.key, b.meter, b.embedding)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "population_totals"))]
+    async fn population_totals(
+        &self,
+        project: &ProjectId,
+        population: Population,
+        window: WindowKind,
+        window_key: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>> {
+        // A comparison of the leading characters, not LIKE: the prefix is
+        // text, never a pattern (and SQLite's LIKE ignores ASCII case).
+        let stmt = Stmt::new(format!(
+            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND window_kind = $2 AND window_key = $3 \
+             AND substr(dimension, 1, length($4)) = $4",
+            *AGGREGATE_COLUMNS
+        ))
+        .text(project.as_str())
+        .text(window.as_str())
+        .text(window_key)
+        .text(population.encoded_prefix());
+        let mut out = each(&self.all(stmt).await?, |r: &Rec<'_, B>| Ok((counter_key(r)?, totals(r)?)))?;
+        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
+        Ok(out)
+    }
+}
