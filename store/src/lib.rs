@@ -6,18 +6,36 @@
 //! store (one [`SqlStore`] over either database, see [`sql`]). Transient
 //! versus permanent is decided once, where a driver error is converted.
 
+//!
+//! Each backend is a cargo feature (`kafka`, `redis`, `postgres`,
+//! `embedded`; all on by default), so a service that embeds Tollgate over the
+//! embedded backends compiles none of the others' clients. The in-memory
+//! view needs no feature.
+
+#[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod memory_view;
+#[cfg(feature = "postgres")]
 pub mod pg;
+#[cfg(feature = "redis")]
 pub mod redis_view;
+#[cfg(any(feature = "postgres", feature = "embedded"))]
 pub mod sql;
+#[cfg(feature = "embedded")]
 pub mod sqlite_log;
+#[cfg(feature = "embedded")]
 pub mod sqlite_store;
 
+#[cfg(feature = "kafka")]
 pub use kafka::{KafkaConfig, KafkaLog, KafkaReader};
 pub use memory_view::MemoryView;
+#[cfg(feature = "postgres")]
 pub use pg::PgStore;
+#[cfg(feature = "redis")]
 pub use redis_view::RedisView;
+#[cfg(any(feature = "postgres", feature = "embedded"))]
 pub use sql::SqlStore;
+#[cfg(feature = "embedded")]
 pub use sqlite_log::{SqliteLog, SqliteLogReader};
+#[cfg(feature = "embedded")]
 pub use sqlite_store::SqliteStore;
