@@ -20,8 +20,12 @@ use crate::state::AppState;
 #[utoipa::path(post, path = "/v1/check", tag = "hot path", security(("gateway_token" = [])),
     request_body = CheckBody,
     responses(
-        (status = 200, description = "Admitted: a reservation to settle with the call's event. Headers \
-            X-Quota-Remaining-Calls, X-Quota-Remaining-Rows and X-Quota-Reset report the quotas", body = CheckResponse),
+        (status = 200, description = "Admitted: a reservation to settle with the call's event", body = CheckResponse,
+         headers(
+            ("x-quota-remaining-calls" = u64, description = "Calls left under the tightest calls quota"),
+            ("x-quota-remaining-rows" = u64, description = "Rows left under the tightest rows quota"),
+            ("x-quota-reset" = String, description = "RFC 3339: when the tightest calls or rows quota resets"),
+         )),
         (status = 400, description = "INVALID_REQUEST naming the field", body = ErrorBody,
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "role_id: a key's role is its own; role_id goes with user", "meta": {"field": "role_id"}}})),
         (status = 401, description = "UNAUTHENTICATED: not the gateway token, or an unknown api key", body = ErrorBody,
@@ -30,6 +34,12 @@ use crate::state::AppState;
          example = json!({"error": {"code": "QUOTA_STORAGE_EXCEEDED", "message": "Storage quota quota_0197a3c4 exceeded: the project would store more than its 1000-byte limit.",
                                     "meta": {"quota_id": "quota_0197a3c4", "metric": "storage_bytes", "limit": 1000, "current_bytes": 600}}})),
         (status = 429, description = "QUOTA_EXCEEDED, with Retry-After and the X-Quota-* headers", body = ErrorBody,
+         headers(
+            ("retry-after" = u64, description = "Seconds until the window resets"),
+            ("x-quota-remaining-calls" = u64, description = "Calls left under the tightest calls quota"),
+            ("x-quota-remaining-rows" = u64, description = "Rows left under the tightest rows quota"),
+            ("x-quota-reset" = String, description = "RFC 3339: when the tightest calls or rows quota resets"),
+         ),
          example = json!({"error": {"code": "QUOTA_EXCEEDED", "message": "Quota exceeded for api_key key_0197a3c3.",
                                     "meta": {"quota_id": "quota_0197a3c4", "metric": "calls", "limit": 1000, "window": "day", "resets_at": "2026-07-08T00:00:00Z"}}})),
         (status = 503, description = "VIEW_UNAVAILABLE: the quota view is unreachable and policy refuses", body = ErrorBody,
