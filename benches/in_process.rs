@@ -35,14 +35,11 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::routing::post;
-use chrono::Utc;
 use gateway::embedded::Embedded;
-use gateway::state::{SystemClock, hash_secret, new_id, random_token};
+use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+use gateway::state::{SystemClock, random_token};
 use gateway::{AppState, Settings, TollgateLayer};
-use meter::{
-    ApiKey, ApiKeyId, Clock, Grants, Metric, Mode, PortError, PortResult, Project, ProjectId, Quota, QuotaId,
-    QuotaSpec, Scope, Store, View, WindowKind,
-};
+use meter::{Clock, Metric, PortError, PortResult, Principal, Store, View, WindowKind};
 use projector::{Projector, ProjectorConfig};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
@@ -156,45 +153,14 @@ async fn measure(http: &reqwest::Client, url: &str, secret: &str, body: &Value) 
 }
 
 /// A project, an API key (its secret is returned) and an enforce `calls`
-/// quota on that key that is never reached, through the Store port.
-async fn project_with_quota(store: &dyn Store, name: &str) -> AnyResult<String> {
-    let now = Utc::now();
-    let project = Project {
-        id: ProjectId::parse(new_id("proj"))?,
-        name: name.into(),
-        timezone: chrono_tz::Tz::UTC,
-        created_at: now,
+/// quota on that key that is never reached, through the provisioning service.
+async fn project_with_quota(state: &AppState, name: &str) -> AnyResult<String> {
+    let starter = Starter {
+        project: NewProject { name: name.into(), timezone: chrono_tz::Tz::UTC },
+        key: NewApiKey { name: "bench".into(), ..NewApiKey::default() },
+        quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: HUGE_LIMIT }),
     };
-    store.create_project(&project).await?;
-    let secret = format!("tg_{}", random_token(40));
-    let key = ApiKey {
-        id: ApiKeyId::parse(new_id("key"))?,
-        project_id: project.id.clone(),
-        name: "bench".into(),
-        prefix: secret.chars().take(10).collect(),
-        grants: Grants::default(),
-        role_id: None,
-        created_at: now,
-    };
-    store.create_api_key(&key, &hash_secret(&secret)).await?;
-    let quota = Quota {
-        id: QuotaId::parse(new_id("quota"))?,
-        spec: QuotaSpec {
-            project_id: project.id.clone(),
-            scope: Scope::ApiKey,
-            scope_ref: Some(key.id.to_string()),
-            metric: Metric::Calls,
-            window: WindowKind::Day,
-            limit: HUGE_LIMIT,
-            mode: Mode::Enforce,
-            meter_type: None,
-            on_unpriced: None,
-        },
-        created_at: now,
-        updated_at: now,
-    };
-    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
-    Ok(secret)
+    Ok(provisioning::provision(state, starter, &Principal::new("admin", "bench")).await?.secret)
 }
 
 /// One request through the layer, to see that it admits and meters before
@@ -347,7 +313,7 @@ impl meter::Log for NullLog {
 /// and the measurements of it (and the admission headers of a probe).
 async fn layered(http: &reqwest::Client, path: &Path, backend: Backend, body: &Value) -> AnyResult<(Variant, String)> {
     let (state, running) = start(path, backend).await?;
-    let secret = project_with_quota(state.store.as_ref(), "bench-in-process").await?;
+    let secret = project_with_quota(&state, "bench-in-process").await?;
     let url = format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?);
     let headers = probe(http, &url, &secret, body).await?;
     let mut v = measure(http, &url, &secret, body).await;

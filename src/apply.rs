@@ -10,10 +10,13 @@
 
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use gateway::state::SystemClock;
+use gateway::dto::quotas::{PlanView, QuotaDocumentBody};
+use gateway::service::quotas::{self, Document};
+use gateway::state::{Stores, SystemClock};
 use meter::{Principal, ProjectId, Quota, QuotaPlan, Store};
 use store::{PgStore, SqliteStore};
 
@@ -50,7 +53,7 @@ fn read(file: &PathBuf) -> anyhow::Result<String> {
     std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))
 }
 
-async fn open_store(args: &ApplyArgs) -> anyhow::Result<Box<dyn Store>> {
+async fn open_store(args: &ApplyArgs) -> anyhow::Result<Arc<dyn Store>> {
     match &args.data_dir {
         Some(dir) => {
             let path = dir.join("tollgate.db");
@@ -59,12 +62,12 @@ async fn open_store(args: &ApplyArgs) -> anyhow::Result<Box<dyn Store>> {
             }
             let store = SqliteStore::open(&path).await.with_context(|| format!("opening {}", path.display()))?;
             store.migrate().await.context("migrating the embedded store")?;
-            Ok(Box::new(store))
+            Ok(Arc::new(store))
         }
         None => {
             let store = PgStore::connect(&args.db.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating PostgreSQL")?;
-            Ok(Box::new(store))
+            Ok(Arc::new(store))
         }
     }
 }
@@ -126,26 +129,22 @@ pub async fn run(args: ApplyArgs) -> anyhow::Result<()> {
     // YAML is a superset of JSON, so one parser reads both.
     let value: serde_json::Value =
         serde_norway::from_str(&text).with_context(|| format!("{} is not valid YAML", args.file.display()))?;
-    let doc = gateway::apply::parse_document(&value).map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    let doc = gateway::dto::from_value::<QuotaDocumentBody>(value)
+        .and_then(Document::try_from)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let project = match (&doc.project_id, &args.project_id) {
         (Some(f), Some(a)) if f != a => bail!("project_id: the file names {f}, --project-id {a}"),
         (Some(p), _) | (None, Some(p)) => p.clone(),
         (None, None) => bail!("project_id: the file names no project; add `project_id:` or pass --project-id"),
     };
     let project = ProjectId::parse(project.clone()).map_err(|e| anyhow::anyhow!("project_id: {e}"))?;
-    let store = open_store(&args).await?;
-    let plan = gateway::apply::apply(
-        store.as_ref(),
-        &SystemClock,
-        &project,
-        &doc.quotas,
-        &Principal::new("admin", "cli"),
-        args.dry_run,
-    )
-    .await
-    .map_err(|e| anyhow::anyhow!("{} (nothing was changed)", e.message))?;
+    let stores = Stores::of(open_store(&args).await?);
+    let plan =
+        quotas::apply(&stores, &SystemClock, &project, &doc.quotas, &Principal::new("admin", "cli"), args.dry_run)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e} (nothing was changed)"))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&gateway::apply::plan_json(&plan, args.dry_run))?);
+        println!("{}", serde_json::to_string_pretty(&PlanView::of(&plan, args.dry_run))?);
     } else {
         print_plan(&plan, args.dry_run);
     }

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use gateway::Settings;
 use gateway::embedded::Embedded;
-use gateway::state::{SystemClock, hash_secret, new_id, random_token};
-use meter::{ApiKey, ApiKeyId, Clock, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
+use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+use gateway::state::{SystemClock, random_token};
+use gateway::{AppState, Settings};
+use meter::{Clock, Metric, Principal, WindowKind};
 use serde_json::json;
 use tracing::info;
 
@@ -60,52 +61,26 @@ fn tokens(dir: &Path, admin: Option<String>, gateway: Option<String>) -> anyhow:
 }
 
 /// The demo project, key and quota, created once; returns (project, key id, secret).
-async fn demo(store: &dyn Store, dir: &Path, clock: &dyn Clock) -> anyhow::Result<(String, String, String)> {
+async fn demo(state: &AppState, dir: &Path) -> anyhow::Result<(String, String, String)> {
     let path = dir.join("demo.json");
     if let Some(v) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
         && let (Some(p), Some(k), Some(s)) = (v["project_id"].as_str(), v["api_key_id"].as_str(), v["secret"].as_str())
     {
         return Ok((p.to_owned(), k.to_owned(), s.to_owned()));
     }
-    let now = clock.now();
-    let project = Project {
-        id: ProjectId::parse(new_id("proj"))?,
-        name: "demo".into(),
-        timezone: chrono_tz::Tz::UTC,
-        created_at: now,
+    let starter = Starter {
+        project: NewProject { name: "demo".into(), timezone: chrono_tz::Tz::UTC },
+        key: NewApiKey { name: "demo key".into(), ..NewApiKey::default() },
+        quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Rolling1m, limit: 5 }),
     };
-    store.create_project(&project).await?;
-    let secret = format!("tg_{}", random_token(40));
-    let key = ApiKey {
-        id: ApiKeyId::parse(new_id("key"))?,
-        project_id: project.id.clone(),
-        name: "demo key".into(),
-        prefix: secret[..10].to_owned(),
-        grants: Grants::default(),
-        role_id: None,
-        created_at: now,
-    };
-    store.create_api_key(&key, &hash_secret(&secret)).await?;
-    let quota = Quota {
-        id: QuotaId::parse(new_id("quota"))?,
-        spec: QuotaSpec {
-            project_id: project.id.clone(),
-            scope: Scope::ApiKey,
-            scope_ref: Some(key.id.to_string()),
-            metric: meter::Metric::Calls,
-            window: meter::WindowKind::Rolling1m,
-            limit: 5,
-            mode: Mode::Enforce,
-            meter_type: None,
-            on_unpriced: None,
-        },
-        created_at: now,
-        updated_at: now,
-    };
-    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
-    let v = json!({"project_id": project.id, "api_key_id": key.id, "secret": secret, "quota_id": quota.id});
+    let made = provisioning::provision(state, starter, &Principal::new("admin", "dev"))
+        .await
+        .map_err(|e| anyhow::anyhow!("creating the demo project: {e}"))?;
+    let quota_id = made.quota.as_ref().map(|q| q.id.to_string());
+    let v =
+        json!({"project_id": made.project.id, "api_key_id": made.key.id, "secret": made.secret, "quota_id": quota_id});
     std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
-    Ok((project.id.to_string(), key.id.to_string(), secret))
+    Ok((made.project.id.to_string(), made.key.id.to_string(), made.secret))
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
@@ -120,8 +95,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let embedded =
         Embedded::open(&db, settings, clock.clone()).await.with_context(|| format!("opening {}", db.display()))?;
     let state = embedded.state.clone();
-    let demo =
-        if args.no_demo { None } else { Some(demo(state.store.as_ref(), &args.data_dir, clock.as_ref()).await?) };
+    let demo = if args.no_demo { None } else { Some(demo(&state, &args.data_dir).await?) };
 
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! At start-up it creates a demo project, an API key and a quota of
-//! 5 calls a day on that key through the Store port, and prints the secret.
+//! 5 calls a day on that key through the provisioning service, and prints
+//! the secret.
 //!
 //! Backends: embedded (no external service): the log and store in
 //! `tollgate-example.db` (`EXAMPLE_DATA`), the view in memory, or in Redis
@@ -25,12 +26,12 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Extension, Json, Router};
-use chrono::Utc;
 use gateway::embedded::Embedded;
-use gateway::hot::Admission;
-use gateway::state::{SystemClock, hash_secret, new_id, random_token};
-use gateway::{Settings, TollgateLayer};
-use meter::{ApiKey, ApiKeyId, Grants, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec, Scope, Store};
+use gateway::service::Admission;
+use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+use gateway::state::{SystemClock, random_token};
+use gateway::{AppState, Settings, TollgateLayer};
+use meter::{Grants, Metric, Principal, WindowKind};
 use serde_json::json;
 
 fn env(name: &str, default: &str) -> String {
@@ -43,55 +44,31 @@ fn env(name: &str, default: &str) -> String {
 async fn tollgate(settings: Settings) -> Result<Embedded, Box<dyn Error>> {
     let path = std::path::PathBuf::from(env("EXAMPLE_DATA", "tollgate-example.db"));
     let clock = Arc::new(SystemClock);
-    let embedded = match std::env::var("TOLLGATE_REDIS_URL") {
-        Ok(url) => {
-            let view = store::RedisView::connect(&url, &env("TOLLGATE_REDIS_PREFIX", "tg-example:")).await?;
-            Embedded::open_with_view(&path, settings, clock, Arc::new(view)).await?
-        }
-        Err(_) => Embedded::open(&path, settings, clock).await?,
-    };
+    #[cfg(feature = "redis")]
+    if let Ok(url) = std::env::var("TOLLGATE_REDIS_URL") {
+        let view = store::RedisView::connect(&url, &env("TOLLGATE_REDIS_PREFIX", "tg-example:")).await?;
+        return Ok(Embedded::open_with_view(&path, settings, clock, Arc::new(view)).await?);
+    }
+    #[cfg(not(feature = "redis"))]
+    if std::env::var_os("TOLLGATE_REDIS_URL").is_some() {
+        return Err("TOLLGATE_REDIS_URL is set but this build has no `redis` feature".into());
+    }
+    let embedded = Embedded::open(&path, settings, clock).await?;
     Ok(embedded)
 }
 
 /// A demo project, key (its secret is returned) and a quota of 5 calls a day.
-async fn demo(store: &dyn Store) -> Result<String, Box<dyn Error>> {
-    let now = Utc::now();
-    let project = Project {
-        id: ProjectId::parse(new_id("proj"))?,
-        name: "embedded-example".into(),
-        timezone: chrono_tz::Tz::UTC,
-        created_at: now,
-    };
-    store.create_project(&project).await?;
-    let secret = format!("tg_{}", random_token(40));
-    let key = ApiKey {
-        id: ApiKeyId::parse(new_id("key"))?,
-        project_id: project.id.clone(),
-        name: "example".into(),
-        prefix: secret.chars().take(10).collect(),
-        grants: Grants { max_rows: Some(50), ..Grants::default() },
-        role_id: None,
-        created_at: now,
-    };
-    store.create_api_key(&key, &hash_secret(&secret)).await?;
-    let quota = Quota {
-        id: QuotaId::parse(new_id("quota"))?,
-        spec: QuotaSpec {
-            project_id: project.id.clone(),
-            scope: Scope::ApiKey,
-            scope_ref: Some(key.id.to_string()),
-            metric: meter::Metric::Calls,
-            window: meter::WindowKind::Day,
-            limit: 5,
-            mode: Mode::Enforce,
-            meter_type: None,
-            on_unpriced: None,
+async fn demo(state: &AppState) -> Result<String, Box<dyn Error>> {
+    let starter = Starter {
+        project: NewProject { name: "embedded-example".into(), timezone: chrono_tz::Tz::UTC },
+        key: NewApiKey {
+            name: "example".into(),
+            grants: Grants { max_rows: Some(50), ..Grants::default() },
+            role_id: None,
         },
-        created_at: now,
-        updated_at: now,
+        quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 5 }),
     };
-    store.apply_quotas(&meter::QuotaPlan::create(quota.clone()), &[]).await?;
-    Ok(secret)
+    Ok(provisioning::provision(state, starter, &Principal::new("admin", "example")).await?.secret)
 }
 
 /// Returns up to the key's `max_rows` rows and says how many it returned.
@@ -113,7 +90,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let settings = Settings::new(random_token(32), random_token(32));
     let embedded = tollgate(settings).await?;
     let state = embedded.state.clone();
-    let secret = demo(state.store.as_ref()).await?;
+    let secret = demo(&state).await?;
 
     let app =
         Router::new().route("/reports", get(reports)).route("/broken", get(broken)).layer(TollgateLayer::new(state));

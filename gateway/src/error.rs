@@ -1,9 +1,19 @@
-//! The error body every route answers with: `{"error":{"code","message","meta"}}`.
+//! The error body every route answers with: `{"error":{"code","message","meta"}}`,
+//! and how a [`service::Error`] becomes one: its status, code, message,
+//! `meta` and headers are the API's contract (DESIGN §7 and the quotas
+//! reference), so they are decided here, once, for the HTTP routes and the
+//! tower Layer alike.
 
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use meter::{FieldError, PortError};
-use serde_json::{Value, json};
+use meter::{BreachKind, FieldError, PortError};
+
+use crate::dto::errors::{
+    ErrorBody, ErrorDetail, ErrorMeta, ExceededMeta, FieldMeta, NoMeta, StorageMeta, UnenforceableMeta,
+};
+use crate::dto::prices::PriceKeyView;
+use crate::dto::quotas::LimitView;
+use crate::service::{self, Refusal, Remaining};
 
 /// A refusal or failure, ready to be sent.
 #[derive(Debug)]
@@ -11,7 +21,7 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
-    pub meta: Value,
+    pub meta: ErrorMeta,
     /// Boxed: most errors carry none, and a small error keeps every
     /// `Result` on the request path small.
     pub headers: Box<HeaderMap>,
@@ -19,18 +29,25 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into(), meta: json!({}), headers: Box::default() }
+        ApiError { status, code, message: message.into(), meta: ErrorMeta::None(NoMeta {}), headers: Box::default() }
     }
-    pub fn with_meta(mut self, meta: Value) -> Self {
+    pub fn with_meta(mut self, meta: ErrorMeta) -> Self {
         self.meta = meta;
         self
+    }
+    /// The field an `INVALID_REQUEST` (or a check's `UNAUTHENTICATED`) names.
+    pub fn field(&self) -> Option<&str> {
+        match &self.meta {
+            ErrorMeta::Field(f) => Some(&f.field),
+            _ => None,
+        }
     }
     /// 400 `INVALID_REQUEST` naming the offending field.
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         let field = field.into();
         let message = message.into();
         ApiError::new(StatusCode::BAD_REQUEST, "INVALID_REQUEST", format!("{field}: {message}"))
-            .with_meta(json!({ "field": field }))
+            .with_meta(ErrorMeta::Field(FieldMeta { field }))
     }
     pub fn unauthenticated(message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", message)
@@ -49,6 +66,123 @@ impl ApiError {
     }
 }
 
+/// The `X-Quota-*` headers of an answer to a caller with quotas.
+pub fn remaining_headers(r: &Remaining) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let mut set = |name: &'static str, value: String| {
+        if let Ok(h) = HeaderValue::from_str(&value) {
+            headers.insert(name, h);
+        }
+    };
+    if let Some(c) = r.calls {
+        set("x-quota-remaining-calls", c.to_string());
+    }
+    if let Some(rows) = r.rows {
+        set("x-quota-remaining-rows", rows.to_string());
+    }
+    if let Some(t) = r.reset {
+        set("x-quota-reset", t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    }
+    headers
+}
+
+/// The error of a refused check (429 `QUOTA_EXCEEDED` with `Retry-After`,
+/// 409 `QUOTA_STORAGE_EXCEEDED`, 409 `QUOTA_UNENFORCEABLE`), with the
+/// `X-Quota-*` headers.
+fn refusal(r: &Refusal) -> ApiError {
+    let b = &r.breach;
+    let subject = match &b.scope_ref {
+        Some(s) => format!("{} {s}", b.scope),
+        None if matches!(b.scope, meter::Scope::Project | meter::Scope::Agent) => format!("project {}", r.project),
+        None => format!("{} (all)", b.scope),
+    };
+    let limit = LimitView::of(b.metric, b.limit);
+    let (quota_id, metric) = (b.quota_id.to_string(), b.metric.as_str().to_owned());
+    let e = match b.kind {
+        BreachKind::Exceeded => {
+            let e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "QUOTA_EXCEEDED",
+                format!("Quota exceeded for {subject}."),
+            )
+            .with_meta(ErrorMeta::Exceeded(Box::new(ExceededMeta {
+                quota_id,
+                metric,
+                limit,
+                window: b.window.as_str().to_owned(),
+                resets_at: b.resets_at,
+            })));
+            match b.retry_after_secs {
+                Some(secs) => e.header("retry-after", &secs.to_string()),
+                None => e,
+            }
+        }
+        BreachKind::Storage => ApiError::new(
+            StatusCode::CONFLICT,
+            "QUOTA_STORAGE_EXCEEDED",
+            format!(
+                "Storage quota {} exceeded: the project would store more than its {}-byte limit.",
+                b.quota_id, b.limit
+            ),
+        )
+        .with_meta(ErrorMeta::Storage(Box::new(StorageMeta {
+            quota_id,
+            metric,
+            limit,
+            current_bytes: b.used,
+        }))),
+        BreachKind::Unenforceable => ApiError::new(
+            StatusCode::CONFLICT,
+            "QUOTA_UNENFORCEABLE",
+            format!(
+                "Cost quota {} cannot be enforced: the current window metered usage but priced none of it.",
+                b.quota_id
+            ),
+        )
+        .with_meta(ErrorMeta::Unenforceable(Box::new(UnenforceableMeta {
+            quota_id,
+            metric,
+            limit,
+            window: b.window.as_str().to_owned(),
+            unpriced_rows: r.unpriced_rows.iter().map(PriceKeyView::from).collect(),
+        }))),
+    };
+    let mut e = e;
+    e.headers.extend(remaining_headers(&r.remaining));
+    e
+}
+
+impl From<service::Error> for ApiError {
+    fn from(e: service::Error) -> Self {
+        use service::Error as E;
+        match e {
+            E::Invalid(f) => ApiError::invalid(f.field, f.message),
+            E::NotFound { what, id } => ApiError::not_found(what, &id),
+            E::Unauthenticated { message, field } => {
+                let e = ApiError::unauthenticated(message);
+                match field {
+                    Some(f) => e.with_meta(ErrorMeta::Field(FieldMeta { field: f.to_owned() })),
+                    None => e,
+                }
+            }
+            E::Refused(r) => refusal(&r),
+            e @ E::QuotaConflict => ApiError::new(StatusCode::CONFLICT, "QUOTA_CONFLICT", e.to_string()),
+            E::Conflict(m) => ApiError::new(StatusCode::CONFLICT, "CONFLICT", m),
+            e @ E::LogUnavailable => ApiError::unavailable("LOG_UNAVAILABLE", e.to_string()),
+            e @ E::ViewUnavailable => ApiError::unavailable("VIEW_UNAVAILABLE", e.to_string()),
+            E::Backend(PortError::Conflict(m)) => ApiError::new(StatusCode::CONFLICT, "CONFLICT", m),
+            E::Backend(PortError::Transient(m) | PortError::Fenced(m)) => {
+                tracing::warn!(error = %m, "backend unavailable");
+                ApiError::unavailable("UNAVAILABLE", "a backend is unavailable; retry")
+            }
+            E::Backend(PortError::Permanent(m)) => {
+                tracing::error!(error = %m, "backend failure");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", "internal error")
+            }
+        }
+    }
+}
+
 impl From<FieldError> for ApiError {
     fn from(e: FieldError) -> Self {
         ApiError::invalid(e.field, e.message)
@@ -57,23 +191,14 @@ impl From<FieldError> for ApiError {
 
 impl From<PortError> for ApiError {
     fn from(e: PortError) -> Self {
-        match e {
-            PortError::Conflict(m) => ApiError::new(StatusCode::CONFLICT, "CONFLICT", m),
-            PortError::Transient(m) | PortError::Fenced(m) => {
-                tracing::warn!(error = %m, "backend unavailable");
-                ApiError::unavailable("UNAVAILABLE", "a backend is unavailable; retry")
-            }
-            PortError::Permanent(m) => {
-                tracing::error!(error = %m, "backend failure");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", "internal error")
-            }
-        }
+        service::Error::from(e).into()
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({ "error": { "code": self.code, "message": self.message, "meta": self.meta } });
+        let body =
+            ErrorBody { error: ErrorDetail { code: self.code.to_owned(), message: self.message, meta: self.meta } };
         let mut res = (self.status, axum::Json(body)).into_response();
         res.headers_mut().extend(*self.headers);
         res

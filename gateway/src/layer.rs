@@ -12,7 +12,7 @@
 //! 1. identifies the caller by API key (`Authorization: Bearer <key>` or
 //!    `x-api-key` by default); a missing or unknown key is answered
 //!    `401 UNAUTHENTICATED` and the service is not called;
-//! 2. runs the check ([`hot::admit`]): a refusal (`429 QUOTA_EXCEEDED` with
+//! 2. runs the check ([`admission::admit`]): a refusal (`429 QUOTA_EXCEEDED` with
 //!    `Retry-After` and the `X-Quota-*` headers, `503` by the view-down
 //!    policy, …) is answered with the same body and headers as `/v1/check`,
 //!    and the service is not called;
@@ -22,7 +22,7 @@
 //!    the rows the service reported in the rows header (default
 //!    `x-tollgate-rows`, removed before the response leaves); anything else is
 //!    a failed `call`, which releases the reservation and counts nothing;
-//! 5. records that fact ([`hot::record`]: into the view, then onto the log)
+//! 5. records that fact ([`recording::record`]: into the view, then onto the log)
 //!    before answering, and adds the admission's `X-Quota-*` headers.
 //!
 //! If recording fails, the service's response is still sent (the call has
@@ -44,13 +44,14 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 use axum::response::{IntoResponse, Response};
-use meter::{ApiKey, EventId, EventKind, Outcome, ProjectId, ReservationId, UsageFact};
+use meter::{ApiKey, EventKind, Outcome, ProjectId, ReservationId, UsageFact, View};
 use tower::{Layer, Service};
 use tracing::warn;
 
-use crate::error::{ApiError, ApiResult};
-use crate::hot::{self, Admission};
-use crate::state::{AppState, new_id};
+use crate::error::{ApiError, ApiResult, remaining_headers};
+use crate::service::admission::{self, Admission};
+use crate::service::recording;
+use crate::state::{AppState, new_event_id};
 
 /// The header the key is read from besides `Authorization: Bearer`.
 pub const DEFAULT_KEY_HEADER: &str = "x-api-key";
@@ -193,9 +194,9 @@ where
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let admission = match hot::admit(&state, key, None, actor.clone(), None).await {
+    let admission = match admission::admit(&state, key, None, actor.clone(), None).await {
         Ok(a) => a,
-        Err(e) => return e.into_response(),
+        Err(e) => return ApiError::from(e).into_response(),
     };
     if admission.exempt {
         // An administrator or break-glass caller: never limited or counted.
@@ -220,36 +221,27 @@ where
     let reported = res.headers_mut().remove(&config.rows_header);
     let success = res.status().is_success();
     let rows = if success { rows_of(reported.as_ref(), &config.rows_header) } else { 0 };
-    match call_fact(&state, &admission, actor, success, rows) {
-        Ok(fact) => {
-            guard.disarm();
-            // In its own task: settle and publish must not be cut apart by
-            // the client going away (a settle without its publish would
-            // leave a pending delta that no fold ever drops).
-            let s = state.clone();
-            let recorded = tokio::spawn(async move { hot::record(&s, std::slice::from_ref(&fact)).await });
-            let failure = match recorded.await {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(format!("{}: {}", e.code, e.message)),
-                Err(e) => Some(e.to_string()),
-            };
-            if let Some(error) = failure {
-                warn!(%error, status = res.status().as_u16(), "layer: call not recorded");
-                metrics::counter!("tollgate_layer_record_failures_total").increment(1);
-            }
+    let fact = call_fact(&state, &admission, actor, success, rows);
+    guard.disarm();
+    // In its own task: settle and publish must not be cut apart by the
+    // client going away (a settle without its publish would leave a pending
+    // delta that no fold ever drops).
+    let s = state.clone();
+    let recorded = tokio::spawn(async move { recording::record(&s, std::slice::from_ref(&fact)).await });
+    let failure = match recorded.await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => {
+            let e = ApiError::from(e);
+            Some(format!("{}: {}", e.code, e.message))
         }
-        Err(e) => {
-            // Cannot happen with ids from `new_id`; the guard releases.
-            warn!(error = %e.message, "layer: call fact not built; reservation released");
-            metrics::counter!("tollgate_layer_record_failures_total").increment(1);
-            drop(guard);
-        }
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(error) = failure {
+        warn!(%error, status = res.status().as_u16(), "layer: call not recorded");
+        metrics::counter!("tollgate_layer_record_failures_total").increment(1);
     }
 
-    let headers = res.headers_mut();
-    for (name, value) in &admission.headers {
-        headers.insert(name.clone(), value.clone());
-    }
+    res.headers_mut().extend(remaining_headers(&admission.remaining));
     res
 }
 
@@ -324,23 +316,18 @@ fn rows_of(value: Option<&HeaderValue>, name: &HeaderName) -> u64 {
     }
 }
 
-fn call_fact(
-    state: &AppState,
-    admission: &Admission,
-    actor: Option<String>,
-    success: bool,
-    rows: u64,
-) -> ApiResult<UsageFact> {
-    let id = EventId::parse(new_id("evt")).map_err(|e| ApiError::invalid("id", e.to_string()))?;
-    Ok(UsageFact {
+fn call_fact(state: &AppState, admission: &Admission, actor: Option<String>, success: bool, rows: u64) -> UsageFact {
+    let now = state.clock.now();
+    UsageFact {
         api_key_id: Some(admission.key.id.clone()),
         actor_id: actor,
         outcome: if success { Outcome::Success } else { Outcome::Failure },
         rows,
         reservation_id: Some(admission.reservation.clone()),
         gateway: state.settings.instance.clone(),
-        ..UsageFact::new(id, admission.key.project_id.clone(), EventKind::Call, state.clock.now())
-    })
+        received_at: Some(now),
+        ..UsageFact::new(new_event_id("evt"), admission.key.project_id.clone(), EventKind::Call, now)
+    }
 }
 
 /// Releases an admitted call's reservation if the call never reaches its

@@ -1,19 +1,26 @@
 //! Shared state: the ports, the clock, settings, and a short-lived cache of
 //! configuration (projects, quotas, keys) so the hot path does not read
 //! PostgreSQL on every check.
+//!
+//! The durable store is held as the focused ports it implements
+//! ([`Stores`]), so each service reaches only for the one it uses; the view
+//! is a [`SeedingView`], so no reader of it has to know the seed-and-retry
+//! protocol.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use meter::{
-    ApiKey, ApiKeyId, AuditId, Clock, Log, PortResult, PriceBook, Project, ProjectId, Quota, QuotaId, Role, RoleId,
-    Store, View,
+    ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PortResult, PriceBook, PriceStore, Project,
+    ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId, Store, TenantStore, View,
 };
 use rand::Rng;
 use rand::distr::Alphanumeric;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+
+use crate::seeding::SeedingView;
 
 /// What a check does when the view cannot be reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,11 +141,44 @@ impl BreachMemo {
     }
 }
 
-/// Everything a handler needs; cheap to clone.
+/// The durable store as the six focused ports it implements. Built from one
+/// [`Store`] (PostgreSQL, or the embedded SQLite file); cheap to clone.
+#[derive(Clone)]
+pub struct Stores {
+    pub tenants: Arc<dyn TenantStore>,
+    pub quotas: Arc<dyn QuotaStore>,
+    pub audit: Arc<dyn AuditStore>,
+    pub prices: Arc<dyn PriceStore>,
+    pub ledger: Arc<dyn Ledger>,
+    pub reports: Arc<dyn ReportStore>,
+}
+
+impl Stores {
+    /// Every port of one database.
+    pub fn of(store: Arc<dyn Store>) -> Self {
+        Stores {
+            tenants: store.clone(),
+            quotas: store.clone(),
+            audit: store.clone(),
+            prices: store.clone(),
+            ledger: store.clone(),
+            reports: store,
+        }
+    }
+}
+
+impl std::fmt::Debug for Stores {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stores").finish_non_exhaustive()
+    }
+}
+
+/// Everything a service needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
-    pub store: Arc<dyn Store>,
-    pub view: Arc<dyn View>,
+    pub stores: Stores,
+    /// The view, seeding itself from the ledger when a project is not loaded.
+    pub view: Arc<SeedingView>,
     pub log: Arc<dyn Log>,
     pub clock: Arc<dyn Clock>,
     pub settings: Arc<Settings>,
@@ -147,6 +187,7 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The state over one database (every store port), a view, a log and a clock.
     pub fn new(
         store: Arc<dyn Store>,
         view: Arc<dyn View>,
@@ -154,9 +195,10 @@ impl AppState {
         clock: Arc<dyn Clock>,
         settings: Settings,
     ) -> Self {
+        let stores = Stores::of(store);
         AppState {
-            store,
-            view,
+            view: Arc::new(SeedingView::new(view, stores.ledger.clone())),
+            stores,
             log,
             clock,
             settings: Arc::new(settings),
@@ -170,10 +212,10 @@ impl AppState {
         if let Some(c) = get(&self.cache.projects, id.as_str(), self.settings.config_ttl) {
             return Ok(c);
         }
-        let cfg = match self.store.project(id).await? {
+        let cfg = match self.stores.tenants.project(id).await? {
             None => None,
             Some(project) => {
-                let quotas = self.store.quotas(id).await?;
+                let quotas = self.stores.quotas.quotas(id).await?;
                 let watched = Arc::new(meter::Watched::of(&quotas));
                 Some(ProjectConfig { project, quotas: Arc::new(quotas), watched })
             }
@@ -189,7 +231,7 @@ impl AppState {
         if let Some(b) = get(&self.cache.prices, "", self.settings.config_ttl) {
             return Ok(b);
         }
-        let book = Arc::new(PriceBook::new(self.store.prices().await?));
+        let book = Arc::new(PriceBook::new(self.stores.prices.prices().await?));
         put(&self.cache.prices, String::new(), book.clone());
         Ok(book)
     }
@@ -199,7 +241,7 @@ impl AppState {
         if let Some(r) = get(&self.cache.roles, id.as_str(), self.settings.config_ttl) {
             return Ok(r);
         }
-        let r = self.store.role(id).await?;
+        let r = self.stores.tenants.role(id).await?;
         put(&self.cache.roles, id.as_str().to_owned(), r.clone());
         Ok(r)
     }
@@ -228,7 +270,7 @@ impl AppState {
         if let Some(k) = get(&self.cache.keys, &hash, self.settings.config_ttl) {
             return Ok(k);
         }
-        let k = self.store.api_key_by_secret_hash(&hash).await?;
+        let k = self.stores.tenants.api_key_by_secret_hash(&hash).await?;
         put(&self.cache.keys, hash, k.clone());
         Ok(k)
     }
@@ -239,7 +281,7 @@ impl AppState {
         if let Some(v) = get(&self.cache.keys, &k, self.settings.config_ttl) {
             return Ok(v);
         }
-        let v = self.store.api_key(id).await?;
+        let v = self.stores.tenants.api_key(id).await?;
         put(&self.cache.keys, k, v.clone());
         Ok(v)
     }
@@ -270,6 +312,32 @@ pub fn new_quota_id() -> QuotaId {
 /// A new audit-entry id, time-ordered (same invariant as [`new_quota_id`]).
 pub fn new_audit_id() -> AuditId {
     AuditId::parse(new_id("aud")).expect("a new id is in the id alphabet")
+}
+
+/// A new project id (same invariant as [`new_quota_id`]).
+pub fn new_project_id() -> ProjectId {
+    ProjectId::parse(new_id("proj")).expect("a new id is in the id alphabet")
+}
+
+/// A new API key id (same invariant as [`new_quota_id`]).
+pub fn new_api_key_id() -> ApiKeyId {
+    ApiKeyId::parse(new_id("key")).expect("a new id is in the id alphabet")
+}
+
+/// A new role id (same invariant as [`new_quota_id`]).
+pub fn new_role_id() -> RoleId {
+    RoleId::parse(new_id("role")).expect("a new id is in the id alphabet")
+}
+
+/// A new reservation id (same invariant as [`new_quota_id`]).
+pub fn new_reservation_id() -> ReservationId {
+    ReservationId::parse(new_id("res")).expect("a new id is in the id alphabet")
+}
+
+/// A new event id with a type prefix (`req`, `evt`); same invariant as
+/// [`new_quota_id`] for a prefix in the id alphabet, as every caller's is.
+pub fn new_event_id(prefix: &'static str) -> EventId {
+    EventId::parse(new_id(prefix)).expect("a new id is in the id alphabet")
 }
 
 /// Compares two secrets in time independent of where they differ.

@@ -14,12 +14,10 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 use axum::routing::get;
 use chrono::{Timelike, Utc};
-use gateway::state::{SystemClock, hash_secret, new_id, random_token};
+use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+use gateway::state::SystemClock;
 use gateway::{AppState, Settings, TollgateLayer};
-use meter::{
-    ApiKey, ApiKeyId, CounterKey, Dimension, Grants, Metric, Mode, Project, ProjectId, Quota, QuotaId, QuotaSpec,
-    Scope, Store, View, WindowKind, window_at,
-};
+use meter::{ApiKey, CounterKey, Dimension, Metric, Principal, Project, Quota, View, WindowKind, window_at};
 use serde_json::Value;
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 use tower::ServiceExt;
@@ -74,28 +72,20 @@ async fn env(backend: Backend) -> Env {
     }
 }
 
-/// A project and a key in it, created through the store.
-async fn project_and_key(store: &dyn Store) -> (Project, ApiKey, String) {
-    let now = Utc::now();
-    let project = Project {
-        id: ProjectId::parse(new_id("proj")).expect("project id"),
-        name: "layer".into(),
-        timezone: safe_timezone(),
-        created_at: now,
+/// Who the tests' quotas are audited as.
+fn tester() -> Principal {
+    Principal::new("admin", "layer-test")
+}
+
+/// A project and a key in it, created through the provisioning service.
+async fn project_and_key(state: &AppState) -> (Project, ApiKey, String) {
+    let starter = Starter {
+        project: NewProject { name: "layer".into(), timezone: safe_timezone() },
+        key: NewApiKey { name: "k".into(), ..NewApiKey::default() },
+        quota: None,
     };
-    store.create_project(&project).await.expect("create project");
-    let secret = format!("tg_{}", random_token(40));
-    let key = ApiKey {
-        id: ApiKeyId::parse(new_id("key")).expect("key id"),
-        project_id: project.id.clone(),
-        name: "k".into(),
-        prefix: secret[..10].to_owned(),
-        grants: Grants::default(),
-        role_id: None,
-        created_at: now,
-    };
-    store.create_api_key(&key, &hash_secret(&secret)).await.expect("create key");
-    (project, key, secret)
+    let made = provisioning::provision(state, starter, &tester()).await.expect("create project and key");
+    (made.project, made.key, made.secret)
 }
 
 async fn embedded() -> Env {
@@ -107,7 +97,7 @@ async fn embedded() -> Env {
     let e = gateway::embedded::Embedded::open(&dir.join("tollgate.db"), settings, Arc::new(SystemClock))
         .await
         .expect("open the embedded deployment");
-    let (project, key, secret) = project_and_key(e.state.store.as_ref()).await;
+    let (project, key, secret) = project_and_key(&e.state).await;
     let (state, view) = (e.state.clone(), e.state.view.clone());
     Env { state, view, _embedded: Some((e, dir)), project, key, secret, hits: Arc::default() }
 }
@@ -145,38 +135,21 @@ async fn distributed() -> Env {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let log = KafkaLog::new(&kcfg).expect("kafka producer");
-    let (project, key, secret) = project_and_key(&store).await;
 
     let mut settings = Settings::new("admin-token-layer", "gateway-token-layer");
     settings.instance = format!("layer-{id}");
     let view: Arc<dyn View> = view;
     let state = AppState::new(Arc::new(store), view.clone(), Arc::new(log), Arc::new(SystemClock), settings);
+    let (project, key, secret) = project_and_key(&state).await;
     Env { state, view, _embedded: None, project, key, secret, hits: Arc::default() }
 }
 
 impl Env {
-    /// An enforce quota on this key, `day` window. Create quotas before the
-    /// first request: the project's configuration is then cached.
+    /// An enforce quota on this key, `day` window, through the quota
+    /// service (which forgets the project's cached configuration).
     async fn quota(&self, metric: Metric, limit: u64) -> Quota {
-        let now = Utc::now();
-        let q = Quota {
-            id: QuotaId::parse(new_id("quota")).expect("quota id"),
-            spec: QuotaSpec {
-                project_id: self.project.id.clone(),
-                scope: Scope::ApiKey,
-                scope_ref: Some(self.key.id.to_string()),
-                metric,
-                window: WindowKind::Day,
-                limit,
-                mode: Mode::Enforce,
-                meter_type: None,
-                on_unpriced: None,
-            },
-            created_at: now,
-            updated_at: now,
-        };
-        self.state.store.apply_quotas(&meter::QuotaPlan::create(q.clone()), &[]).await.expect("create quota");
-        q
+        let q = KeyQuota { metric, window: WindowKind::Day, limit };
+        provisioning::key_quota(&self.state, &self.key, q, &tester()).await.expect("create quota")
     }
 
     /// A service with the layer: `/reports` returns 7 rows, `/bad-rows` a

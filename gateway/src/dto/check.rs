@@ -1,0 +1,162 @@
+//! `POST /v1/check`: who is calling, and what the check granted.
+//!
+//! The body is parsed in one allocation-light pass straight into typed
+//! fields: the hot path pays for the strings it keeps and nothing else.
+
+use meter::{ApiKeyId, FieldError, RoleId};
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{Flag, Text, Whole, opt_id};
+use crate::service::admission::{CheckRequest, KeyRef, Who};
+
+/// A check names its caller by one of: an API key's secret (`api_key`), its
+/// id (`api_key_id`), a signed-in user with a role (`user` + `role_id`), or
+/// `break_glass`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"api_key": "tg_8fK2xQpLr0d9WmZt3cVb7nYh1sEa4uJi6oKf5gHq", "agent_id": "support-bot",
+                          "actor_id": "alice"}))]
+pub struct CheckBody {
+    /// The caller's API key secret.
+    #[schema(value_type = Option<String>)]
+    pub api_key: Option<Text>,
+    /// The caller's API key, by id.
+    #[schema(value_type = Option<String>)]
+    pub api_key_id: Option<Text>,
+    /// A signed-in user, `user:<subject>`, checked against `role_id`'s quota.
+    #[schema(value_type = Option<String>, example = "user:alice")]
+    pub user: Option<Text>,
+    /// The role of a signed-in `user` (a key's role is its own).
+    #[schema(value_type = Option<String>)]
+    pub role_id: Option<Text>,
+    /// The break-glass caller: never limited or counted.
+    #[schema(value_type = Option<bool>)]
+    pub break_glass: Option<Flag>,
+    /// The caller's project, if the gateway knows it: it must be the key's (or role's).
+    #[schema(value_type = Option<String>)]
+    pub project_id: Option<Text>,
+    /// The agent making the call, for `agent` quotas and attribution.
+    #[schema(value_type = Option<String>)]
+    pub agent_id: Option<Text>,
+    /// The end user, for `actor` quotas and attribution.
+    #[schema(value_type = Option<String>)]
+    pub actor_id: Option<Text>,
+    /// Bytes the call will store (negative: delete), for `storage_bytes` quotas.
+    #[schema(value_type = Option<i64>)]
+    pub storage_bytes_delta: Option<Whole>,
+    /// Reserved for concurrency permits; accepted and ignored by this release.
+    #[schema(value_type = Option<bool>)]
+    pub permit: Option<IgnoredAny>,
+}
+
+impl TryFrom<CheckBody> for CheckRequest {
+    type Error = FieldError;
+    fn try_from(b: CheckBody) -> Result<CheckRequest, FieldError> {
+        let agent = opt_id(b.agent_id, "agent_id")?;
+        let actor = opt_id(b.actor_id, "actor_id")?;
+        let storage_delta = b.storage_bytes_delta.map(|Whole(d)| d);
+        let project = b.project_id.map(|Text(p)| p);
+        let req = |who| CheckRequest { who, project, agent, actor, storage_delta };
+        // The break-glass caller is never limited or counted (ADR-0011).
+        if b.break_glass.is_some_and(|Flag(f)| f) {
+            return Ok(req(Who::BreakGlass));
+        }
+        if let Some(Text(user)) = b.user {
+            if b.api_key.is_some() || b.api_key_id.is_some() {
+                return Err(FieldError::new("user", "give api_key, api_key_id or user, not several"));
+            }
+            meter::usage::check_user(&user).map_err(|m| FieldError::new("user", m))?;
+            let role = opt_id(b.role_id, "role_id")?.ok_or_else(|| {
+                FieldError::new("role_id", "a signed-in user is checked against its role: role_id is required")
+            })?;
+            let role = RoleId::parse(role).map_err(|e| FieldError::new("role_id", e.to_string()))?;
+            return Ok(req(Who::User { user, role }));
+        }
+        if b.role_id.is_some() {
+            return Err(FieldError::new("role_id", "a key's role is its own; role_id goes with user"));
+        }
+        let id = opt_id(b.api_key_id, "api_key_id")?;
+        let key = match (b.api_key, id) {
+            (Some(_), Some(_)) => return Err(FieldError::new("api_key", "give api_key or api_key_id, not both")),
+            (Some(Text(secret)), None) => KeyRef::Secret(secret),
+            (None, Some(id)) => {
+                KeyRef::Id(ApiKeyId::parse(id).map_err(|e| FieldError::new("api_key_id", e.to_string()))?)
+            }
+            (None, None) => return Err(FieldError::new("api_key", "api_key or api_key_id is required")),
+        };
+        Ok(req(Who::Key(key)))
+    }
+}
+
+/// The limits an admitted call runs under (`null` where none applies).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CallLimits {
+    /// Seconds.
+    pub query_timeout: Option<u64>,
+    pub max_rows: Option<u64>,
+}
+
+/// An admitted check. Settle it with the call's event (its
+/// `reservation_id`); an exempt caller has nothing to settle.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"allowed": true, "reservation_id": "res_0197a3c6",
+                          "limits": {"query_timeout": 30, "max_rows": 500}}))]
+pub struct CheckResponse {
+    /// Always true: a refusal is an error answer.
+    pub allowed: bool,
+    /// Present (true) for an exempt or break-glass caller.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exempt: Option<bool>,
+    /// `null` for an exempt caller.
+    pub reservation_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits: Option<CallLimits>,
+    /// Present (true) when the view was unreachable and policy admitted the
+    /// call uncounted (it is still metered on the log).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<bool>,
+}
+
+impl CheckResponse {
+    pub fn exempt() -> Self {
+        CheckResponse { allowed: true, exempt: Some(true), reservation_id: None, limits: None, degraded: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::dto::from_value;
+
+    fn parse(v: serde_json::Value) -> Result<CheckRequest, FieldError> {
+        CheckRequest::try_from(from_value::<CheckBody>(v)?)
+    }
+
+    #[test]
+    fn a_check_names_one_caller() {
+        let r = parse(json!({"api_key": "tg_x", "actor_id": "alice", "permit": true})).expect("valid");
+        assert_eq!((r.who, r.actor.as_deref()), (Who::Key(KeyRef::Secret("tg_x".into())), Some("alice")));
+        assert_eq!(parse(json!({"break_glass": true, "user": "alice"})).expect("valid").who, Who::BreakGlass);
+        for (body, field) in [
+            (json!({}), "api_key"),
+            (json!({"api_key": "a", "api_key_id": "key_1"}), "api_key"),
+            (json!({"api_key_id": "a b"}), "api_key_id"),
+            (json!({"api_key": "a", "role_id": "role_1"}), "role_id"),
+            (json!({"user": "alice", "role_id": "role_1"}), "user"),
+            (json!({"user": "user:alice"}), "role_id"),
+            (json!({"user": "user:alice", "api_key": "a", "role_id": "r"}), "user"),
+            (json!({"api_key": "a", "actor_id": ""}), "actor_id"),
+            (json!({"api_key": "a", "storage_bytes_delta": 1.5}), "storage_bytes_delta"),
+            (json!({"api_key": "a", "break_glass": "yes"}), "break_glass"),
+            (json!({"api_key": "a", "colour": "red"}), "colour"),
+        ] {
+            assert_eq!(parse(body.clone()).expect_err("refused").field, field, "{body}");
+        }
+    }
+}

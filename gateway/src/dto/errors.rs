@@ -1,0 +1,95 @@
+//! The error body, `{"error":{"code","message","meta"}}`, as it goes over
+//! the wire and as `/openapi.json` describes it. Which code, status and
+//! meta an error gets is decided in [`crate::error`].
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::prices::PriceKeyView;
+use super::quotas::LimitView;
+
+/// Every error answer.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"error": {"code": "INVALID_REQUEST", "message": "events[3].rows: must be a whole number ≥ 0", "meta": {"field": "events[3].rows"}}}))]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorDetail {
+    /// `INVALID_REQUEST`, `UNAUTHENTICATED`, `NOT_FOUND`, `QUOTA_EXCEEDED`,
+    /// `QUOTA_STORAGE_EXCEEDED`, `QUOTA_UNENFORCEABLE`, `QUOTA_CONFLICT`,
+    /// `CONFLICT`, `LOG_UNAVAILABLE`, `VIEW_UNAVAILABLE`, `UNAVAILABLE` or `INTERNAL`.
+    #[schema(example = "QUOTA_EXCEEDED")]
+    pub code: String,
+    /// For people; the code and meta are for programs.
+    pub message: String,
+    pub meta: ErrorMeta,
+}
+
+/// Details of the error, by kind: the field of an `INVALID_REQUEST` (and of
+/// an `UNAUTHENTICATED` check), the quota of a refusal, or nothing. (The
+/// refusals are boxed so that every `Result` carrying an error stays small.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum ErrorMeta {
+    Field(FieldMeta),
+    Exceeded(Box<ExceededMeta>),
+    Storage(Box<StorageMeta>),
+    Unenforceable(Box<UnenforceableMeta>),
+    None(NoMeta),
+}
+
+/// Nothing more to say.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoMeta {}
+
+/// The offending field: its path in the body (`events[3].rows`), or the
+/// query parameter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FieldMeta {
+    #[schema(example = "quotas[1].window")]
+    pub field: String,
+}
+
+/// `QUOTA_EXCEEDED` (429, with `Retry-After`): the quota that refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExceededMeta {
+    pub quota_id: String,
+    pub metric: String,
+    pub limit: LimitView,
+    pub window: String,
+    /// When the window resets.
+    pub resets_at: Option<DateTime<Utc>>,
+}
+
+/// `QUOTA_STORAGE_EXCEEDED` (409): waiting is no remedy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StorageMeta {
+    pub quota_id: String,
+    pub metric: String,
+    pub limit: LimitView,
+    /// The project's stored footprint before the write.
+    pub current_bytes: u64,
+}
+
+/// `QUOTA_UNENFORCEABLE` (409): a cost quota over a window that metered AI
+/// usage but priced none of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UnenforceableMeta {
+    pub quota_id: String,
+    pub metric: String,
+    pub limit: LimitView,
+    pub window: String,
+    /// Up to 10 (provider, model, component) rows that had no price.
+    pub unpriced_rows: Vec<PriceKeyView>,
+}

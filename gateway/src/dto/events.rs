@@ -1,0 +1,264 @@
+//! `POST /v1/events`: the usage facts a gateway reports.
+//!
+//! An event is read into a [`UsageFact`] here, its types and `meter`'s
+//! rules for a fact checked ([`meter::usage::check_fact`]); what needs the
+//! clock or the store (its time within the horizon, its project and key
+//! existing) is the service's, which also stamps the gateway's name.
+
+use meter::{
+    ApiKeyId, EventId, EventKind, FieldError, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{Count, Flag, List, Text, Whole, opt_id, required, timestamp};
+use crate::service::recording::{Accepted, MAX_EVENTS};
+
+/// Token counts of one model.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"provider": "openai", "model": "gpt-4o", "input": 1000, "output": 200, "reasoning": 5}))]
+pub struct TokenBody {
+    #[schema(value_type = String)]
+    pub provider: Option<Text>,
+    #[schema(value_type = String)]
+    pub model: Option<Text>,
+    /// Uncached input tokens.
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub input: Option<Count>,
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub output: Option<Count>,
+    /// Input tokens served from the provider's cache.
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub cached: Option<Count>,
+    /// Reasoning tokens: a detail, never billed or priced.
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub reasoning: Option<Count>,
+    /// True for an embedding model's tokens.
+    #[schema(value_type = Option<bool>)]
+    pub embedding: Option<Flag>,
+}
+
+impl TryFrom<TokenBody> for TokenUsage {
+    type Error = FieldError;
+    fn try_from(t: TokenBody) -> Result<TokenUsage, FieldError> {
+        let count = |c: Option<Count>| c.map_or(0, |Count(n)| n);
+        Ok(TokenUsage {
+            provider: required(t.provider, "provider")?.0,
+            model: required(t.model, "model")?.0,
+            input: count(t.input),
+            output: count(t.output),
+            cached: count(t.cached),
+            reasoning: count(t.reasoning),
+            embedding: t.embedding.is_some_and(|Flag(e)| e),
+        })
+    }
+}
+
+/// One usage event.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"id": "evt_1", "type": "call", "project_id": "proj_0197a3c2", "api_key_id": "key_0197a3c3",
+    "occurred_at": "2026-07-07T12:00:00Z", "reservation_id": "res_0197a3c6", "outcome": "success", "rows": 3}))]
+pub struct EventBody {
+    /// The event's id: the same id sent again is counted once.
+    #[schema(value_type = String)]
+    pub id: Option<Text>,
+    /// `call`, `tokens`, `storage_delta` or `storage_snapshot` (`request`
+    /// and `correction` are not metered by this release).
+    #[serde(rename = "type")]
+    #[schema(value_type = String)]
+    pub kind: Option<Text>,
+    #[schema(value_type = String)]
+    pub project_id: Option<Text>,
+    /// A key of the project.
+    #[schema(value_type = Option<String>)]
+    pub api_key_id: Option<Text>,
+    #[schema(value_type = Option<String>)]
+    pub agent_id: Option<Text>,
+    #[schema(value_type = Option<String>)]
+    pub actor_id: Option<Text>,
+    /// A signed-in user (`user:<subject>`).
+    #[schema(value_type = Option<String>)]
+    pub user: Option<Text>,
+    /// RFC 3339 event time: within the dedup horizon, at most 5 minutes ahead.
+    #[schema(value_type = DateTime<Utc>)]
+    pub occurred_at: Option<Text>,
+    /// The check this call settles.
+    #[schema(value_type = Option<String>)]
+    pub reservation_id: Option<Text>,
+    /// `success` (default) or `failure`.
+    #[schema(value_type = Option<String>)]
+    pub outcome: Option<Text>,
+    /// Rows a `call` returned.
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub rows: Option<Count>,
+    /// A `tokens` event's counts, per model.
+    #[schema(value_type = Option<Vec<TokenBody>>)]
+    pub tokens: Option<List<TokenBody>>,
+    /// Bytes a `storage_delta` adds (negative: removes) or a
+    /// `storage_snapshot` holds.
+    #[schema(value_type = Option<i64>)]
+    pub storage_bytes: Option<Whole>,
+    /// `llm_tokens`, `compute_execution`, `api_request` or `storage`.
+    #[schema(value_type = Option<String>)]
+    pub meter_type: Option<Text>,
+}
+
+impl TryFrom<EventBody> for UsageFact {
+    type Error = FieldError;
+    /// Errors name the field within the event (`rows`); the gateway is left
+    /// empty for the service to stamp.
+    fn try_from(e: EventBody) -> Result<UsageFact, FieldError> {
+        let id = EventId::parse(required(e.id, "id")?.0).map_err(|err| FieldError::new("id", err.to_string()))?;
+        let kind = required(e.kind, "type")?.0.parse::<EventKind>().map_err(|_| {
+            FieldError::new("type", "must be one of request, call, tokens, storage_delta, storage_snapshot, correction")
+        })?;
+        if !kind.is_folded() {
+            return Err(FieldError::new("type", format!("{kind} events are not metered by this release")));
+        }
+        let project_id = ProjectId::parse(required(e.project_id, "project_id")?.0)
+            .map_err(|err| FieldError::new("project_id", err.to_string()))?;
+        let api_key_id = opt_id(e.api_key_id, "api_key_id")?
+            .map(|k| ApiKeyId::parse(k).map_err(|err| FieldError::new("api_key_id", err.to_string())))
+            .transpose()?;
+        let occurred_at = timestamp(&required(e.occurred_at, "occurred_at")?.0, "occurred_at")?;
+        let outcome = match e.outcome {
+            None => Outcome::Success,
+            Some(Text(o)) => {
+                o.parse::<Outcome>().map_err(|_| FieldError::new("outcome", "must be success or failure"))?
+            }
+        };
+        let rows = e.rows.map_or(0, |Count(r)| r);
+        let reservation_id = opt_id(e.reservation_id, "reservation_id")?
+            .map(|r| ReservationId::parse(r).map_err(|err| FieldError::new("reservation_id", err.to_string())))
+            .transpose()?;
+        let meter_type = match e.meter_type {
+            None => None,
+            Some(Text(m)) => Some(m.parse::<MeterType>().map_err(|_| {
+                FieldError::new("meter_type", "must be one of llm_tokens, compute_execution, api_request, storage")
+            })?),
+        };
+        let agent_id = opt_id(e.agent_id, "agent_id")?;
+        let actor_id = opt_id(e.actor_id, "actor_id")?;
+        let tokens = match e.tokens {
+            None => Vec::new(),
+            Some(List(list)) => list
+                .into_iter()
+                .enumerate()
+                .map(|(j, t)| TokenUsage::try_from(t).map_err(|err| err.under(&format!("tokens[{j}]."))))
+                .collect::<Result<_, _>>()?,
+        };
+        let fact = UsageFact {
+            api_key_id,
+            agent_id,
+            actor_id,
+            user_id: e.user.map(|Text(u)| u),
+            occurred_at,
+            kind,
+            outcome,
+            rows,
+            tokens,
+            storage_bytes: e.storage_bytes.map(|Whole(b)| b),
+            meter_type,
+            reservation_id,
+            // The service stamps the instance and the receipt time.
+            ..UsageFact::new(id, project_id, kind, occurred_at)
+        };
+        meter::usage::check_fact(&fact)?;
+        Ok(fact)
+    }
+}
+
+/// `POST /v1/events`: 1 to 5000 events, all recorded or none.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"events": [
+    {"id": "evt_1", "type": "call", "project_id": "proj_0197a3c2", "api_key_id": "key_0197a3c3",
+     "occurred_at": "2026-07-07T12:00:00Z", "reservation_id": "res_0197a3c6", "outcome": "success", "rows": 3},
+    {"id": "evt_2", "type": "tokens", "project_id": "proj_0197a3c2", "agent_id": "support-bot",
+     "occurred_at": "2026-07-07T12:00:01Z", "tokens": [{"provider": "openai", "model": "gpt-4o", "input": 1000, "output": 200}]},
+]}))]
+pub struct EventsBody {
+    #[schema(value_type = Vec<EventBody>)]
+    pub events: Option<List<EventBody>>,
+}
+
+impl TryFrom<EventsBody> for Vec<UsageFact> {
+    type Error = FieldError;
+    fn try_from(b: EventsBody) -> Result<Vec<UsageFact>, FieldError> {
+        let List(list) = b.events.ok_or_else(|| FieldError::new("events", "must be a list"))?;
+        if list.is_empty() || list.len() > MAX_EVENTS {
+            return Err(FieldError::new("events", format!("must hold 1 to {MAX_EVENTS} events")));
+        }
+        list.into_iter()
+            .enumerate()
+            .map(|(i, e)| UsageFact::try_from(e).map_err(|err| err.under(&format!("events[{i}]."))))
+            .collect()
+    }
+}
+
+/// Every event is on the log.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"accepted": 2, "duplicates": 0}))]
+pub struct EventsAccepted {
+    /// Events recorded.
+    pub accepted: usize,
+    /// Events left out as repeats of an earlier one of the same request.
+    pub duplicates: usize,
+}
+
+impl From<Accepted> for EventsAccepted {
+    fn from(a: Accepted) -> Self {
+        EventsAccepted { accepted: a.accepted, duplicates: a.duplicates }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::dto::from_value;
+
+    fn field(events: serde_json::Value) -> String {
+        match from_value::<EventsBody>(json!({ "events": events })) {
+            Err(e) => e.field,
+            Ok(b) => Vec::<UsageFact>::try_from(b).expect_err("refused").field,
+        }
+    }
+
+    fn call(rows: serde_json::Value) -> serde_json::Value {
+        json!({"id": "e1", "type": "call", "project_id": "proj_1", "occurred_at": "2026-07-07T12:00:00Z", "rows": rows})
+    }
+
+    #[test]
+    fn a_bad_event_is_named_by_its_index_and_field() {
+        assert_eq!(field(json!([call(json!(1)), call(json!(-3))])), "events[1].rows");
+        assert_eq!(field(json!([call(json!("3"))])), "events[0].rows");
+        assert_eq!(field(json!([])), "events");
+        assert_eq!(field(json!({})), "events");
+        assert_eq!(field(json!([5])), "events[0]");
+        let mut e = call(json!(1));
+        e["colour"] = json!("red");
+        assert_eq!(field(json!([e])), "events[0].colour");
+        let tokens = |t: serde_json::Value| json!([{"id": "e1", "type": "tokens", "project_id": "proj_1", "occurred_at": "2026-07-07T12:00:00Z", "tokens": t}]);
+        assert_eq!(
+            field(tokens(json!([{"provider": "openai", "model": "m", "input": -1}]))),
+            "events[0].tokens[0].input"
+        );
+        assert_eq!(field(tokens(json!([{"model": "m"}]))), "events[0].tokens[0].provider");
+        assert_eq!(field(tokens(json!([]))), "events[0].tokens");
+        assert_eq!(field(tokens(json!({}))), "events[0].tokens");
+        let storage = json!([{"id": "s", "type": "storage_snapshot", "project_id": "proj_1",
+                              "occurred_at": "2026-07-07T12:00:00Z", "storage_bytes": -1}]);
+        assert_eq!(field(storage), "events[0].storage_bytes");
+        let mut e = call(json!(1));
+        e["occurred_at"] = json!("yesterday");
+        assert_eq!(field(json!([e])), "events[0].occurred_at");
+        let mut e = call(json!(1));
+        e["type"] = json!("correction");
+        assert_eq!(field(json!([e])), "events[0].type");
+    }
+}

@@ -1,0 +1,200 @@
+//! The HTTP API: the route table, the router built from it, and the
+//! OpenAPI document (`/openapi.json`) that describes every route.
+//!
+//! A handler is extract → convert → one service call → map: the auth
+//! extractor ([`AdminAuth`](crate::auth::AdminAuth) or
+//! [`GatewayAuth`](crate::auth::GatewayAuth)) first, the body or query
+//! read into its DTO, the DTO turned into a domain value with `TryFrom`, one
+//! call into [`service`](crate::service), and the result turned into a
+//! response body (an error into `ApiError`). Handler modules do not import
+//! each other: what they share lives in `dto` and `service`.
+//!
+//! Every route is one line of the table below; the router is
+//! built from it and nothing else, so a test can hold the document to it.
+
+mod hot;
+mod meta;
+mod prices;
+mod quotas;
+mod reports;
+mod tenants;
+
+use std::sync::LazyLock;
+
+use axum::Router;
+use axum::http::Method;
+use axum::routing::{MethodFilter, MethodRouter, on};
+use serde_json::json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+use utoipa::{Modify, OpenApi};
+
+use crate::dto;
+use crate::state::AppState;
+
+/// One route: its method, its path (axum's syntax, which is OpenAPI's) and its handler.
+struct Route {
+    method: Method,
+    path: &'static str,
+    handler: MethodRouter<AppState>,
+}
+
+macro_rules! table {
+    ($($method:ident $path:literal => $handler:path,)*) => {
+        /// Every route of the API.
+        fn table() -> Vec<Route> {
+            vec![$(Route { method: Method::$method, path: $path, handler: on(MethodFilter::$method, $handler) },)*]
+        }
+    };
+}
+
+table! {
+    GET "/healthz" => meta::healthz,
+    GET "/openapi.json" => meta::openapi,
+    POST "/v1/check" => hot::check,
+    POST "/v1/events" => hot::events,
+    POST "/v1/projects" => tenants::create_project,
+    GET "/v1/projects/{id}" => tenants::get_project,
+    POST "/v1/projects/{id}/api-keys" => tenants::create_api_key,
+    GET "/v1/api-keys/{id}" => tenants::get_api_key,
+    DELETE "/v1/api-keys/{id}" => tenants::delete_api_key,
+    POST "/v1/projects/{id}/roles" => tenants::create_role,
+    GET "/v1/roles/{id}" => tenants::get_role,
+    POST "/v1/quotas" => quotas::create_quota,
+    GET "/v1/quotas" => quotas::list_quotas,
+    GET "/v1/quotas/{id}" => quotas::get_quota,
+    PATCH "/v1/quotas/{id}" => quotas::patch_quota,
+    DELETE "/v1/quotas/{id}" => quotas::delete_quota,
+    PUT "/v1/projects/{id}/quotas" => quotas::put_project_quotas,
+    PUT "/v1/prices" => prices::put_prices,
+    GET "/v1/prices" => prices::get_prices,
+    GET "/v1/exceptions" => prices::exceptions,
+    GET "/v1/usage" => reports::usage,
+    GET "/v1/audit" => reports::audit,
+}
+
+/// The method and path of every route the router serves.
+pub fn routes() -> Vec<(Method, &'static str)> {
+    table().into_iter().map(|r| (r.method, r.path)).collect()
+}
+
+/// The whole HTTP API over the given state.
+pub fn app(state: AppState) -> Router {
+    // Routes of one path merge into one method router.
+    table().into_iter().fold(Router::new(), |router, r| router.route(r.path, r.handler)).with_state(state)
+}
+
+/// The OpenAPI document of the API.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Tollgate", description = "Usage metering and exact quota enforcement on an event log. \
+        Errors are `{\"error\":{\"code\",\"message\",\"meta\"}}`; an `INVALID_REQUEST` names the field in \
+        `meta.field` (`events[3].rows`). Admin routes take `Authorization: Bearer <admin token>`, the hot path \
+        `Authorization: Bearer <gateway token>`."),
+    paths(
+        meta::healthz,
+        meta::openapi,
+        hot::check,
+        hot::events,
+        tenants::create_project,
+        tenants::get_project,
+        tenants::create_api_key,
+        tenants::get_api_key,
+        tenants::delete_api_key,
+        tenants::create_role,
+        tenants::get_role,
+        quotas::create_quota,
+        quotas::list_quotas,
+        quotas::get_quota,
+        quotas::patch_quota,
+        quotas::delete_quota,
+        quotas::put_project_quotas,
+        prices::put_prices,
+        prices::get_prices,
+        prices::exceptions,
+        reports::usage,
+        reports::audit,
+    ),
+    components(schemas(dto::errors::ErrorBody)),
+    modifiers(&Security, &CommonErrors),
+    tags(
+        (name = "hot path", description = "Admission and metering, for gateways: the gateway token"),
+        (name = "admin", description = "Projects, keys, roles, quotas, prices and reports: the admin token"),
+        (name = "meta", description = "Liveness and this document"),
+    )
+)]
+pub struct ApiDoc;
+
+/// The document, built once.
+pub(crate) static DOCUMENT: LazyLock<utoipa::openapi::OpenApi> = LazyLock::new(ApiDoc::openapi);
+
+/// The two bearer tokens.
+struct Security;
+
+impl Modify for Security {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let components = doc.components.get_or_insert_with(Default::default);
+        for (name, what) in
+            [("admin_token", "The admin token"), ("gateway_token", "The gateway token (or the admin token)")]
+        {
+            let scheme = HttpBuilder::new().scheme(HttpAuthScheme::Bearer).description(Some(what)).build();
+            components.add_security_scheme(name, SecurityScheme::Http(scheme));
+        }
+    }
+}
+
+/// The errors any authenticated route can answer: 401 without the right
+/// token, 503 while a backend is unavailable, 500 on a backend failure.
+struct CommonErrors;
+
+impl Modify for CommonErrors {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let error = |description: &str, example: serde_json::Value| {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                        .example(Some(example))
+                        .build(),
+                )
+                .build()
+        };
+        let common = [
+            (
+                "401",
+                error(
+                    "UNAUTHENTICATED: no bearer token, or not this route's",
+                    json!({"error": {"code": "UNAUTHENTICATED", "message": "an admin bearer token is required", "meta": {}}}),
+                ),
+            ),
+            (
+                "503",
+                error(
+                    "UNAVAILABLE: a backend is unavailable; retry",
+                    json!({"error": {"code": "UNAVAILABLE", "message": "a backend is unavailable; retry", "meta": {}}}),
+                ),
+            ),
+            (
+                "500",
+                error(
+                    "INTERNAL: a backend failed",
+                    json!({"error": {"code": "INTERNAL", "message": "internal error", "meta": {}}}),
+                ),
+            ),
+        ];
+        for item in doc.paths.paths.values_mut() {
+            for op in
+                [&mut item.get, &mut item.put, &mut item.post, &mut item.delete, &mut item.patch].into_iter().flatten()
+            {
+                if op.security.as_ref().is_none_or(Vec::is_empty) {
+                    continue;
+                }
+                for (status, response) in &common {
+                    op.responses.responses.entry((*status).to_owned()).or_insert_with(|| response.clone().into());
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! Admin routes that read what was folded: usage reports and the audit log.
+
+use axum::Json;
+use axum::extract::State;
+
+use crate::auth::AdminAuth;
+use crate::dto::Params;
+use crate::dto::errors::ErrorBody;
+use crate::dto::reports::{AuditPage, AuditParams, UsageParams, UsageReport};
+use crate::error::ApiResult;
+use crate::service::audit::{self, AuditQuery};
+use crate::service::usage::{self, UsageQuery};
+use crate::state::AppState;
+
+#[utoipa::path(get, path = "/v1/usage", tag = "admin", security(("admin_token" = [])),
+    params(UsageParams),
+    responses(
+        (status = 200, description = "Folded usage: for model, one row per (provider, model, component, meter_type, \
+            embedding) with priced_quantity, unpriced_quantity and cost_usd; otherwise one row per actor_id, agent_id \
+            or api_key_id with requests, calls, rows, tokens and cost_usd (all meters)", body = UsageReport),
+        (status = 400, description = "INVALID_REQUEST naming the parameter", body = ErrorBody,
+         example = json!({"error": {"code": "INVALID_REQUEST", "message": "window: must be day or calendar_month; got \"current\"", "meta": {"field": "window"}}})),
+        (status = 404, description = "NOT_FOUND: no such project", body = ErrorBody,
+         example = json!({"error": {"code": "NOT_FOUND", "message": "project proj_nope does not exist", "meta": {}}})),
+    ))]
+pub async fn usage(
+    _: AdminAuth,
+    State(s): State<AppState>,
+    Params(p): Params<UsageParams>,
+) -> ApiResult<Json<UsageReport>> {
+    let report = usage::report(&s, UsageQuery::try_from(p)?).await?;
+    Ok(Json(UsageReport::from(&report)))
+}
+
+#[utoipa::path(get, path = "/v1/audit", tag = "admin", security(("admin_token" = [])),
+    params(AuditParams),
+    responses(
+        (status = 200, description = "Entries in time order, and the cursor of the next page", body = AuditPage),
+        (status = 400, description = "INVALID_REQUEST naming the parameter", body = ErrorBody,
+         example = json!({"error": {"code": "INVALID_REQUEST", "message": "page: page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>", "meta": {"field": "page"}}})),
+        (status = 404, description = "NOT_FOUND: no such project", body = ErrorBody,
+         example = json!({"error": {"code": "NOT_FOUND", "message": "project proj_nope does not exist", "meta": {}}})),
+    ))]
+pub async fn audit(
+    _: AdminAuth,
+    State(s): State<AppState>,
+    Params(p): Params<AuditParams>,
+) -> ApiResult<Json<AuditPage>> {
+    let page = audit::page(&s, &AuditQuery::try_from(p)?).await?;
+    Ok(Json(AuditPage::from(&page)))
+}

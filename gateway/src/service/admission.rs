@@ -1,0 +1,431 @@
+//! Admission: may this caller make this call now?
+//!
+//! A check is one view round trip (plus, once after the view was lost, a
+//! seed from the ledger, which the [`SeedingView`](crate::seeding::SeedingView)
+//! does). The verdict is `meter`'s; what follows from it runs in the
+//! background, off the caller's latency: the check's request event is
+//! published to the log, a monitor breach is audited once per window, and
+//! unpriced usage under a cost quota files its exception. A refusal is
+//! [`Error::Refused`] with the breach the verdict reports.
+//!
+//! Three kinds of caller: an API key ([`admit`], what the tower Layer
+//! runs), a signed-in user checked against a role's quota, and the
+//! break-glass caller; [`check`] is `/v1/check`, which names any of them.
+//! An exempt role's callers and the break-glass caller are admitted with
+//! nothing checked or counted.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use meter::{
+    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, EventKind, Grants, Hold,
+    PortError, ProjectId, Quota, ReservationId, Role, RoleId, UnpricedException, UsageFact, Verdict,
+};
+use tracing::warn;
+
+use super::{Error, Refusal, Result};
+use crate::state::{AppState, ViewDownPolicy, new_audit_id, new_event_id, new_reservation_id};
+
+/// What the caller's headers report of its quotas (`X-Quota-Remaining-Calls`,
+/// `X-Quota-Remaining-Rows`, `X-Quota-Reset`), admitted or refused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Remaining {
+    pub calls: Option<u64>,
+    pub rows: Option<u64>,
+    /// When the tightest calls or rows quota resets.
+    pub reset: Option<DateTime<Utc>>,
+}
+
+impl From<&Verdict> for Remaining {
+    fn from(v: &Verdict) -> Self {
+        Remaining { calls: v.remaining_calls, rows: v.remaining_rows, reset: v.reset }
+    }
+}
+
+/// An admitted check of an API key: the reservation to settle, the caller,
+/// and what its quotas have left.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub reservation: ReservationId,
+    pub key: ApiKey,
+    /// The limits that apply: the key's grants narrowed by its role's.
+    pub limits: Grants,
+    pub remaining: Remaining,
+    /// True when the view was unreachable and policy let the call through.
+    pub degraded: bool,
+    /// An administrator's or break-glass caller: nothing was checked or
+    /// counted, and the call must not be recorded.
+    pub exempt: bool,
+}
+
+/// How a `/v1/check` names its caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Who {
+    /// The break-glass caller: never limited or counted (ADR-0011).
+    BreakGlass,
+    /// An API key, by its secret or its id.
+    Key(KeyRef),
+    /// A signed-in user (`user:<subject>`), checked against a role's quota.
+    User { user: String, role: RoleId },
+}
+
+/// An API key as a check names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRef {
+    Secret(String),
+    Id(ApiKeyId),
+}
+
+/// A `/v1/check`, its fields parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckRequest {
+    pub who: Who,
+    /// The project the caller says it is in, if it says: it must be the
+    /// key's (or the role's).
+    pub project: Option<String>,
+    pub agent: Option<String>,
+    pub actor: Option<String>,
+    /// The bytes the call will add to (or, negative, remove from) storage.
+    pub storage_delta: Option<i64>,
+}
+
+/// What a `/v1/check` granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checked {
+    /// Never limited or counted: nothing to settle.
+    Exempt,
+    Admitted {
+        reservation: ReservationId,
+        /// The limits the call runs under.
+        limits: Grants,
+        remaining: Remaining,
+        degraded: bool,
+    },
+}
+
+/// Who a check counts against.
+#[derive(Debug, Clone)]
+enum Subject {
+    Key(ApiKey),
+    User { project: ProjectId, user: String },
+}
+
+/// What a check granted, whoever asked.
+#[derive(Debug, Clone)]
+struct Granted {
+    reservation: ReservationId,
+    remaining: Remaining,
+    degraded: bool,
+    exempt: bool,
+}
+
+/// The parts of a check that are neither the caller nor its quotas.
+#[derive(Debug, Clone, Default)]
+struct Context {
+    agent: Option<String>,
+    actor: Option<String>,
+    storage_delta: Option<i64>,
+}
+
+/// `/v1/check`: identifies the caller, then runs its check.
+pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
+    let ctx = Context { agent: req.agent, actor: req.actor, storage_delta: req.storage_delta };
+    match req.who {
+        Who::BreakGlass => {
+            metrics::counter!("tollgate_exempt_checks_total").increment(1);
+            Ok(Checked::Exempt)
+        }
+        Who::User { user, role } => {
+            let role =
+                s.role_by_id(&role).await?.ok_or_else(|| Error::invalid("role_id", format!("no role {role}")))?;
+            if req.project.as_deref().is_some_and(|p| p != role.project_id.as_str()) {
+                return Err(Error::invalid("project_id", "is not the role's project"));
+            }
+            let limits = role.grants.clone();
+            let subject = Subject::User { project: role.project_id.clone(), user };
+            let g = admit_subject(s, subject, Some(role), ctx).await?;
+            Ok(checked(g, limits))
+        }
+        Who::Key(key) => {
+            let key = match key {
+                KeyRef::Secret(secret) => s.key_by_secret(&secret).await?,
+                KeyRef::Id(id) => s.key_by_id(&id).await?,
+            }
+            .ok_or(Error::Unauthenticated { message: "unknown api key".into(), field: Some("api_key") })?;
+            if req.project.as_deref().is_some_and(|p| p != key.project_id.as_str()) {
+                return Err(Error::invalid("project_id", "is not the api key's project"));
+            }
+            let a = admit_with(s, key, ctx).await?;
+            let g =
+                Granted { reservation: a.reservation, remaining: a.remaining, degraded: a.degraded, exempt: a.exempt };
+            Ok(checked(g, a.limits))
+        }
+    }
+}
+
+fn checked(g: Granted, limits: Grants) -> Checked {
+    if g.exempt {
+        return Checked::Exempt;
+    }
+    Checked::Admitted { reservation: g.reservation, limits, remaining: g.remaining, degraded: g.degraded }
+}
+
+/// Runs one check for an API key (with its role, if it has one).
+pub async fn admit(
+    s: &AppState,
+    key: ApiKey,
+    agent: Option<String>,
+    actor: Option<String>,
+    storage_delta: Option<i64>,
+) -> Result<Admission> {
+    admit_with(s, key, Context { agent, actor, storage_delta }).await
+}
+
+async fn admit_with(s: &AppState, key: ApiKey, ctx: Context) -> Result<Admission> {
+    let role = match &key.role_id {
+        Some(r) => s.role_by_id(r).await?,
+        None => None,
+    };
+    let limits = meter::role::effective_grants(&key.grants, role.as_ref());
+    let g = admit_subject(s, Subject::Key(key.clone()), role, ctx).await?;
+    Ok(Admission {
+        reservation: g.reservation,
+        key,
+        limits,
+        remaining: g.remaining,
+        degraded: g.degraded,
+        exempt: g.exempt,
+    })
+}
+
+/// Runs one check: one view round trip, the verdict, and the request event
+/// published in the background. A refusal is [`Error::Refused`], or
+/// [`Error::ViewUnavailable`] by the view-down policy.
+async fn admit_subject(s: &AppState, subject: Subject, role: Option<Role>, ctx: Context) -> Result<Granted> {
+    if role.as_ref().is_some_and(|r| r.exempt) {
+        metrics::counter!("tollgate_exempt_checks_total").increment(1);
+        return Ok(Granted {
+            reservation: new_reservation_id(),
+            remaining: Remaining::default(),
+            degraded: false,
+            exempt: true,
+        });
+    }
+    let (project, caller) = match &subject {
+        Subject::Key(k) => (
+            k.project_id.clone(),
+            Caller { api_key: Some(k.id.clone()), agent: ctx.agent.clone(), actor: ctx.actor.clone(), user: None },
+        ),
+        Subject::User { project, user } => (
+            project.clone(),
+            Caller { api_key: None, agent: ctx.agent.clone(), actor: ctx.actor.clone(), user: Some(user.clone()) },
+        ),
+    };
+    let cfg = s
+        .project_config(&project)
+        .await?
+        .ok_or_else(|| Error::unauthenticated("the caller's project no longer exists"))?;
+    let quotas: Arc<Vec<Quota>> = match &role {
+        Some(r) if r.quota.is_some() => {
+            let mut q = (*cfg.quotas).clone();
+            q.extend(meter::role::role_quotas(r, &caller));
+            Arc::new(q)
+        }
+        _ => cfg.quotas.clone(),
+    };
+    let now = s.clock.now();
+    let plan =
+        meter::plan_check(&quotas, cfg.project.timezone, &CheckInput { caller, storage_delta: ctx.storage_delta }, now);
+    let hold = Hold {
+        reservation: new_reservation_id(),
+        request_event: new_event_id("req"),
+        lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
+    };
+    let outcome = observe(s, &project, &plan, &hold, now).await?;
+    // Requests are key-authenticated traffic only: a signed-in user's check
+    // is not a counted request.
+    if let Subject::Key(key) = &subject {
+        publish_request(s, key, ctx.agent, ctx.actor, &hold, now);
+    }
+    let Some(outcome) = outcome else {
+        return Ok(Granted {
+            reservation: hold.reservation,
+            remaining: Remaining::default(),
+            degraded: true,
+            exempt: false,
+        });
+    };
+    let verdict = meter::decide(&quotas, &plan, &outcome, now);
+    if !verdict.monitor_breaches.is_empty() {
+        record_monitor_breaches(s, &quotas, &plan, &outcome, now);
+    }
+    if !verdict.unpriced.is_empty() {
+        file_exceptions(s, &project, &quotas, &verdict.unpriced, now);
+    }
+    let remaining = Remaining::from(&verdict);
+    match verdict.breach {
+        None => Ok(Granted { reservation: hold.reservation, remaining, degraded: false, exempt: false }),
+        Some(breach) => {
+            metrics::counter!("tollgate_check_refusals_total", "metric" => breach.metric.as_str()).increment(1);
+            Err(refusal(s, project, breach, remaining).await)
+        }
+    }
+}
+
+/// Runs the plan on the view: its outcome, or `None` when the view is
+/// unreachable and policy admits the call uncounted (refused by the other
+/// policy). A plan with no limits needs no view at all.
+async fn observe(
+    s: &AppState,
+    project: &ProjectId,
+    plan: &CheckPlan,
+    hold: &Hold,
+    now: DateTime<Utc>,
+) -> Result<Option<CheckOutcome>> {
+    use meter::View;
+    if plan.limits.is_empty() {
+        return Ok(Some(CheckOutcome { admitted: true, used: Vec::new() }));
+    }
+    let observed = s
+        .view
+        .check(project, plan, hold, now)
+        .await
+        .and_then(|o| o.ok_or_else(|| PortError::Transient("view not seeded after seeding".into())));
+    match observed {
+        Ok(o) => Ok(Some(o)),
+        Err(e) => {
+            warn!(error = %e, "view unreachable during check");
+            metrics::counter!("tollgate_view_unavailable_total", "policy" => match s.settings.view_down {
+                ViewDownPolicy::Allow => "allow",
+                ViewDownPolicy::Deny => "deny",
+            })
+            .increment(1);
+            match s.settings.view_down {
+                ViewDownPolicy::Deny => Err(Error::ViewUnavailable),
+                ViewDownPolicy::Allow => Ok(None),
+            }
+        }
+    }
+}
+
+/// The refusal of a breach. A pricing blackout names the unpriced rows,
+/// which were written to the store before their events were acknowledged,
+/// so a blackout the view sees has its rows there.
+async fn refusal(s: &AppState, project: ProjectId, breach: Breach, remaining: Remaining) -> Error {
+    let unpriced_rows = if breach.kind == BreachKind::Unenforceable {
+        match s.stores.prices.unpriced_rows(&project, &breach.counter, meter::price::MAX_UNPRICED_ROWS).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                warn!(error = %e, "unpriced rows unavailable for a QUOTA_UNENFORCEABLE body");
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    Error::Refused(Box::new(Refusal { project, breach, remaining, unpriced_rows }))
+}
+
+/// Files (or counts again) the `quota_unpriced` exception of each cost
+/// quota whose window held unpriced AI usage, in the background.
+fn file_exceptions(
+    s: &AppState,
+    project: &ProjectId,
+    quotas: &[Quota],
+    found: &[meter::UnpricedFinding],
+    now: DateTime<Utc>,
+) {
+    for f in found {
+        let Some(q) = quotas.get(f.quota) else { continue };
+        let prices = s.stores.prices.clone();
+        let (project, f, limit) = (project.clone(), f.clone(), q.spec.limit);
+        tokio::spawn(async move {
+            let rows = match prices.unpriced_rows(&project, &f.counter, meter::price::MAX_UNPRICED_ROWS).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    warn!(error = %e, "unpriced rows unavailable; exception filed without them");
+                    Vec::new()
+                }
+            };
+            let exception = UnpricedException {
+                project_id: project,
+                quota_id: f.quota_id.clone(),
+                limit,
+                window_key: f.counter.window_key.clone(),
+                llm_events: f.llm_events,
+                unpriced_events: f.unpriced_events,
+                unpriced_rows: rows,
+                occurrence_count: 1,
+                first_seen: now,
+                last_seen: now,
+            };
+            if let Err(e) = prices.file_exception(&exception).await {
+                warn!(error = %e, quota = %f.quota_id, "quota_unpriced exception not filed");
+            }
+        });
+    }
+}
+
+/// Writes the audit entry of each monitor breach, once per quota and window,
+/// in the background: the answer never waits for it. The memo skips the
+/// store for a breach this instance already wrote; the store's unique key
+/// skips it across instances. A failed write is forgotten, so a later
+/// check of the same window tries again.
+fn record_monitor_breaches(
+    s: &AppState,
+    quotas: &[Quota],
+    plan: &CheckPlan,
+    outcome: &CheckOutcome,
+    now: DateTime<Utc>,
+) {
+    for breach in meter::audit::monitor_breaches(quotas, plan, outcome) {
+        if !s.breaches.first_sighting(&breach.quota_id, &breach.window_key) {
+            continue;
+        }
+        let entry = breach.entry(new_audit_id(), now);
+        let (audit, memo) = (s.stores.audit.clone(), s.breaches.clone());
+        tokio::spawn(async move {
+            match audit.record_audit(&entry).await {
+                Ok(written) => {
+                    if written {
+                        metrics::counter!("tollgate_monitor_breaches_total").increment(1);
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, quota = %breach.quota_id, "monitor breach not audited; retried on a later check");
+                    memo.forget(&breach.quota_id, &breach.window_key);
+                }
+            }
+        });
+    }
+}
+
+/// Publishes the check's request event in the background; if it never
+/// reaches the log, its pending count is taken back.
+fn publish_request(
+    s: &AppState,
+    key: &ApiKey,
+    agent: Option<String>,
+    actor: Option<String>,
+    hold: &Hold,
+    now: DateTime<Utc>,
+) {
+    use meter::View;
+    let fact = UsageFact {
+        api_key_id: Some(key.id.clone()),
+        agent_id: agent,
+        actor_id: actor,
+        reservation_id: Some(hold.reservation.clone()),
+        gateway: s.settings.instance.clone(),
+        received_at: Some(now),
+        ..UsageFact::new(hold.request_event.clone(), key.project_id.clone(), EventKind::Request, now)
+    };
+    let (log, view) = (s.log.clone(), s.view.clone());
+    tokio::spawn(async move {
+        if let Err(e) = log.publish(std::slice::from_ref(&fact)).await {
+            warn!(error = %e, "request event not published");
+            metrics::counter!("tollgate_request_events_lost_total").increment(1);
+            let _ = view.unsettle(&fact.project_id, std::slice::from_ref(&fact.id)).await;
+        }
+    });
+}
