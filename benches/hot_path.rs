@@ -81,15 +81,7 @@ fn main() {
     }
 }
 
-fn kafka_brokers() -> String {
-    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-fn base_db() -> String {
-    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-fn base_redis() -> String {
-    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use testkit::env::{database_url as base_db, kafka as kafka_brokers, redis_url as base_redis};
 
 /// A one-second warm-up, then the measured run.
 async fn measured_throughput<F, Fut>(op: F) -> Rate

@@ -82,9 +82,7 @@ fn main() {
     }
 }
 
-fn base_redis() -> String {
-    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use testkit::env::redis_url as base_redis;
 
 /// One POST of `body` with the key as `Authorization: Bearer`, the way the
 /// layer reads it; true on a 2xx answer whose body was read completely.

@@ -4,7 +4,9 @@
 //! - `pg::*` runs against a real PostgreSQL. Each test gets a database of
 //!   its own (`tg_<uuid>`), so the tests run in parallel; it is dropped when
 //!   the test ends, even if it panics. `TOLLGATE_TEST_DATABASE_URL` names the
-//!   server (default `postgres://postgres@127.0.0.1:5432/test`).
+//!   server (default `postgres://postgres@127.0.0.1:5432/test`); when it does
+//!   not answer these tests are skipped (`testkit`), unless
+//!   `TOLLGATE_REQUIRE_SERVICES` is set.
 //! - `sqlite::*` runs against the embedded store, a fresh file in a temporary
 //!   directory per test, removed when the test ends.
 
@@ -20,7 +22,6 @@ use meter::{
     Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, TenantStore,
     TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
 };
-use sqlx::{Connection, PgConnection};
 use store::{PgStore, SqliteStore};
 
 /// Stamps out every suite test for one backend. `$fixture` is an expression
@@ -69,7 +70,7 @@ macro_rules! conformance {
         // each store (not on the port), with the same signatures.
         #[tokio::test]
         async fn purging_the_dedup_set_forgets_old_ids_only() {
-            let db = $fixture.await;
+            let Some(db) = $fixture.await else { return };
             let store = &db.store;
             super::purging_the_dedup_set_forgets_old_ids_only(store, async |before| {
                 store.purge_processed_before(before).await.expect("purge")
@@ -79,7 +80,7 @@ macro_rules! conformance {
 
         #[tokio::test]
         async fn a_storage_fact_refolded_after_its_id_was_purged_is_not_counted_twice() {
-            let db = $fixture.await;
+            let Some(db) = $fixture.await else { return };
             let store = &db.store;
             super::a_storage_fact_refolded_after_its_id_was_purged_is_not_counted_twice(store, async |before| {
                 store.purge_processed_before(before).await.expect("purge")
@@ -89,7 +90,7 @@ macro_rules! conformance {
 
         #[tokio::test]
         async fn migrating_twice_is_harmless() {
-            let db = $fixture.await;
+            let Some(db) = $fixture.await else { return };
             db.store.migrate().await.expect("second migrate");
         }
     };
@@ -97,7 +98,7 @@ macro_rules! conformance {
         $(
             #[tokio::test]
             async fn $test() {
-                let db = $fixture.await;
+                let Some(db) = $fixture.await else { return };
                 super::$test(&db.store).await;
             }
         )*
@@ -188,79 +189,30 @@ struct SqliteDb {
 }
 
 impl SqliteDb {
-    async fn new() -> SqliteDb {
+    async fn new() -> Option<SqliteDb> {
         let dir = TempDir::new();
         let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open the test file");
         store.migrate().await.expect("migrate");
-        SqliteDb { store, _dir: dir }
+        Some(SqliteDb { store, _dir: dir })
     }
 }
 
-const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-fn server_url() -> String {
-    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-}
-
-/// `url` with its database replaced by `db`.
-fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
-    let host_part = match base[scheme_end..].find('/') {
-        Some(i) => &base[..scheme_end + i],
-        None => base,
-    };
-    match query {
-        Some(q) => format!("{host_part}/{db}?{q}"),
-        None => format!("{host_part}/{db}"),
-    }
-}
-
-/// A fresh, migrated PostgreSQL database, dropped on drop.
+/// A fresh, migrated PostgreSQL database (`testkit::TestDb`, dropped on
+/// drop); `None`, and the test skipped, when PostgreSQL does not answer.
 struct PgDb {
-    name: String,
     store: PgStore,
+    _db: testkit::TestDb,
 }
 
 impl PgDb {
-    async fn new() -> PgDb {
-        let server = server_url();
-        let name = format!("tg_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(&server).await.expect("connect to the test server");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut admin)
-            .await
-            .expect("create the test database");
-        admin.close().await.expect("close the admin connection");
-        let store = PgStore::connect(&with_database(&server, &name)).await.expect("connect to the test database");
+    async fn new() -> Option<PgDb> {
+        if !testkit::available(&[testkit::Service::Postgres]) {
+            return None;
+        }
+        let db = testkit::TestDb::new("tg").await;
+        let store = PgStore::connect(&db.url).await.expect("connect to the test database");
         store.migrate().await.expect("migrate");
-        PgDb { name, store }
-    }
-}
-
-impl Drop for PgDb {
-    fn drop(&mut self) {
-        // Best effort, on a thread of its own so it also runs while a test
-        // panics inside the runtime.
-        let name = self.name.clone();
-        let server = server_url();
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
-                return;
-            };
-            rt.block_on(async move {
-                if let Ok(mut admin) = PgConnection::connect(&server).await {
-                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
-                        .execute(&mut admin)
-                        .await;
-                    let _ = admin.close().await;
-                }
-            });
-        })
-        .join();
+        Some(PgDb { store, _db: db })
     }
 }
 

@@ -735,34 +735,29 @@ async fn suite_unsettle_of_a_tokens_settlement_takes_back_every_field(view: &dyn
 
 // ---------------------------------------------------------------- Redis
 
-const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
-
 fn url() -> String {
-    std::env::var("TOLLGATE_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+    testkit::env::redis_url()
 }
 
-/// A view with a prefix of its own; the keys go when the guard is dropped.
+/// A view with a prefix of its own (`testkit::RedisPrefix`: its keys go when
+/// it is dropped); `None`, and the test skipped, when Redis does not answer.
 struct Fresh {
     view: RedisView,
     prefix: String,
+    _keys: testkit::RedisPrefix,
 }
 
 impl Fresh {
-    async fn new() -> Fresh {
-        let prefix = format!("tgtest:{}:", uid());
-        let view = RedisView::connect(&url(), &prefix).await.expect("redis is up (TOLLGATE_REDIS_URL)");
-        Fresh { view, prefix }
+    async fn new() -> Option<Fresh> {
+        if !testkit::available(&[testkit::Service::Redis]) {
+            return None;
+        }
+        let keys = testkit::RedisPrefix::new("tgtest");
+        let view = RedisView::connect(&keys.url, &keys.prefix).await.expect("connect to the test Redis");
+        Some(Fresh { view, prefix: keys.prefix.clone(), _keys: keys })
     }
 
-    async fn cleanup(self) {
-        let client = ::redis::Client::open(url()).expect("redis url");
-        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
-        let keys: Vec<String> =
-            ::redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.expect("keys");
-        if !keys.is_empty() {
-            let _: i64 = ::redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
-        }
-    }
+    async fn cleanup(self) {}
 }
 
 /// Stamps out every generic suite as a test for one backend. `$fixture` is
@@ -794,7 +789,7 @@ macro_rules! conformance {
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn suite_concurrent_checks_admit_exactly_the_limit() {
-            let fixture = $fixture.await;
+            let Some(fixture) = $fixture.await else { return };
             let view: Arc<dyn View> = Arc::new(fixture.view.clone());
             super::suite_concurrent_checks_admit_exactly_the_limit(view).await;
             fixture.cleanup().await;
@@ -803,7 +798,7 @@ macro_rules! conformance {
     (@each $fixture:expr; $($name:ident),* $(,)?) => {$(
         #[tokio::test]
         async fn $name() {
-            let fixture = $fixture.await;
+            let Some(fixture) = $fixture.await else { return };
             super::$name(&fixture.view).await;
             fixture.cleanup().await;
         }
@@ -825,7 +820,7 @@ mod redis {
     /// `req,calls,rows`: a prefix of today's value list, so they still read.
     #[tokio::test]
     async fn an_event_index_of_an_older_version_is_taken_back() {
-        let fixture = Fresh::new().await;
+        let Some(fixture) = Fresh::new().await else { return };
         let at = Utc::now();
         let c = project_counter(at);
         let p = seeded(&fixture.view, &[]).await;
@@ -873,8 +868,8 @@ struct Memory {
 }
 
 impl Memory {
-    async fn new() -> Memory {
-        Memory { view: MemoryView::new() }
+    async fn new() -> Option<Memory> {
+        Some(Memory { view: MemoryView::new() })
     }
 
     async fn cleanup(self) {}

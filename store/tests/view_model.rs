@@ -62,12 +62,6 @@ fn cases() -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
 }
 
-fn redis_url() -> String {
-    std::env::var("TOLLGATE_TEST_REDIS_URL")
-        .or_else(|_| std::env::var("TOLLGATE_REDIS_URL"))
-        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
 fn quota(n: usize, scope: Scope, scope_ref: Option<&str>, metric: Metric, window: WindowKind, limit: u64) -> Quota {
     let t = DateTime::<Utc>::UNIX_EPOCH;
     Quota {
@@ -483,31 +477,6 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime")
 }
 
-/// Deletes every key under `prefix`.
-async fn delete_prefix(prefix: &str) {
-    let client = redis::Client::open(redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}*"))
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut conn)
-            .await
-            .expect("scan");
-        if !keys.is_empty() {
-            let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.expect("del");
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-}
-
 fn fresh_run(redis: Option<&RedisView>, t0: DateTime<Utc>) -> Run<'_> {
     Run {
         project: ProjectId::parse(format!("p-{}", Uuid::new_v4().simple())).expect("project id"),
@@ -526,12 +495,14 @@ proptest! {
 
     #[test]
     fn the_model_memory_and_redis_agree(ops in ops(near_advance())) {
+        if !testkit::available(&[testkit::Service::Redis]) {
+            return Ok(());
+        }
         runtime().block_on(async {
-            let prefix = format!("tgmodel:{}:", Uuid::new_v4().simple());
-            let view = RedisView::connect(&redis_url(), &prefix).await.expect("redis is up (TOLLGATE_TEST_REDIS_URL)");
-            let out = fresh_run(Some(&view), Utc::now()).run(&ops).await;
-            delete_prefix(&prefix).await;
-            out
+            // Its keys go when it is dropped.
+            let keys = testkit::RedisPrefix::new("tgmodel");
+            let view = RedisView::connect(&keys.url, &keys.prefix).await.expect("connect to the test Redis");
+            fresh_run(Some(&view), Utc::now()).run(&ops).await
         })?;
     }
 

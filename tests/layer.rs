@@ -3,6 +3,10 @@
 //! broker on 127.0.0.1, with a fresh database, Redis prefix and topic prefix
 //! per test) and the embedded ones (`gateway::embedded::Embedded`: SQLite log
 //! and store in a fresh file, the in-memory view, the projector as a task).
+//! It lives in the root package, which builds every backend: `gateway`'s
+//! own tests need only the embedded ones. A distributed test is skipped,
+//! with its reason, when a service does not answer (`testkit`), unless
+//! `TOLLGATE_REQUIRE_SERVICES` is set.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,16 +25,6 @@ use meter::{ApiKey, CounterKey, Dimension, Metric, Principal, Project, Quota, Vi
 use serde_json::Value;
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 use tower::ServiceExt;
-
-fn kafka() -> String {
-    std::env::var("TOLLGATE_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-fn base_db() -> String {
-    std::env::var("TOLLGATE_TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-fn base_redis() -> String {
-    std::env::var("TOLLGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 /// A time zone whose current day has run for two hours and has two left,
 /// so a `day` window never turns over during a test.
@@ -56,6 +50,8 @@ struct Env {
     secret: String,
     /// How many times a handler ran.
     hits: Arc<AtomicUsize>,
+    /// The distributed deployment's database and Redis keys, dropped with it.
+    _services: Option<(testkit::TestDb, testkit::RedisPrefix)>,
 }
 
 /// Which backends a test runs on.
@@ -65,10 +61,11 @@ enum Backend {
     Embedded,
 }
 
-async fn env(backend: Backend) -> Env {
+/// `None` when the backends cannot run here (the test is then skipped).
+async fn env(backend: Backend) -> Option<Env> {
     match backend {
         Backend::Distributed => distributed().await,
-        Backend::Embedded => embedded().await,
+        Backend::Embedded => Some(embedded().await),
     }
 }
 
@@ -89,7 +86,7 @@ async fn project_and_key(state: &AppState) -> (Project, ApiKey, String) {
 }
 
 async fn embedded() -> Env {
-    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let id = testkit::unique_id();
     let dir = std::env::temp_dir().join(format!("tg-layer-{id}"));
     std::fs::create_dir_all(&dir).expect("data dir");
     let mut settings = Settings::new("admin-token-layer", "gateway-token-layer");
@@ -99,7 +96,7 @@ async fn embedded() -> Env {
         .expect("open the embedded deployment");
     let (project, key, secret) = project_and_key(&e.state).await;
     let (state, view) = (e.state.clone(), e.state.view.clone());
-    Env { state, view, _embedded: Some((e, dir)), project, key, secret, hits: Arc::default() }
+    Env { state, view, _embedded: Some((e, dir)), project, key, secret, hits: Arc::default(), _services: None }
 }
 
 impl Drop for Env {
@@ -110,24 +107,18 @@ impl Drop for Env {
     }
 }
 
-async fn distributed() -> Env {
-    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-    let db = format!("tg_layer_{id}");
-    let pool = sqlx::PgPool::connect(&base_db()).await.expect("connect base database");
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&pool)
-        .await
-        .expect("create test database");
-    pool.close().await;
-    let base = base_db();
-    let db_url = match base.rfind('/') {
-        Some(i) => format!("{}/{db}", &base[..i]),
-        None => panic!("database url without a path: {base}"),
-    };
-    let store = PgStore::connect(&db_url).await.expect("connect test database");
+async fn distributed() -> Option<Env> {
+    use testkit::Service::{Kafka, Postgres, Redis};
+    if !testkit::available(&[Postgres, Redis, Kafka]) {
+        return None;
+    }
+    let id = testkit::unique_id();
+    let db = testkit::TestDb::new("tg_layer").await;
+    let store = PgStore::connect(&db.url).await.expect("connect test database");
     store.migrate().await.expect("migrate");
-    let view = Arc::new(RedisView::connect(&base_redis(), &format!("tglayer:{id}:")).await.expect("connect redis"));
-    let kcfg = KafkaConfig::new(kafka(), format!("tglayer.{id}."));
+    let keys = testkit::RedisPrefix::new("tglayer");
+    let view = Arc::new(RedisView::connect(&keys.url, &keys.prefix).await.expect("connect redis"));
+    let kcfg = KafkaConfig::new(testkit::env::kafka(), testkit::topic_prefix("tglayer"));
     let mut attempt = 0;
     while let Err(e) = kcfg.ensure_topics().await {
         attempt += 1;
@@ -141,7 +132,7 @@ async fn distributed() -> Env {
     let view: Arc<dyn View> = view;
     let state = AppState::new(Arc::new(store), view.clone(), Arc::new(log), Arc::new(SystemClock), settings);
     let (project, key, secret) = project_and_key(&state).await;
-    Env { state, view, _embedded: None, project, key, secret, hits: Arc::default() }
+    Some(Env { state, view, _embedded: None, project, key, secret, hits: Arc::default(), _services: Some((db, keys)) })
 }
 
 impl Env {
@@ -233,7 +224,7 @@ fn header<'a>(res: &'a Response, name: &str) -> Option<&'a str> {
 }
 
 async fn a_calls_quota_refuses_exactly_the_call_after_the_limit(backend: Backend) {
-    let env = env(backend).await;
+    let Some(env) = env(backend).await else { return };
     let q = env.quota(Metric::Calls, 3).await;
     for left in [2, 1, 0] {
         let res = env.get("/nothing").await;
@@ -263,7 +254,7 @@ async fn a_calls_quota_refuses_exactly_the_call_after_the_limit(backend: Backend
 }
 
 async fn rows_are_counted_from_the_header_and_the_header_is_stripped(backend: Backend) {
-    let env = env(backend).await;
+    let Some(env) = env(backend).await else { return };
     env.quota(Metric::Rows, 1000).await;
     let res = env.get("/reports").await;
     assert_eq!(res.status(), StatusCode::OK);
@@ -284,7 +275,7 @@ async fn rows_are_counted_from_the_header_and_the_header_is_stripped(backend: Ba
 }
 
 async fn a_failing_handler_releases_its_reservation_and_counts_nothing(backend: Backend) {
-    let env = env(backend).await;
+    let Some(env) = env(backend).await else { return };
     env.quota(Metric::Calls, 1).await;
     let res = env.get("/fail").await;
     assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "the service's own answer");
@@ -305,7 +296,7 @@ async fn a_failing_handler_releases_its_reservation_and_counts_nothing(backend: 
 }
 
 async fn a_missing_or_unknown_key_is_unauthenticated(backend: Backend) {
-    let env = env(backend).await;
+    let Some(env) = env(backend).await else { return };
     env.quota(Metric::Calls, 10).await;
     for h in [
         None,
@@ -329,7 +320,7 @@ async fn a_missing_or_unknown_key_is_unauthenticated(backend: Backend) {
 }
 
 async fn concurrent_calls_admit_exactly_the_quota(backend: Backend) {
-    let env = env(backend).await;
+    let Some(env) = env(backend).await else { return };
     env.quota(Metric::Calls, 30).await;
     let app = env.app();
     let mut tasks = Vec::new();
