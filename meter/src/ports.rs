@@ -184,10 +184,46 @@ pub trait View: Send + Sync {
 }
 
 /// The write side of the log.
+///
+/// A publish is **acknowledged** (`Ok`) only once every fact is durably on
+/// the log (acks from all replicas). It answers within a bound the adapter
+/// is configured with (its *publish timeout*), whatever the log does:
+///
+/// - `Ok(())`: every fact is on the log;
+/// - [`PortError::Transient`](crate::PortError::Transient): not acknowledged *yet* — the log did not
+///   answer within the timeout, or the adapter knows it is unreachable and
+///   answers at once. The facts are **not** dropped: they stay in this
+///   process's bounded queue and are published again and again until the
+///   log acknowledges them ([`Log::flush`] waits for that). The caller
+///   treats them as "in flight": whatever it wrote ahead of the publish
+///   (a pending delta in the view) stays, and a client may publish the same
+///   facts again — a fact whose id (per project) is still queued is not
+///   queued twice, and a fact on the log twice is folded once (dedup by id).
+///   The same error, with nothing queued, when the queue is full or the
+///   process cannot retry (no async runtime): the caller must publish again.
+/// - [`PortError::Permanent`](crate::PortError::Permanent): the facts can never be published (one cannot
+///   be encoded, or the log refused it for good); nothing of them is queued.
+///
+/// Facts queued when the process dies are lost with it (never acknowledged).
+/// Facts of one project stay in order on the log, except that a fact
+/// published again after a failure lands after later ones (the fold does not
+/// depend on order).
 #[async_trait]
 pub trait Log: Send + Sync {
-    /// Returns once every fact is durably on the log (acks from all replicas).
+    /// Publishes facts; see the trait for what each answer means.
     async fn publish(&self, facts: &[UsageFact]) -> PortResult<()>;
+
+    /// Waits until every fact this process handed to [`Log::publish`] before
+    /// this call is acknowledged (or dropped as permanently unpublishable),
+    /// at most `timeout`: [`PortError::Transient`](crate::PortError::Transient) if some are still queued
+    /// then (they stay queued). Used at shutdown, and before the view is
+    /// re-seeded from the log, so what this process settled is on the log
+    /// the seed reads. The default is for a log that queues nothing (a
+    /// publish that returned is acknowledged or failed for good).
+    async fn flush(&self, timeout: Duration) -> PortResult<()> {
+        let _ = timeout;
+        Ok(())
+    }
 }
 
 /// One record read from the log.

@@ -2,20 +2,25 @@
 //!
 //! [`KafkaLog`] publishes usage facts, Avro single-object encoded, keyed by
 //! project so one project's events stay ordered in one partition, with an
-//! idempotent producer and `acks=all`: `publish` returns only once every
-//! record has a delivery report. [`KafkaReader`] reads by explicit partition
+//! idempotent producer and `acks=all`: `publish` is acknowledged only once
+//! every record has a successful delivery report. It never waits longer than
+//! the publish timeout, and not at all when the producer knows the broker is
+//! down; what is not acknowledged stays queued and is sent again until it is
+//! (the [`outbox`](crate::outbox), see [`KafkaLog`]). [`KafkaReader`] reads by explicit partition
 //! assignment from offsets the store keeps; Kafka's own committed offsets are
 //! never used (`enable.auto.commit=false`), so the store's transaction is the
 //! only place progress is recorded.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
 use meter::{Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -23,7 +28,9 @@ use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
-use tracing::{Instrument, info_span};
+use tracing::{Instrument, info_span, warn};
+
+use crate::outbox::{OutRecord, Outbox, PublishOptions, Transport};
 
 /// Where the log is and what its topics are called.
 #[derive(Debug, Clone)]
@@ -36,11 +43,25 @@ pub struct KafkaConfig {
     pub partitions: i32,
     /// Replication factor when Tollgate creates a topic.
     pub replication: i32,
+    /// How long librdkafka keeps trying to deliver one record before it
+    /// reports it failed (`message.timeout.ms`; also the bound of one
+    /// produce request). [`KafkaLog`] then sends it again, so this is not
+    /// how long a publish waits: that is [`PublishOptions::timeout`].
+    pub message_timeout: Duration,
+    /// How [`KafkaLog`] publishes wait and queue.
+    pub publish: PublishOptions,
 }
 
 impl KafkaConfig {
     pub fn new(brokers: impl Into<String>, topic_prefix: impl Into<String>) -> Self {
-        KafkaConfig { brokers: brokers.into(), topic_prefix: topic_prefix.into(), partitions: 3, replication: 1 }
+        KafkaConfig {
+            brokers: brokers.into(),
+            topic_prefix: topic_prefix.into(),
+            partitions: 3,
+            replication: 1,
+            message_timeout: Duration::from_secs(30),
+            publish: PublishOptions::default(),
+        }
     }
     pub fn usage_topic(&self) -> String {
         format!("{}usage", self.topic_prefix)
@@ -83,14 +104,24 @@ impl KafkaConfig {
 
     /// The idempotent, `acks=all` producer every writer uses.
     pub fn producer(&self) -> PortResult<FutureProducer> {
-        self.client()
-            .set("enable.idempotence", "true")
+        self.producer_config().create().map_err(kafka_err)
+    }
+
+    /// The settings of [`KafkaConfig::producer`]. A produce request is given
+    /// up after the message timeout too (librdkafka's default is 30 s
+    /// whatever the message timeout), so a frozen broker fails a record
+    /// within `message_timeout`.
+    fn producer_config(&self) -> ClientConfig {
+        let message_ms = self.message_timeout.as_millis().clamp(1, i32::MAX as u128);
+        let request_ms = message_ms.min(30_000);
+        let mut c = self.client();
+        c.set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
-            .set("message.timeout.ms", "30000")
-            .set("queue.buffering.max.messages", "200000")
-            .create()
-            .map_err(kafka_err)
+            .set("message.timeout.ms", message_ms.to_string())
+            .set("request.timeout.ms", request_ms.to_string())
+            .set("queue.buffering.max.messages", "200000");
+        c
     }
 }
 
@@ -113,22 +144,57 @@ pub fn kafka_err(e: KafkaError) -> PortError {
     }
 }
 
-/// Publishes usage facts.
+/// Publishes usage facts, through the [`outbox`](crate::outbox): a publish
+/// waits at most [`PublishOptions::timeout`] for its delivery reports, and
+/// not at all while the producer knows the broker is down; what is not
+/// acknowledged stays queued and is sent again until it is. Cheap to clone
+/// (clones share the producer and the queue).
+///
+/// **What the producer knows.** Its [`ProducerState`] is down from the
+/// moment librdkafka reports that every broker connection is down (the
+/// broker is gone: refused or reset connections; a frozen one keeps its
+/// connections up) or a delivery fails (a record timed out after
+/// [`KafkaConfig::message_timeout`], which is how a frozen broker shows),
+/// and up again at the next successful delivery. While it is down a publish
+/// answers at once. A fatal producer error (the idempotent producer can no
+/// longer guarantee order or exactly-once for its records) replaces the
+/// producer with a new one at the next attempt; queued records go out on it.
 #[derive(Clone)]
 pub struct KafkaLog {
-    producer: FutureProducer,
-    topic: String,
+    outbox: Outbox<KafkaSender>,
 }
 
 impl KafkaLog {
     pub fn new(config: &KafkaConfig) -> PortResult<Self> {
-        Ok(KafkaLog { producer: config.producer()?, topic: config.usage_topic() })
+        let state = Arc::new(ProducerState::default());
+        let settings = config.producer_config();
+        let producer = settings.create_with_context(Tracking(Arc::clone(&state))).map_err(kafka_err)?;
+        let sender = KafkaSender {
+            settings,
+            producer: Arc::new(RwLock::new(Arc::new(producer))),
+            state,
+            topic: config.usage_topic(),
+        };
+        Ok(KafkaLog { outbox: Outbox::new(sender, config.publish) })
     }
 
-    /// Publishes raw bytes under a key (tests use it to put malformed records on the log).
+    /// What the producer knows of the broker.
+    pub fn state(&self) -> &ProducerState {
+        &self.outbox.transport().state
+    }
+
+    /// Records queued and not yet acknowledged.
+    pub fn queued(&self) -> usize {
+        self.outbox.queued()
+    }
+
+    /// Publishes raw bytes under a key (tests use it to put malformed
+    /// records on the log); not queued: one attempt, waited for.
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) -> PortResult<()> {
-        self.producer
-            .send(FutureRecord::to(&self.topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
+        let sender = self.outbox.transport();
+        sender
+            .producer()?
+            .send(FutureRecord::to(&sender.topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
             .await
             .map(|_| ())
             .map_err(|(e, _)| kafka_err(e))
@@ -138,22 +204,145 @@ impl KafkaLog {
 #[async_trait]
 impl Log for KafkaLog {
     async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
-        let mut payloads = Vec::with_capacity(facts.len());
+        let mut records = Vec::with_capacity(facts.len());
         for f in facts {
-            let bytes = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
-            payloads.push((f.project_id.as_str(), bytes));
+            let payload = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
+            let key = f.project_id.as_str().as_bytes().to_vec();
+            records.push(OutRecord { key, payload, id: Some(format!("{}/{}", f.project_id, f.id)) });
         }
-        let sends = payloads.iter().map(|(key, bytes)| {
-            self.producer
-                .send(FutureRecord::to(&self.topic).key(*key).payload(bytes), Timeout::After(Duration::from_secs(30)))
-        });
-        let results = futures::future::join_all(sends)
-            .instrument(info_span!("datastore", op = "kafka.publish", n = facts.len()))
-            .await;
-        for r in results {
-            r.map_err(|(e, _)| kafka_err(e))?;
+        self.outbox.publish(records).instrument(info_span!("datastore", op = "kafka.publish", n = facts.len())).await
+    }
+
+    async fn flush(&self, timeout: Duration) -> PortResult<()> {
+        self.outbox.flush(timeout).await
+    }
+}
+
+/// What a producer knows of its broker, from librdkafka's error callback and
+/// its delivery reports (see [`KafkaLog`]).
+#[derive(Debug, Default)]
+pub struct ProducerState {
+    /// Why the broker is taken to be down, while it is.
+    down: Mutex<Option<String>>,
+    /// A fatal error was reported: the producer must be replaced.
+    fatal: AtomicBool,
+}
+
+impl ProducerState {
+    /// Why the broker is taken to be down, if it is.
+    pub fn down(&self) -> Option<String> {
+        self.down.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    fn set_down(&self, why: Option<String>) {
+        let mut d = self.down.lock().unwrap_or_else(PoisonError::into_inner);
+        match (&*d, &why) {
+            (None, Some(w)) => warn!(reason = %w, "kafka producer: broker down"),
+            (Some(_), None) => tracing::info!("kafka producer: broker up"),
+            _ => {}
         }
-        Ok(())
+        *d = why;
+    }
+
+    /// A delivery report: success says the broker is up, a failure that it
+    /// is not (a timed-out record, a lost connection).
+    fn delivered(&self, outcome: Result<(), &KafkaError>) {
+        match outcome {
+            Ok(()) => {
+                if self.down.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+                    self.set_down(None);
+                }
+            }
+            Err(e) => {
+                if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+                    self.fatal.store(true, Ordering::SeqCst);
+                }
+                self.set_down(Some(format!("delivery failed: {e}")));
+            }
+        }
+    }
+}
+
+/// The producer's client context: librdkafka's global errors reach the
+/// [`ProducerState`] (and the log) through it.
+struct Tracking(Arc<ProducerState>);
+
+impl ClientContext for Tracking {
+    fn error(&self, error: KafkaError, reason: &str) {
+        match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::AllBrokersDown) => self.0.set_down(Some(format!("all brokers down: {reason}"))),
+            Some(RDKafkaErrorCode::Fatal) => {
+                self.0.fatal.store(true, Ordering::SeqCst);
+                self.0.set_down(Some(format!("fatal producer error: {reason}")));
+            }
+            _ => warn!(error = %error, reason, "kafka producer error"),
+        }
+    }
+}
+
+/// One attempt at putting records on the usage topic, for the outbox.
+struct KafkaSender {
+    settings: ClientConfig,
+    /// Replaced whole after a fatal error.
+    producer: Arc<RwLock<Arc<FutureProducer<Tracking>>>>,
+    state: Arc<ProducerState>,
+    topic: String,
+}
+
+impl KafkaSender {
+    /// The producer to send with: a new one if the last reported a fatal error.
+    fn producer(&self) -> PortResult<Arc<FutureProducer<Tracking>>> {
+        if self.state.fatal.swap(false, Ordering::SeqCst) {
+            warn!("kafka producer: replacing the producer after a fatal error");
+            let fresh =
+                Arc::new(self.settings.create_with_context(Tracking(Arc::clone(&self.state))).map_err(kafka_err)?);
+            *self.producer.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
+            return Ok(fresh);
+        }
+        Ok(Arc::clone(&self.producer.read().unwrap_or_else(PoisonError::into_inner)))
+    }
+}
+
+#[async_trait]
+impl Transport for KafkaSender {
+    fn name(&self) -> &'static str {
+        "kafka"
+    }
+
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        let producer = match self.producer() {
+            Ok(p) => p,
+            Err(e) => return records.iter().map(|_| Err(e.clone())).collect(),
+        };
+        // Everything is queued in librdkafka first, then waited for: one
+        // batch on the wire, not one round trip per record.
+        let queued: Vec<_> = records
+            .iter()
+            .map(|r| producer.send_result(FutureRecord::to(&self.topic).key(&r.key).payload(&r.payload)))
+            .map(|sent| sent.map_err(|(e, _)| e))
+            .collect();
+        let mut out = Vec::with_capacity(records.len());
+        for sent in queued {
+            out.push(match sent {
+                Err(e) => Err(kafka_err(e)),
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => {
+                        self.state.delivered(Ok(()));
+                        Ok(())
+                    }
+                    Ok(Err((e, _))) => {
+                        self.state.delivered(Err(&e));
+                        Err(kafka_err(e))
+                    }
+                    Err(_) => Err(PortError::Transient("the producer dropped a delivery report".into())),
+                },
+            });
+        }
+        out
+    }
+
+    fn unreachable(&self) -> Option<String> {
+        self.state.down()
     }
 }
 

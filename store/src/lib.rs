@@ -5,6 +5,8 @@
 //! [`RedisView`] for the view, [`PgStore`] and [`SqliteStore`] for the
 //! store (one [`SqlStore`] over either database, see [`sql`]). Transient
 //! versus permanent is decided once, where a driver error is converted.
+//! Both logs publish through one bounded retry queue ([`outbox`]), so a log
+//! outage delays facts instead of losing them.
 
 //!
 //! Each backend is a cargo feature (`kafka`, `redis`, `postgres`,
@@ -15,6 +17,8 @@
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod memory_view;
+#[cfg(any(feature = "kafka", feature = "embedded"))]
+pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "redis")]
@@ -27,8 +31,10 @@ pub mod sqlite_log;
 pub mod sqlite_store;
 
 #[cfg(feature = "kafka")]
-pub use kafka::{KafkaConfig, KafkaLog, KafkaReader};
+pub use kafka::{KafkaConfig, KafkaLog, KafkaReader, ProducerState};
 pub use memory_view::MemoryView;
+#[cfg(any(feature = "kafka", feature = "embedded"))]
+pub use outbox::PublishOptions;
 #[cfg(feature = "postgres")]
 pub use pg::PgStore;
 #[cfg(feature = "redis")]

@@ -36,7 +36,17 @@
 //!   offset `n` and later a smaller one appear. Reading from a stored
 //!   position `p` (last offset read + 1) therefore resumes exactly after the
 //!   last record read, as with Kafka.
-//! - [`Log::publish`] returns once the transaction holding its records has
+//! - [`Log::publish`] goes through the [`outbox`](crate::outbox), as
+//!   [`KafkaLog`](crate::KafkaLog)'s does: it is acknowledged once the
+//!   transaction holding its records has committed; when that fails
+//!   transiently (the file is locked past the busy timeout, the disk is
+//!   full, the writer is gone) or takes longer than the publish timeout, the
+//!   publish answers `Transient` and the records stay queued and are appended
+//!   again until they commit ([`Log::flush`] waits for them). A permanent
+//!   failure is answered as such and not retried. Each attempt of a queued
+//!   publish is a publish handed to the writer as below, so the
+//!   all-or-nothing and contiguity rules hold per attempt.
+//! - A publish returns once the transaction holding its records has
 //!   committed. Whether a commit survives a crash is the pool's business:
 //!   open the file the way [`SqliteStore::open`](crate::SqliteStore::open)
 //!   does (WAL journal, `synchronous = FULL`, a busy timeout), and a returned
@@ -71,6 +81,8 @@ use sqlx::sqlite::{SqlitePool, SqliteRow};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{Instrument, info_span};
+
+use crate::outbox::{OutRecord, Outbox, PublishOptions, Transport};
 
 /// How often a waiting reader re-reads the table, for writers it cannot hear.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -130,14 +142,21 @@ const SCHEMA: [&str; 3] = [
 ];
 
 /// Publishes usage facts into the SQLite file; cheap to clone (clones share
-/// one writer).
+/// one writer and one queue).
 #[derive(Debug, Clone)]
 pub struct SqliteLog {
+    appender: Appender,
+    dlq_topic: String,
+    outbox: Outbox<Appender>,
+}
+
+/// What makes every append: the file, the topic, and the queue to the
+/// writer task once a publish has started it.
+#[derive(Debug, Clone)]
+struct Appender {
     pool: SqlitePool,
     topic: String,
-    dlq_topic: String,
     published: Arc<Notify>,
-    /// The queue to the writer task, once a publish has started it.
     writer: Arc<Mutex<Option<mpsc::Sender<Append>>>>,
 }
 
@@ -151,22 +170,28 @@ struct Append {
 
 impl SqliteLog {
     /// A log over `pool`, with topics `<topic_prefix>usage` and
-    /// `<topic_prefix>dlq`. Call [`SqliteLog::ensure_schema`] before use.
-    /// Needs no runtime: the writer starts with the first publish.
+    /// `<topic_prefix>dlq` and the default [`PublishOptions`]. Call
+    /// [`SqliteLog::ensure_schema`] before use. Needs no runtime: the writer
+    /// starts with the first publish.
     pub fn new(pool: SqlitePool, topic_prefix: &str) -> SqliteLog {
-        SqliteLog {
+        SqliteLog::with_options(pool, topic_prefix, PublishOptions::default())
+    }
+
+    /// [`SqliteLog::new`] with how publishes wait and queue.
+    pub fn with_options(pool: SqlitePool, topic_prefix: &str, options: PublishOptions) -> SqliteLog {
+        let appender = Appender {
             pool,
             topic: format!("{topic_prefix}usage"),
-            dlq_topic: format!("{topic_prefix}dlq"),
             published: Arc::new(Notify::new()),
             writer: Arc::new(Mutex::new(None)),
-        }
+        };
+        SqliteLog { outbox: Outbox::new(appender.clone(), options), appender, dlq_topic: format!("{topic_prefix}dlq") }
     }
 
     /// Creates the log's tables if they are missing.
     pub async fn ensure_schema(&self) -> PortResult<()> {
         for statement in SCHEMA {
-            sqlx::query(statement).execute(&self.pool).await.map_err(log_err)?;
+            sqlx::query(statement).execute(&self.appender.pool).await.map_err(log_err)?;
         }
         Ok(())
     }
@@ -175,25 +200,31 @@ impl SqliteLog {
     /// [`LogReader::seek`] it reads partition 0 from the start.
     pub fn reader(&self) -> SqliteLogReader {
         SqliteLogReader {
-            pool: self.pool.clone(),
-            topic: self.topic.clone(),
+            pool: self.appender.pool.clone(),
+            topic: self.appender.topic.clone(),
             dlq_topic: self.dlq_topic.clone(),
-            published: Arc::clone(&self.published),
+            published: Arc::clone(&self.appender.published),
             positions: BTreeMap::from([(PARTITION, 0)]),
         }
     }
 
     pub fn usage_topic(&self) -> &str {
-        &self.topic
+        &self.appender.topic
     }
 
     pub fn dlq_topic(&self) -> &str {
         &self.dlq_topic
     }
 
-    /// Publishes raw bytes under a key (tests use it to put malformed records on the log).
+    /// Records queued and not yet committed.
+    pub fn queued(&self) -> usize {
+        self.outbox.queued()
+    }
+
+    /// Publishes raw bytes under a key (tests use it to put malformed
+    /// records on the log); not queued: one attempt, waited for.
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) -> PortResult<()> {
-        self.append(vec![(key.as_bytes().to_vec(), payload.to_vec())]).await
+        self.appender.append(vec![(key.as_bytes().to_vec(), payload.to_vec())]).await
     }
 
     /// Every dead letter of this log's DLQ topic, oldest first, as
@@ -201,14 +232,16 @@ impl SqliteLog {
     pub async fn dead_letters(&self) -> PortResult<Vec<(Vec<u8>, String)>> {
         let rows = sqlx::query("SELECT payload, reason FROM log_dead_letters WHERE topic = ?1 ORDER BY id")
             .bind(&self.dlq_topic)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.appender.pool)
             .await
             .map_err(log_err)?;
         rows.iter()
             .map(|r| Ok((r.try_get("payload").map_err(log_err)?, r.try_get("reason").map_err(log_err)?)))
             .collect()
     }
+}
 
+impl Appender {
     /// Appends `records` (one publish) through the writer and waits until
     /// the transaction holding them has committed or failed.
     async fn append(&self, records: Vec<(Vec<u8>, Vec<u8>)>) -> PortResult<()> {
@@ -239,14 +272,33 @@ impl SqliteLog {
 }
 
 #[async_trait]
+impl Transport for Appender {
+    fn name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    /// One publish handed to the writer: all of it commits or none does.
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        let rows = records.iter().map(|r| (r.key.clone(), r.payload.clone())).collect();
+        let outcome = self.append(rows).await;
+        records.iter().map(|_| outcome.clone()).collect()
+    }
+}
+
+#[async_trait]
 impl Log for SqliteLog {
     async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
         let mut records = Vec::with_capacity(facts.len());
         for f in facts {
-            let bytes = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
-            records.push((f.project_id.as_str().as_bytes().to_vec(), bytes));
+            let payload = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
+            let key = f.project_id.as_str().as_bytes().to_vec();
+            records.push(OutRecord { key, payload, id: Some(format!("{}/{}", f.project_id, f.id)) });
         }
-        self.append(records).await
+        self.outbox.publish(records).await
+    }
+
+    async fn flush(&self, timeout: Duration) -> PortResult<()> {
+        self.outbox.flush(timeout).await
     }
 }
 
@@ -495,7 +547,8 @@ mod tests {
     }
 
     fn writer_of(log: &SqliteLog) -> Writer {
-        Writer { pool: log.pool.clone(), topic: log.topic.clone(), published: Arc::clone(&log.published) }
+        let a = &log.appender;
+        Writer { pool: a.pool.clone(), topic: a.topic.clone(), published: Arc::clone(&a.published) }
     }
 
     fn append(keys: &[&str]) -> (Append, oneshot::Receiver<PortResult<()>>) {
@@ -506,7 +559,7 @@ mod tests {
 
     async fn keys_on_the_log(log: &SqliteLog) -> Vec<Vec<u8>> {
         sqlx::query_scalar(r#"SELECT key FROM log_records ORDER BY "offset""#)
-            .fetch_all(&log.pool)
+            .fetch_all(&log.appender.pool)
             .await
             .expect("read the log")
     }
@@ -518,7 +571,7 @@ mod tests {
             "CREATE TRIGGER poison BEFORE INSERT ON log_records WHEN NEW.key = X'706f69736f6e'
              BEGIN SELECT RAISE(ABORT, 'poisoned record'); END",
         )
-        .execute(&log.pool)
+        .execute(&log.appender.pool)
         .await
         .expect("trigger");
         let writer = writer_of(&log);
@@ -546,7 +599,7 @@ mod tests {
         assert_eq!(e_answer.await.expect("answered"), Ok(()));
         assert_eq!(keys_on_the_log(&log).await, [b"d1".to_vec(), b"d2".to_vec(), b"e1".to_vec()]);
 
-        log.pool.close().await;
+        log.appender.pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -575,14 +628,14 @@ mod tests {
         assert_eq!(keys_on_the_log(&log).await, expected, "in arrival order, by offset");
         let payloads: Vec<(Vec<u8>, Vec<u8>)> =
             sqlx::query_as(r#"SELECT key, payload FROM log_records ORDER BY "offset""#)
-                .fetch_all(&log.pool)
+                .fetch_all(&log.appender.pool)
                 .await
                 .expect("read the log");
         assert!(
             payloads.iter().all(|(k, p)| *p == [b"payload of ".as_slice(), k].concat()),
             "each payload with its key"
         );
-        log.pool.close().await;
+        log.appender.pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -614,7 +667,7 @@ mod tests {
         runtime.block_on(async {
             log.publish_raw("pa", b"bytes").await.expect("inside the runtime it works");
             assert_eq!(keys_on_the_log(&log).await, [b"pa".to_vec()]);
-            log.pool.close().await;
+            log.appender.pool.close().await;
         });
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -1,0 +1,593 @@
+//! # The outbox: what a publish leaves behind when the log does not answer
+//!
+//! Why it exists: a log outage must not switch a quota off (DESIGN §2,
+//! guarantee 10). The gateway settles a call into the view *before* it
+//! publishes the call's event; if the publish fails and the gateway took the
+//! settlement back, the slot would be free again while the call happened — so
+//! it keeps it, and the event must then reach the log eventually or the view
+//! and the log disagree for good. The outbox is that "eventually": every
+//! record a publish hands over stays here, in this process, until the log
+//! acknowledged it, and is sent again until it is. Both logs use it
+//! ([`KafkaLog`](crate::KafkaLog), [`SqliteLog`](crate::SqliteLog)), each
+//! through a [`Transport`] that makes one attempt.
+//!
+//! ## What a publish answers (the [`Log`](meter::Log) contract)
+//!
+//! - `Ok` once every record of the publish is acknowledged;
+//! - `Transient` after [`PublishOptions::timeout`] (2 s by default) if they
+//!   are not — they stay queued — and **at once** (after [`DOWN_WAIT`],
+//!   0.1 s, in case the log just came back) when the log is known to be
+//!   unreachable (the transport says so, or the last attempt failed and
+//!   nothing has been acknowledged since): the caller is told promptly and
+//!   the records still go out when the log is back;
+//! - `Transient` with nothing queued when the queue is full
+//!   ([`PublishOptions::queue`] records not yet acknowledged) or there is no
+//!   tokio runtime to retry on: the caller must publish again;
+//! - `Permanent` when the transport refuses a record for good (it is
+//!   dropped, logged and counted, never retried).
+//!
+//! ## How
+//!
+//! Each publish is a *job*: a task that sends its records, sleeps
+//! ([`RETRY_MIN`], doubling to [`RETRY_MAX`]) and sends again those that
+//! failed transiently, until none is left. The publish waits for its job (and
+//! for the jobs of its records that were already queued) up to the timeout;
+//! giving up waiting does not stop the job. A record with an id (a usage
+//! fact: project and event id) that is already queued is not queued again:
+//! its publish waits for the job that holds it, so a client retrying through
+//! an outage does not fill the queue with copies. [`Outbox::flush`] waits for
+//! every job started before it.
+//!
+//! A record sent again after a failure may already be on the log (the ack
+//! was lost, not the record): the log then holds it twice, and the fold
+//! counts it once (dedup by event id). It also lands after records published
+//! later, so the order of one project's facts holds only for records that
+//! never failed; the fold does not depend on it.
+//!
+//! Records still queued when the process dies are lost (they were never
+//! acknowledged); whatever the caller wrote ahead of them (a pending delta in
+//! the view) over-counts until it expires — never under-counts.
+//!
+//! Telemetry: `tollgate_log_queued_records` (gauge),
+//! `tollgate_log_retries_total`, `tollgate_log_queue_full_total`,
+//! `tollgate_log_dropped_total`, each labelled with the log (`kafka`, `sqlite`).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use meter::{PortError, PortResult};
+use tokio::sync::watch;
+use tracing::{error, info, warn};
+
+/// The first pause before a failed record is sent again.
+pub const RETRY_MIN: Duration = Duration::from_millis(100);
+/// The longest pause between two attempts of one record: after an outage,
+/// queued records go out within this of the log answering again.
+pub const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// How long a publish waits while the log is known to be unreachable: long
+/// enough for the acknowledgement of a log that just came back (the state
+/// changes only with the next success), short enough to be "at once".
+pub const DOWN_WAIT: Duration = Duration::from_millis(100);
+
+/// How a log's publishes wait and queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishOptions {
+    /// The longest a publish waits for its acknowledgement before it answers
+    /// "not yet" (its records stay queued).
+    pub timeout: Duration,
+    /// Most records waiting for an acknowledgement in this process; a
+    /// publish that would pass it queues nothing and is refused.
+    pub queue: usize,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        PublishOptions { timeout: Duration::from_secs(2), queue: 100_000 }
+    }
+}
+
+/// One record to put on the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutRecord {
+    pub key: Vec<u8>,
+    pub payload: Vec<u8>,
+    /// What makes two records the same fact (project and event id), if
+    /// anything: a record whose id is queued is not queued again.
+    pub id: Option<String>,
+}
+
+/// One attempt at putting records on a log.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// The log's name in telemetry (`kafka`, `sqlite`).
+    fn name(&self) -> &'static str;
+    /// Tries once to put every record on the log, and answers the outcome
+    /// of each, in order (a missing outcome counts as a transient failure).
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>>;
+    /// Why the log is known to be unreachable right now, if it is (a
+    /// producer that lost every broker); `None` when nothing is known.
+    fn unreachable(&self) -> Option<String> {
+        None
+    }
+}
+
+/// The job's answer, once it has one.
+type Answer = watch::Receiver<Option<PortResult<()>>>;
+
+/// What is queued.
+#[derive(Debug, Default)]
+struct Queue {
+    /// The number the next job gets.
+    next_job: u64,
+    /// Jobs not finished.
+    unfinished: BTreeSet<u64>,
+    /// Records not yet acknowledged (nor dropped).
+    records: usize,
+    /// The answer of the job holding each queued record that has an id.
+    by_id: HashMap<String, Answer>,
+}
+
+impl Queue {
+    /// Every job numbered below this is finished.
+    fn low_water(&self) -> u64 {
+        self.unfinished.first().copied().unwrap_or(self.next_job)
+    }
+}
+
+struct Shared<T> {
+    transport: T,
+    options: PublishOptions,
+    queue: Mutex<Queue>,
+    /// [`Queue::low_water`], for [`Outbox::flush`].
+    low_water: watch::Sender<u64>,
+    /// Why the last attempt failed, until a later one succeeds.
+    failing: Mutex<Option<String>>,
+}
+
+impl<T: Transport> Shared<T> {
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        // Every update leaves the queue consistent before it can panic.
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn gauge(&self, records: usize) {
+        metrics::gauge!("tollgate_log_queued_records", "log" => self.transport.name()).set(records as f64);
+    }
+
+    /// Forgets `n` records that were acknowledged or dropped.
+    fn settled(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut q = self.queue();
+        q.records = q.records.saturating_sub(n);
+        self.gauge(q.records);
+    }
+
+    fn set_failing(&self, why: Option<String>) {
+        let mut f = self.failing.lock().unwrap_or_else(PoisonError::into_inner);
+        match (&*f, &why) {
+            (None, Some(w)) => warn!(log = self.transport.name(), reason = %w, "log unreachable; queueing"),
+            (Some(_), None) => info!(log = self.transport.name(), "log reachable again"),
+            _ => {}
+        }
+        *f = why;
+    }
+
+    /// Why the log is unreachable, if it is known to be.
+    fn unreachable(&self) -> Option<String> {
+        self.transport.unreachable().or_else(|| self.failing.lock().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+
+    /// Sends `records` until none is left to retry; answers the job.
+    async fn run(
+        self: Arc<Self>,
+        job: u64,
+        mut records: Vec<OutRecord>,
+        answer: watch::Sender<Option<PortResult<()>>>,
+    ) {
+        let mut outcome = Ok(());
+        let mut delay = RETRY_MIN;
+        loop {
+            let results = self.transport.send(&records).await;
+            let mut results = results.into_iter();
+            let mut retry = Vec::new();
+            let mut why = None;
+            let mut settled = 0;
+            for r in records {
+                match results.next().unwrap_or_else(|| Err(PortError::Transient("no outcome for the record".into()))) {
+                    Ok(()) => settled += 1,
+                    Err(PortError::Transient(w)) => {
+                        why = Some(w);
+                        retry.push(r);
+                    }
+                    Err(e) => {
+                        error!(log = self.transport.name(), error = %e, "record refused by the log for good; dropped");
+                        metrics::counter!("tollgate_log_dropped_total", "log" => self.transport.name()).increment(1);
+                        settled += 1;
+                        outcome = Err(e);
+                    }
+                }
+            }
+            self.settled(settled);
+            if retry.is_empty() {
+                if settled > 0 {
+                    self.set_failing(None);
+                }
+                break;
+            }
+            self.set_failing(why);
+            metrics::counter!("tollgate_log_retries_total", "log" => self.transport.name())
+                .increment(retry.len() as u64);
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(RETRY_MAX);
+            records = retry;
+        }
+        // Answered before the ids are forgotten: a publish that finds one of
+        // them meanwhile gets this answer at once.
+        let _ = answer.send(Some(outcome));
+        let this_job = answer.subscribe();
+        let mut q = self.queue();
+        q.by_id.retain(|_, a| !a.same_channel(&this_job));
+        q.unfinished.remove(&job);
+        let low = q.low_water();
+        drop(q);
+        self.low_water.send_replace(low);
+    }
+}
+
+/// A bounded queue of records on their way to a log; cheap to clone (clones
+/// share the queue).
+pub struct Outbox<T> {
+    shared: Arc<Shared<T>>,
+}
+
+impl<T> Clone for Outbox<T> {
+    fn clone(&self) -> Self {
+        Outbox { shared: Arc::clone(&self.shared) }
+    }
+}
+
+impl<T> std::fmt::Debug for Outbox<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox").field("options", &self.shared.options).finish_non_exhaustive()
+    }
+}
+
+impl<T: Transport> Outbox<T> {
+    pub fn new(transport: T, options: PublishOptions) -> Outbox<T> {
+        Outbox {
+            shared: Arc::new(Shared {
+                transport,
+                options,
+                queue: Mutex::new(Queue::default()),
+                low_water: watch::Sender::new(0),
+                failing: Mutex::new(None),
+            }),
+        }
+    }
+
+    pub fn transport(&self) -> &T {
+        &self.shared.transport
+    }
+
+    pub fn options(&self) -> PublishOptions {
+        self.shared.options
+    }
+
+    /// Records queued and not yet acknowledged.
+    pub fn queued(&self) -> usize {
+        self.shared.queue().records
+    }
+
+    /// Why the log is known to be unreachable, if it is.
+    pub fn unreachable(&self) -> Option<String> {
+        self.shared.unreachable()
+    }
+
+    /// Queues `records` (see the module doc) and waits for their
+    /// acknowledgement, at most the publish timeout.
+    pub async fn publish(&self, records: Vec<OutRecord>) -> PortResult<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let answers = self.enqueue(records)?;
+        let down = self.shared.unreachable();
+        let timeout = match down {
+            Some(_) => self.shared.options.timeout.min(DOWN_WAIT),
+            None => self.shared.options.timeout,
+        };
+        match tokio::time::timeout(timeout, wait_all(answers)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(PortError::Transient(match down {
+                Some(why) => format!("log unavailable ({why}); the records are queued and published when it is back"),
+                None => format!(
+                    "the log did not acknowledge within {timeout:?}; the records stay queued and are published when it answers"
+                ),
+            })),
+        }
+    }
+
+    /// Starts a job for the records not queued yet; the answers to wait for.
+    fn enqueue(&self, records: Vec<OutRecord>) -> PortResult<Vec<Answer>> {
+        let name = self.shared.transport.name();
+        let mut q = self.shared.queue();
+        let mut answers = Vec::new();
+        let mut mine = Vec::with_capacity(records.len());
+        for r in records {
+            match r.id.as_ref().and_then(|id| q.by_id.get(id)) {
+                Some(a) => {
+                    if !answers.iter().any(|b: &Answer| b.same_channel(a)) {
+                        answers.push(a.clone());
+                    }
+                }
+                None => mine.push(r),
+            }
+        }
+        if mine.is_empty() {
+            return Ok(answers);
+        }
+        let capacity = self.shared.options.queue;
+        if q.records + mine.len() > capacity {
+            metrics::counter!("tollgate_log_queue_full_total", "log" => name).increment(1);
+            return Err(PortError::Transient(format!(
+                "the publish queue is full ({} of {capacity} records await the log); nothing was queued: publish again",
+                q.records
+            )));
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| {
+            PortError::Transient(format!("publishing needs a tokio runtime to retry on ({e}); nothing was queued"))
+        })?;
+        let job = q.next_job;
+        q.next_job += 1;
+        q.unfinished.insert(job);
+        q.records += mine.len();
+        self.shared.gauge(q.records);
+        let (tx, rx) = watch::channel(None);
+        for r in &mine {
+            if let Some(id) = &r.id {
+                q.by_id.insert(id.clone(), rx.clone());
+            }
+        }
+        answers.push(rx);
+        drop(q);
+        runtime.spawn(Arc::clone(&self.shared).run(job, mine, tx));
+        Ok(answers)
+    }
+
+    /// Waits until every job started before this call has finished, at most
+    /// `timeout`.
+    pub async fn flush(&self, timeout: Duration) -> PortResult<()> {
+        let target = self.shared.queue().next_job;
+        let mut low = self.shared.low_water.subscribe();
+        match tokio::time::timeout(timeout, low.wait_for(|l| *l >= target)).await {
+            Ok(Ok(_)) => Ok(()),
+            // The sender lives in `shared`, which `self` holds.
+            Ok(Err(_)) => Ok(()),
+            Err(_) => Err(PortError::Transient(format!(
+                "{} records still await the log after {timeout:?}; they stay queued",
+                self.queued()
+            ))),
+        }
+    }
+}
+
+/// The first failure among the answers, once all have one.
+async fn wait_all(answers: Vec<Answer>) -> PortResult<()> {
+    let mut outcome = Ok(());
+    for mut a in answers {
+        let got = match a.wait_for(Option::is_some).await {
+            Ok(v) => v.clone().unwrap_or(Ok(())),
+            Err(_) => Err(PortError::Transient(
+                "the publish was abandoned (its runtime shut down); the records may or may not be on the log".into(),
+            )),
+        };
+        if outcome.is_ok() {
+            outcome = got;
+        }
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A log whose attempts fail while `down` is set, and that remembers
+    /// every record it took, in order.
+    #[derive(Default)]
+    struct FakeLog {
+        down: AtomicBool,
+        /// Outcomes to give instead, first come first served, one per record.
+        scripted: Mutex<VecDeque<PortResult<()>>>,
+        taken: Mutex<Vec<Vec<u8>>>,
+        attempts: Mutex<usize>,
+        knows_down: AtomicBool,
+    }
+
+    #[async_trait]
+    impl Transport for Arc<FakeLog> {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+        async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+            *self.attempts.lock().expect("lock") += 1;
+            records
+                .iter()
+                .map(|r| {
+                    if let Some(o) = self.scripted.lock().expect("lock").pop_front() {
+                        if o.is_ok() {
+                            self.taken.lock().expect("lock").push(r.payload.clone());
+                        }
+                        return o;
+                    }
+                    if self.down.load(Ordering::SeqCst) {
+                        return Err(PortError::Transient("down".into()));
+                    }
+                    self.taken.lock().expect("lock").push(r.payload.clone());
+                    Ok(())
+                })
+                .collect()
+        }
+        fn unreachable(&self) -> Option<String> {
+            self.knows_down.load(Ordering::SeqCst).then(|| "all brokers down".to_owned())
+        }
+    }
+
+    fn rec(id: &str) -> OutRecord {
+        OutRecord { key: b"p".to_vec(), payload: id.as_bytes().to_vec(), id: Some(format!("p/{id}")) }
+    }
+
+    fn outbox(queue: usize) -> (Arc<FakeLog>, Outbox<Arc<FakeLog>>) {
+        let log = Arc::new(FakeLog::default());
+        let o = Outbox::new(Arc::clone(&log), PublishOptions { timeout: Duration::from_secs(2), queue });
+        (log, o)
+    }
+
+    fn taken(log: &FakeLog) -> Vec<String> {
+        log.taken.lock().expect("lock").iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answered_publish_is_acknowledged_and_leaves_nothing_queued() {
+        let (log, o) = outbox(10);
+        o.publish(vec![rec("a"), rec("b")]).await.expect("acknowledged");
+        assert_eq!(taken(&log), ["a", "b"]);
+        assert_eq!(o.queued(), 0);
+        o.publish(Vec::new()).await.expect("nothing to publish is fine");
+        o.flush(Duration::ZERO).await.expect("nothing to flush");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publish_the_log_does_not_take_answers_within_the_timeout_and_is_retried_until_taken() {
+        let (log, o) = outbox(10);
+        log.down.store(true, Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        let e = o.publish(vec![rec("a")]).await.expect_err("not acknowledged");
+        assert!(e.is_transient(), "{e}");
+        assert!(started.elapsed() <= Duration::from_secs(2), "answered after {:?}", started.elapsed());
+        assert_eq!(o.queued(), 1, "still queued");
+
+        // Known to be failing now: the next publish answers at once, queued too.
+        let started = tokio::time::Instant::now();
+        let e = o.publish(vec![rec("b")]).await.expect_err("not acknowledged");
+        assert!(e.to_string().contains("log unavailable"), "{e}");
+        assert_eq!(started.elapsed(), DOWN_WAIT, "at once");
+        assert_eq!(o.queued(), 2);
+        assert!(o.flush(Duration::from_secs(5)).await.is_err(), "flush times out while the log is down");
+
+        log.down.store(false, Ordering::SeqCst);
+        o.flush(Duration::from_secs(5)).await.expect("flushed once the log is back");
+        assert_eq!(o.queued(), 0);
+        let mut got = taken(&log);
+        got.sort();
+        assert_eq!(got, ["a", "b"], "each record taken once");
+        assert_eq!(o.unreachable(), None, "reachable again after a success");
+        o.publish(vec![rec("c")]).await.expect("acknowledged again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_record_already_queued_is_not_queued_again() {
+        let (log, o) = outbox(10);
+        log.down.store(true, Ordering::SeqCst);
+        assert!(o.publish(vec![rec("a")]).await.is_err());
+        for _ in 0..5 {
+            assert!(o.publish(vec![rec("a")]).await.is_err(), "a client retrying with the same id");
+        }
+        assert_eq!(o.queued(), 1, "one copy queued");
+        log.down.store(false, Ordering::SeqCst);
+        // A client retrying once the log is back: a retry waits for the job
+        // that holds the queued copy, and is acknowledged with it.
+        let mut tries = 0;
+        while o.publish(vec![rec("a"), rec("b")]).await.is_err() {
+            tries += 1;
+            assert!(tries < 20, "never acknowledged");
+        }
+        o.flush(Duration::from_secs(1)).await.expect("flushed");
+        let got = taken(&log);
+        assert_eq!(got.iter().filter(|r| *r == "a").count(), 1, "the queued copy of a went out, once: {got:?}");
+        assert!(got.iter().any(|r| r == "b"), "b went out (a retry after its ack may send it again): {got:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_and_queues_nothing() {
+        let (log, o) = outbox(3);
+        log.down.store(true, Ordering::SeqCst);
+        assert!(o.publish(vec![rec("a"), rec("b")]).await.is_err());
+        let e = o.publish(vec![rec("c"), rec("d")]).await.expect_err("full");
+        assert!(e.is_transient() && e.to_string().contains("queue is full"), "{e}");
+        assert_eq!(o.queued(), 2, "nothing of the refused publish queued");
+        // Records already queued do not count again.
+        assert!(o.publish(vec![rec("a"), rec("c")]).await.is_err());
+        assert_eq!(o.queued(), 3);
+        log.down.store(false, Ordering::SeqCst);
+        o.flush(Duration::from_secs(5)).await.expect("flushed");
+        let mut got = taken(&log);
+        got.sort();
+        assert_eq!(got, ["a", "b", "c"], "d was never queued");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_record_refused_for_good_is_dropped_and_its_publish_fails() {
+        let (log, o) = outbox(10);
+        log.scripted.lock().expect("lock").extend([Ok(()), Err(PortError::Permanent("too large".into())), Ok(())]);
+        let e = o.publish(vec![rec("a"), rec("b"), rec("c")]).await.expect_err("one refused");
+        assert_eq!(e, PortError::Permanent("too large".into()));
+        assert_eq!(taken(&log), ["a", "c"], "the others are on the log");
+        assert_eq!(o.queued(), 0, "nothing retried");
+        assert_eq!(*log.attempts.lock().expect("lock"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_records_that_failed_are_sent_again() {
+        let (log, o) = outbox(10);
+        log.scripted.lock().expect("lock").extend([Ok(()), Err(PortError::Transient("timed out".into())), Ok(())]);
+        o.publish(vec![rec("a"), rec("b"), rec("c")]).await.expect("acknowledged after one retry");
+        assert_eq!(taken(&log), ["a", "c", "b"], "b sent again, after the others");
+        assert_eq!(*log.attempts.lock().expect("lock"), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transport_that_knows_the_log_is_down_makes_a_publish_answer_at_once() {
+        let (log, o) = outbox(10);
+        log.knows_down.store(true, Ordering::SeqCst);
+        log.down.store(true, Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        let e = o.publish(vec![rec("a")]).await.expect_err("down");
+        assert!(e.to_string().contains("all brokers down"), "{e}");
+        assert_eq!(started.elapsed(), DOWN_WAIT, "at once");
+        log.knows_down.store(false, Ordering::SeqCst);
+        log.down.store(false, Ordering::SeqCst);
+        o.flush(Duration::from_secs(5)).await.expect("the queued record went out");
+        assert_eq!(taken(&log), ["a"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn flush_waits_for_the_jobs_started_before_it() {
+        let (log, o) = outbox(100);
+        log.down.store(true, Ordering::SeqCst);
+        assert!(o.publish(vec![rec("a")]).await.is_err());
+        let flush = {
+            let o = o.clone();
+            tokio::spawn(async move { o.flush(Duration::from_secs(60)).await })
+        };
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(!flush.is_finished(), "the job before the flush is not done");
+        log.down.store(false, Ordering::SeqCst);
+        flush.await.expect("the flush task").expect("flushed when the job before it finished");
+    }
+
+    #[test]
+    fn outside_a_runtime_nothing_is_queued() {
+        let (_, o) = outbox(10);
+        let e = futures::executor::block_on(o.publish(vec![rec("a")])).expect_err("no runtime");
+        assert!(e.is_transient() && e.to_string().contains("runtime"), "{e}");
+        assert_eq!(o.queued(), 0);
+    }
+}
