@@ -44,9 +44,16 @@ pub struct KafkaConfig {
     /// Replication factor when Tollgate creates a topic.
     pub replication: i32,
     /// How long librdkafka keeps trying to deliver one record before it
-    /// reports it failed (`message.timeout.ms`; also the bound of one
-    /// produce request). [`KafkaLog`] then sends it again, so this is not
-    /// how long a publish waits: that is [`PublishOptions::timeout`].
+    /// reports it failed (`message.timeout.ms`); zero (the default) is
+    /// never. This is not how long a publish waits (that is
+    /// [`PublishOptions::timeout`]): a record librdkafka gives up on is sent
+    /// again by [`KafkaLog`]'s queue anyway. Never is the better default: the
+    /// idempotent producer retries with the record's sequence number, so it
+    /// lands once and in order; and when a finite timeout expires on a record
+    /// in flight, librdkafka bumps the producer epoch on its own (KIP-360),
+    /// which the tansu 0.6 broker does not support (its storage panics on
+    /// the next produce and it accepts no record until restarted). Set it
+    /// only for a broker that handles epoch bumps (Apache Kafka ≥ 2.5).
     pub message_timeout: Duration,
     /// How [`KafkaLog`] publishes wait and queue.
     pub publish: PublishOptions,
@@ -59,7 +66,7 @@ impl KafkaConfig {
             topic_prefix: topic_prefix.into(),
             partitions: 3,
             replication: 1,
-            message_timeout: Duration::from_secs(30),
+            message_timeout: Duration::ZERO,
             publish: PublishOptions::default(),
         }
     }
@@ -107,20 +114,23 @@ impl KafkaConfig {
         self.producer_config().create().map_err(kafka_err)
     }
 
-    /// The settings of [`KafkaConfig::producer`]. A produce request is given
-    /// up after the message timeout too (librdkafka's default is 30 s
-    /// whatever the message timeout), so a frozen broker fails a record
-    /// within `message_timeout`.
+    /// The settings of [`KafkaConfig::producer`]. With a finite message
+    /// timeout a produce request is given up after it too (librdkafka's
+    /// default is 30 s whatever the message timeout). A lost broker is
+    /// reconnected to within a second of its return (librdkafka backs off
+    /// up to 10 s by default).
     fn producer_config(&self) -> ClientConfig {
-        let message_ms = self.message_timeout.as_millis().clamp(1, i32::MAX as u128);
-        let request_ms = message_ms.min(30_000);
+        let message_ms = self.message_timeout.as_millis().min(i32::MAX as u128);
         let mut c = self.client();
         c.set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
             .set("message.timeout.ms", message_ms.to_string())
-            .set("request.timeout.ms", request_ms.to_string())
+            .set("reconnect.backoff.max.ms", "1000")
             .set("queue.buffering.max.messages", "200000");
+        if message_ms > 0 {
+            c.set("request.timeout.ms", message_ms.min(30_000).to_string());
+        }
         c
     }
 }
@@ -151,12 +161,16 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// (clones share the producer and the queue).
 ///
 /// **What the producer knows.** Its [`ProducerState`] is down from the
-/// moment librdkafka reports that every broker connection is down (the
-/// broker is gone: refused or reset connections; a frozen one keeps its
-/// connections up) or a delivery fails (a record timed out after
-/// [`KafkaConfig::message_timeout`], which is how a frozen broker shows),
-/// and up again at the next successful delivery. While it is down a publish
-/// answers at once. A fatal producer error (the idempotent producer can no
+/// moment librdkafka reports every broker connection down *and* a
+/// connection attempt fails (the broker is gone: connections refused; an
+/// idle connection the broker closed and the producer reopens is not an
+/// outage), or a delivery fails (a finite
+/// [`KafkaConfig::message_timeout`] expired, a fatal error); and up again at
+/// the next successful delivery. While it is down a publish answers at once.
+/// A frozen broker keeps its connections up and answers nothing: the first
+/// publish that waits its whole timeout tells the queue (see the
+/// [`outbox`](crate::outbox)), and later ones answer at once until a record
+/// is acknowledged. A fatal producer error (the idempotent producer can no
 /// longer guarantee order or exactly-once for its records) replaces the
 /// producer with a new one at the next attempt; queued records go out on it.
 #[derive(Clone)]
@@ -224,6 +238,9 @@ impl Log for KafkaLog {
 pub struct ProducerState {
     /// Why the broker is taken to be down, while it is.
     down: Mutex<Option<String>>,
+    /// librdkafka reported every broker connection down since the last
+    /// successful delivery (not an outage by itself: see [`KafkaLog`]).
+    all_down: AtomicBool,
     /// A fatal error was reported: the producer must be replaced.
     fatal: AtomicBool,
 }
@@ -249,6 +266,7 @@ impl ProducerState {
     fn delivered(&self, outcome: Result<(), &KafkaError>) {
         match outcome {
             Ok(()) => {
+                self.all_down.store(false, Ordering::SeqCst);
                 if self.down.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
                     self.set_down(None);
                 }
@@ -270,7 +288,13 @@ struct Tracking(Arc<ProducerState>);
 impl ClientContext for Tracking {
     fn error(&self, error: KafkaError, reason: &str) {
         match error.rdkafka_error_code() {
-            Some(RDKafkaErrorCode::AllBrokersDown) => self.0.set_down(Some(format!("all brokers down: {reason}"))),
+            Some(RDKafkaErrorCode::AllBrokersDown) => self.0.all_down.store(true, Ordering::SeqCst),
+            // librdkafka's wording for a refused or failed connect.
+            Some(RDKafkaErrorCode::BrokerTransportFailure)
+                if self.0.all_down.load(Ordering::SeqCst) && reason.contains("Connect to") =>
+            {
+                self.0.set_down(Some(format!("all brokers down: {reason}")));
+            }
             Some(RDKafkaErrorCode::Fatal) => {
                 self.0.fatal.store(true, Ordering::SeqCst);
                 self.0.set_down(Some(format!("fatal producer error: {reason}")));

@@ -17,8 +17,9 @@
 //! - `Transient` after [`PublishOptions::timeout`] (2 s by default) if they
 //!   are not — they stay queued — and **at once** (after [`DOWN_WAIT`],
 //!   0.1 s, in case the log just came back) when the log is known to be
-//!   unreachable (the transport says so, or the last attempt failed and
-//!   nothing has been acknowledged since): the caller is told promptly and
+//!   unreachable: the transport says so, or since the last acknowledgement
+//!   an attempt failed or a publish waited its whole timeout (a log that
+//!   answers nothing reports no failure). The caller is told promptly and
 //!   the records still go out when the log is back;
 //! - `Transient` with nothing queued when the queue is full
 //!   ([`PublishOptions::queue`] records not yet acknowledged) or there is no
@@ -304,9 +305,13 @@ impl<T: Transport> Outbox<T> {
             Ok(outcome) => outcome,
             Err(_) => Err(PortError::Transient(match down {
                 Some(why) => format!("log unavailable ({why}); the records are queued and published when it is back"),
-                None => format!(
-                    "the log did not acknowledge within {timeout:?}; the records stay queued and are published when it answers"
-                ),
+                None => {
+                    // A log that answers nothing (a frozen broker) reports no
+                    // failure: the wait is the report.
+                    let why = format!("no acknowledgement within {timeout:?}");
+                    self.shared.set_failing(Some(why.clone()));
+                    format!("log unavailable ({why}); the records stay queued and are published when it answers")
+                }
             })),
         }
     }

@@ -11,6 +11,15 @@
 //!   passes: the first fetch after an assignment can take a second.
 //! - `sqlite::*` runs against the embedded log, in a fresh file (also holding
 //!   the migrated embedded store) in a temporary directory per test.
+//!
+//! The outage suite (`outage!`) runs on an [`OutageHarness`]: a log that can
+//! be made to stop answering and then mended — a `testkit::Tansu` broker of
+//! the test's own, frozen (`SIGSTOP`) or killed and restarted on the same
+//! file, and a SQLite file whose write lock another connection holds. It
+//! proves the write side's contract under faults: a publish answers within
+//! its timeout (and at once once the log is known to be down) with a
+//! transient error, keeps its facts queued, and every one of them is on the
+//! log after the outage (`flush`); a full queue refuses and queues nothing.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -18,11 +27,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, Log, LogReader, LogRecord, Outcome, ProjectId, UsageFact};
+use meter::{ApiKeyId, EventId, EventKind, Log, LogReader, LogRecord, Outcome, PortError, ProjectId, UsageFact};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use store::{KafkaConfig, KafkaLog, KafkaReader, SqliteLog, SqliteLogReader, SqliteStore};
+use store::{KafkaConfig, KafkaLog, KafkaReader, PublishOptions, SqliteLog, SqliteLogReader, SqliteStore};
 
 /// How long a test waits for records it knows are there.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -66,12 +75,50 @@ macro_rules! suite {
     };
 }
 
+macro_rules! outage {
+    ($fixture:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(mut harness) = $fixture.await else { return };
+                crate::$name(&mut harness).await;
+            }
+        )*
+    };
+}
+
+macro_rules! outage_suite {
+    ($fixture:expr) => {
+        outage!($fixture;
+            publishes_during_an_outage_answer_promptly_and_are_on_the_log_after_it,
+            a_full_queue_refuses_a_publish_and_queues_nothing_of_it,
+        );
+    };
+}
+
 mod kafka {
     suite!(super::KafkaHarness::new());
+
+    mod frozen {
+        outage_suite!(crate::KafkaOutage::start(crate::Fault::Freeze));
+    }
+
+    mod killed {
+        outage_suite!(crate::KafkaOutage::start(crate::Fault::Kill));
+    }
+
+    #[tokio::test]
+    async fn a_producer_knows_at_once_that_its_broker_is_gone() {
+        super::a_producer_knows_at_once_that_its_broker_is_gone().await;
+    }
 }
 
 mod sqlite {
     suite!(async { Some(super::SqliteHarness::new().await) });
+
+    mod locked {
+        outage_suite!(async { Some(crate::SqliteOutage::new().await) });
+    }
 
     // Beyond the port: what only the embedded log promises.
 
@@ -696,4 +743,324 @@ fn a_log_outlives_the_runtime_that_started_its_writer() {
         assert_eq!(decode(&got), sent);
         assert_nothing_more(reader.as_mut()).await;
     });
+}
+
+// ---------------------------------------------------------------- outages
+
+/// The publish timeout of the outage suite's logs.
+const PUBLISH_TIMEOUT: Duration = Duration::from_millis(1000);
+/// What a publish may take beyond its bound (scheduling on a busy machine).
+const SLACK: Duration = Duration::from_millis(500);
+
+/// A log that can be made to stop answering, and mended.
+#[async_trait]
+trait OutageHarness: Harness {
+    /// The log stops acknowledging (publishes hang or fail).
+    async fn break_log(&mut self);
+    /// The log answers again.
+    async fn mend_log(&mut self);
+    /// How long after [`OutageHarness::break_log`] the log is surely known
+    /// to be down (a failed attempt was reported).
+    fn known_down_after(&self) -> Duration;
+    /// A log over the same backend whose queue holds at most `queue` records.
+    fn log_with_queue(&self, queue: usize) -> Box<dyn Log>;
+}
+
+/// Polls until every fact in `sent` is on the log (at least once; a fact
+/// sent again after a lost acknowledgement may be there twice), and nothing
+/// else is; fails the test at the deadline.
+async fn assert_all_on_the_log(h: &dyn Harness, sent: &[UsageFact]) {
+    let want: std::collections::BTreeSet<&EventId> = sent.iter().map(|f| &f.id).collect();
+    let mut reader = reader_at(h, 0).await;
+    let started = Instant::now();
+    let mut got: Vec<UsageFact> = Vec::new();
+    loop {
+        let seen: std::collections::BTreeSet<&EventId> = got.iter().map(|f| &f.id).collect();
+        if seen == want {
+            break;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "after {DEADLINE:?} the log holds {} of {} facts",
+            seen.intersection(&want).count(),
+            want.len()
+        );
+        got.extend(decode(&reader.poll(1000, Duration::from_millis(300)).await.expect("poll")));
+    }
+    for f in &got {
+        let original = sent.iter().find(|s| s.id == f.id).expect("only facts that were sent");
+        assert_eq!(f, original, "fact {} read back as sent", f.id);
+    }
+    assert!(got.len() <= 2 * sent.len(), "{} records for {} facts", got.len(), sent.len());
+}
+
+async fn publishes_during_an_outage_answer_promptly_and_are_on_the_log_after_it(h: &mut dyn OutageHarness) {
+    let before = facts(3);
+    // A new producer's first publish may take longer than the timeout
+    // (connecting, getting a producer id): not yet part of the test.
+    let started = Instant::now();
+    while let Err(e) = h.log().publish(&before).await {
+        assert!(started.elapsed() < DEADLINE, "the log never answered before the outage: {e}");
+    }
+
+    h.break_log().await;
+    let broke = Instant::now();
+    let mut during = Vec::new();
+    let mut n = 100;
+    // Publishes until the log is surely known to be down, and a few more.
+    let mut after_known = 0;
+    while after_known < 3 {
+        let known = broke.elapsed() > h.known_down_after();
+        let facts: Vec<UsageFact> = (0..2).map(|_| fact("pa", next(&mut n))).collect();
+        let started = Instant::now();
+        let outcome = h.log().publish(&facts).await;
+        let took = started.elapsed();
+        match outcome {
+            Err(PortError::Transient(_)) => {}
+            other => panic!("a publish during the outage answered {other:?}"),
+        }
+        assert!(took <= PUBLISH_TIMEOUT + SLACK, "a publish during the outage took {took:?}");
+        if known {
+            assert!(took <= Duration::from_millis(100) + SLACK, "the log is known down, yet a publish took {took:?}");
+            after_known += 1;
+        }
+        // A client retrying with the same facts: not queued twice.
+        assert!(h.log().publish(&facts).await.is_err(), "a retry during the outage is not acknowledged either");
+        during.extend(facts);
+        assert!(broke.elapsed() < DEADLINE, "the log was never known to be down");
+    }
+    let e = h.log().flush(Duration::from_millis(200)).await.expect_err("nothing can be flushed during the outage");
+    assert!(e.is_transient(), "{e}");
+
+    h.mend_log().await;
+    h.log().flush(DEADLINE).await.expect("everything queued reaches the log after the outage");
+    let after = vec![fact("pb", next(&mut n))];
+    let started = Instant::now();
+    loop {
+        match h.log().publish(&after).await {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(e.is_transient(), "{e}");
+                assert!(started.elapsed() < DEADLINE, "the log never acknowledged again: {e}");
+            }
+        }
+    }
+    let all: Vec<UsageFact> = before.into_iter().chain(during).chain(after).collect();
+    assert_all_on_the_log(h, &all).await;
+}
+
+async fn a_full_queue_refuses_a_publish_and_queues_nothing_of_it(h: &mut dyn OutageHarness) {
+    let log = h.log_with_queue(3);
+    h.break_log().await;
+    let queued = vec![fact("pa", 1), fact("pa", 2)];
+    assert!(log.publish(&queued).await.expect_err("the log is down").is_transient());
+    let refused = vec![fact("pa", 3), fact("pa", 4)];
+    let e = log.publish(&refused).await.expect_err("the queue is full");
+    assert!(e.is_transient() && e.to_string().contains("queue is full"), "{e}");
+    // A queued fact does not count again: one more fits.
+    let last = vec![fact("pa", 1), fact("pa", 5)];
+    let e = log.publish(&last).await.expect_err("the log is down");
+    assert!(!e.to_string().contains("queue is full"), "{e}");
+
+    h.mend_log().await;
+    log.flush(DEADLINE).await.expect("the queued facts reach the log");
+    assert_all_on_the_log(h, &[fact("pa", 1), fact("pa", 2), fact("pa", 5)]).await;
+}
+
+fn next(n: &mut usize) -> usize {
+    *n += 1;
+    *n
+}
+
+/// How a [`KafkaOutage`] takes its broker down.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// `SIGSTOP`: connections stay up, nothing answers.
+    Freeze,
+    /// `SIGKILL`, then a restart on the same file and port.
+    Kill,
+}
+
+/// A broker of the test's own, and a log on it with short timeouts.
+struct KafkaOutage {
+    tansu: testkit::Tansu,
+    fault: Fault,
+    config: KafkaConfig,
+    log: KafkaLog,
+}
+
+impl KafkaOutage {
+    /// Always `Some`: the broker is the test's own (`testkit::Tansu`
+    /// panics, naming the binary, when tansu is not installed).
+    async fn start(fault: Fault) -> Option<KafkaOutage> {
+        let tansu = testkit::Tansu::start().await;
+        let mut config = KafkaConfig::new(tansu.brokers(), testkit::topic_prefix("tg-outage"));
+        config.partitions = 1;
+        config.publish = PublishOptions { timeout: PUBLISH_TIMEOUT, ..PublishOptions::default() };
+        let started = Instant::now();
+        while let Err(e) = config.ensure_topics().await {
+            assert!(started.elapsed() < DEADLINE, "create the test topics: {e}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let log = KafkaLog::new(&config).expect("producer");
+        Some(KafkaOutage { tansu, fault, config, log })
+    }
+}
+
+#[async_trait]
+impl Harness for KafkaOutage {
+    fn log(&self) -> &dyn Log {
+        &self.log
+    }
+
+    async fn reader(&self) -> Box<dyn LogReader> {
+        let group = format!("{}reader-{}", self.config.topic_prefix, uuid::Uuid::new_v4().simple());
+        Box::new(KafkaReader::new(&self.config, &group).expect("consumer"))
+    }
+
+    async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        self.log.publish_raw(key, payload).await.expect("publish raw");
+    }
+
+    async fn dead_letters(&self, _expected: usize) -> Vec<(Vec<u8>, String)> {
+        unreachable!("the outage suite reads no dead letters")
+    }
+}
+
+#[async_trait]
+impl OutageHarness for KafkaOutage {
+    async fn break_log(&mut self) {
+        match self.fault {
+            Fault::Freeze => self.tansu.freeze(),
+            Fault::Kill => self.tansu.stop(),
+        }
+    }
+
+    async fn mend_log(&mut self) {
+        match self.fault {
+            Fault::Freeze => self.tansu.thaw(),
+            Fault::Kill => self.tansu.restart().await,
+        }
+    }
+
+    fn known_down_after(&self) -> Duration {
+        // A frozen broker shows when a publish waited its whole timeout; a
+        // killed one as soon as librdkafka finds its connection refused.
+        PUBLISH_TIMEOUT + Duration::from_millis(500)
+    }
+
+    fn log_with_queue(&self, queue: usize) -> Box<dyn Log> {
+        let mut config = self.config.clone();
+        config.publish.queue = queue;
+        Box::new(KafkaLog::new(&config).expect("producer"))
+    }
+}
+
+/// A KafkaLog on a port nothing listens on: once librdkafka finds every
+/// broker down (connection refused; no record has timed out, none ever
+/// will) the producer knows, and a publish answers at once.
+async fn a_producer_knows_at_once_that_its_broker_is_gone() {
+    let mut config = KafkaConfig::new(format!("127.0.0.1:{}", testkit::free_port()), "tg-gone.");
+    config.publish = PublishOptions { timeout: PUBLISH_TIMEOUT, ..PublishOptions::default() };
+    let log = KafkaLog::new(&config).expect("producer");
+    let started = Instant::now();
+    let e = log.publish(&[fact("pa", 1)]).await.expect_err("nothing listens");
+    assert!(e.is_transient(), "{e}");
+    assert!(started.elapsed() <= PUBLISH_TIMEOUT + SLACK, "took {:?}", started.elapsed());
+    while log.state().down().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the producer never noticed its broker is gone");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let why = log.state().down().expect("down");
+    assert!(why.contains("all brokers down"), "{why}");
+    let started = Instant::now();
+    let e = log.publish(&[fact("pa", 2)]).await.expect_err("still nothing listens");
+    assert!(e.to_string().contains("log unavailable"), "{e}");
+    assert!(started.elapsed() <= Duration::from_millis(100) + SLACK, "took {:?}", started.elapsed());
+    assert_eq!(log.queued(), 2, "both facts stay queued");
+}
+
+/// The embedded log on a file whose write lock another connection can hold.
+struct SqliteOutage {
+    log: SqliteLog,
+    pool: sqlx::SqlitePool,
+    path: PathBuf,
+    holder: Option<sqlx::SqliteConnection>,
+    _dir: TempDir,
+}
+
+impl SqliteOutage {
+    /// The log's connections give up on the lock after 300 ms, so a held
+    /// lock shows as a failed (transient) attempt within the publish timeout.
+    const BUSY: Duration = Duration::from_millis(300);
+
+    async fn new() -> SqliteOutage {
+        let dir = TempDir::new();
+        let path = dir.0.join("log.db");
+        let pool = Self::pool(&path).await;
+        let log = SqliteLog::with_options(
+            pool.clone(),
+            "tollgate.",
+            PublishOptions { timeout: PUBLISH_TIMEOUT, ..PublishOptions::default() },
+        );
+        log.ensure_schema().await.expect("log schema");
+        SqliteOutage { log, pool, path, holder: None, _dir: dir }
+    }
+
+    async fn pool(path: &std::path::Path) -> sqlx::SqlitePool {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+            .busy_timeout(Self::BUSY);
+        sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("open")
+    }
+}
+
+#[async_trait]
+impl Harness for SqliteOutage {
+    fn log(&self) -> &dyn Log {
+        &self.log
+    }
+
+    async fn reader(&self) -> Box<dyn LogReader> {
+        Box::new(self.log.reader())
+    }
+
+    async fn publish_raw(&self, key: &str, payload: &[u8]) {
+        self.log.publish_raw(key, payload).await.expect("publish raw");
+    }
+
+    async fn dead_letters(&self, _expected: usize) -> Vec<(Vec<u8>, String)> {
+        self.log.dead_letters().await.expect("dead letters")
+    }
+}
+
+#[async_trait]
+impl OutageHarness for SqliteOutage {
+    async fn break_log(&mut self) {
+        use sqlx::Connection;
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(&self.path);
+        let mut holder = sqlx::SqliteConnection::connect_with(&options).await.expect("a second connection");
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.expect("take the write lock");
+        self.holder = Some(holder);
+    }
+
+    async fn mend_log(&mut self) {
+        if let Some(mut holder) = self.holder.take() {
+            sqlx::query("ROLLBACK").execute(&mut holder).await.expect("release the write lock");
+        }
+    }
+
+    fn known_down_after(&self) -> Duration {
+        Self::BUSY + Duration::from_millis(500)
+    }
+
+    fn log_with_queue(&self, queue: usize) -> Box<dyn Log> {
+        Box::new(SqliteLog::with_options(
+            self.pool.clone(),
+            "tollgate.",
+            PublishOptions { timeout: PUBLISH_TIMEOUT, queue },
+        ))
+    }
 }
