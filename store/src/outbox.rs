@@ -414,6 +414,9 @@ mod tests {
         taken: Mutex<Vec<Vec<u8>>>,
         attempts: Mutex<usize>,
         knows_down: AtomicBool,
+        /// Attempts wait for this before answering (a frozen log), while set.
+        frozen: AtomicBool,
+        thawed: tokio::sync::Notify,
     }
 
     #[async_trait]
@@ -423,6 +426,14 @@ mod tests {
         }
         async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
             *self.attempts.lock().expect("lock") += 1;
+            loop {
+                // Registered before the check, so a thaw in between wakes it.
+                let thawed = self.thawed.notified();
+                if !self.frozen.load(Ordering::SeqCst) {
+                    break;
+                }
+                thawed.await;
+            }
             records
                 .iter()
                 .map(|r| {
@@ -495,6 +506,27 @@ mod tests {
         assert_eq!(got, ["a", "b"], "each record taken once");
         assert_eq!(o.unreachable(), None, "reachable again after a success");
         o.publish(vec![rec("c")]).await.expect("acknowledged again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_log_that_answers_nothing_is_known_down_after_one_publish_waited_its_timeout() {
+        let (log, o) = outbox(10);
+        log.frozen.store(true, Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        assert!(o.publish(vec![rec("a")]).await.is_err());
+        assert_eq!(started.elapsed(), Duration::from_secs(2), "the first waits its whole timeout");
+        assert!(o.unreachable().is_some_and(|w| w.contains("no acknowledgement")), "{:?}", o.unreachable());
+        let started = tokio::time::Instant::now();
+        assert!(o.publish(vec![rec("b")]).await.is_err());
+        assert_eq!(started.elapsed(), DOWN_WAIT, "the next answers at once");
+
+        log.frozen.store(false, Ordering::SeqCst);
+        log.thawed.notify_waiters();
+        o.flush(Duration::from_secs(5)).await.expect("both go out once the log answers");
+        assert_eq!(o.unreachable(), None, "and the log is known up again");
+        let mut got = taken(&log);
+        got.sort();
+        assert_eq!(got, ["a", "b"]);
     }
 
     #[tokio::test(start_paused = true)]
