@@ -9,9 +9,9 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gateway::state::SystemClock;
 use gateway::{AppState, Settings, ViewDownPolicy};
-use meter::Clock;
+use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
-use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, RedisView};
+use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, PublishOptions, RedisView};
 use tracing::info;
 
 mod apply;
@@ -69,6 +69,13 @@ struct Backends {
     /// Replication factor of each topic Tollgate creates.
     #[arg(long, env = "TOLLGATE_TOPIC_REPLICATION", default_value_t = 1)]
     topic_replication: i32,
+    /// How long the Kafka producer tries to deliver one record before it
+    /// gives up on it (`message.timeout.ms`); `0s` is never, the default.
+    /// Records given up on are sent again from the retry queue anyway; a
+    /// finite timeout needs a broker that handles idempotent-producer epoch
+    /// bumps (Apache Kafka does; tansu 0.6 does not).
+    #[arg(long, env = "TOLLGATE_KAFKA_MESSAGE_TIMEOUT", default_value = "0s", value_parser = humantime::parse_duration)]
+    kafka_message_timeout: Duration,
 }
 
 impl Backends {
@@ -76,6 +83,7 @@ impl Backends {
         let mut k = KafkaConfig::new(&self.kafka_brokers, &self.topic_prefix);
         k.partitions = self.topic_partitions;
         k.replication = self.topic_replication;
+        k.message_timeout = self.kafka_message_timeout;
         k
     }
 
@@ -128,6 +136,25 @@ struct ServeArgs {
     /// How long quota and key configuration is cached per instance.
     #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
     config_ttl: Duration,
+    /// While PostgreSQL cannot be read, checks and settles go on from the
+    /// last configuration loaded, if it is at most this old (else 503).
+    #[arg(long, env = "TOLLGATE_CONFIG_MAX_STALE", default_value = "1h", value_parser = humantime::parse_duration)]
+    config_max_stale: Duration,
+    /// How long the hot path waits for PostgreSQL (a configuration load, a
+    /// side write) before it goes on without it.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    store_timeout: Duration,
+    /// The longest a settle waits for the log's acknowledgement before it
+    /// answers 503 LOG_UNAVAILABLE (its events stay queued and are retried).
+    #[arg(long, env = "TOLLGATE_PUBLISH_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    publish_timeout: Duration,
+    /// Most events waiting in this process for the log's acknowledgement;
+    /// past it a settle answers 503 and queues nothing (the client retries).
+    #[arg(long, env = "TOLLGATE_PUBLISH_QUEUE", default_value_t = 100_000)]
+    publish_queue: usize,
+    /// At shutdown, how long to wait for queued events to reach the log.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_FLUSH_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    shutdown_flush_timeout: Duration,
     /// What a check does when Redis cannot be reached.
     #[arg(long, env = "TOLLGATE_VIEW_DOWN", value_enum, default_value = "deny")]
     view_down: ViewDown,
@@ -177,14 +204,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.admin_token == args.gateway_token {
         bail!("TOLLGATE_ADMIN_TOKEN and TOLLGATE_GATEWAY_TOKEN must differ");
     }
+    if args.publish_timeout.is_zero() || args.store_timeout.is_zero() || args.publish_queue == 0 {
+        bail!("TOLLGATE_PUBLISH_TIMEOUT, TOLLGATE_STORE_TIMEOUT and TOLLGATE_PUBLISH_QUEUE must be positive");
+    }
     let b = &args.backends;
     let store = b.store().await?;
     b.topics().await?;
     let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
-    let log = KafkaLog::new(&b.kafka()).context("creating the Kafka producer")?;
+    let mut kafka = b.kafka();
+    kafka.publish = PublishOptions { timeout: args.publish_timeout, queue: args.publish_queue };
+    let log: Arc<dyn Log> = Arc::new(KafkaLog::new(&kafka).context("creating the Kafka producer")?);
     let mut settings = Settings::new(args.admin_token, args.gateway_token);
     settings.lease = args.lease;
     settings.config_ttl = args.config_ttl;
+    settings.config_max_stale = args.config_max_stale;
+    settings.store_timeout = args.store_timeout;
     settings.view_down = match args.view_down {
         ViewDown::Allow => ViewDownPolicy::Allow,
         ViewDown::Deny => ViewDownPolicy::Deny,
@@ -192,11 +226,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(i) = args.instance {
         settings.instance = i;
     }
-    let state = AppState::new(Arc::new(store), Arc::new(view), Arc::new(log), Arc::new(SystemClock), settings);
+    let state = AppState::new(Arc::new(store), Arc::new(view), log.clone(), Arc::new(SystemClock), settings);
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    // What the log has not acknowledged yet is still in this process.
+    if let Err(e) = log.flush(args.shutdown_flush_timeout).await {
+        tracing::warn!(error = %e, "shutting down with events not yet on the log; they are lost with this process");
+    }
     Ok(())
 }
 

@@ -53,8 +53,16 @@ impl Embedded {
         Ok(Embedded { state, stop, projector })
     }
 
-    /// Stops the projector; what it folded is durable.
+    /// How long [`Embedded::shutdown`] waits for queued publishes.
+    pub const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Waits (at most [`Embedded::FLUSH_TIMEOUT`]) until what the log still
+    /// holds in its retry queue is on it, then stops the projector; what it
+    /// folded is durable.
     pub async fn shutdown(self) -> PortResult<()> {
+        if let Err(e) = self.state.log.flush(Self::FLUSH_TIMEOUT).await {
+            tracing::warn!(error = %e, "shutting down with publishes still queued");
+        }
         let _ = self.stop.send(());
         match self.projector.await {
             Ok(r) => r,

@@ -2,23 +2,39 @@
 //! configuration (projects, quotas, keys) so the hot path does not read
 //! PostgreSQL on every check.
 //!
+//! The cache is also what keeps checks and settles going while PostgreSQL
+//! is down (DESIGN §2, guarantee 10): an entry older than
+//! [`Settings::config_ttl`] is loaded again, and when that fails (or takes
+//! longer than [`Settings::store_timeout`]) the last entry loaded is served
+//! instead, as long as it is younger than [`Settings::config_max_stale`]
+//! (one hour by default) — so during an outage a check runs on
+//! configuration at most that old, and a quota, key or price change made
+//! meanwhile reaches it only when the store is back. A lookup with no
+//! entry young enough (a key never seen, or seen too long ago) fails with
+//! a transient error: the caller answers 503, never 401 (the key may well
+//! exist). Once a load has failed, the store is taken to be down for
+//! [`STORE_RETRY`]: lookups serve what they have without waiting for it,
+//! and one lookup per interval tries it again.
+//!
 //! The durable store is held as the focused ports it implements
 //! ([`Stores`]), so each service reaches only for the one it uses; the view
 //! is a [`SeedingView`], so no reader of it has to know the seed-and-retry
 //! protocol.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use meter::{
-    ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PortResult, PriceBook, PriceStore, Project,
-    ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId, Store, TenantStore, View,
+    ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PortError, PortResult, PriceBook, PriceStore,
+    Project, ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId, Store, TenantStore, View,
 };
 use rand::Rng;
 use rand::distr::Alphanumeric;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+use tracing::warn;
 
 use crate::seeding::SeedingView;
 
@@ -41,6 +57,12 @@ pub struct Settings {
     /// How long configuration is cached (a quota change reaches other
     /// gateway instances within this).
     pub config_ttl: Duration,
+    /// The oldest configuration served while the store cannot be read (see
+    /// the module doc): the staleness a PostgreSQL outage may cause.
+    pub config_max_stale: Duration,
+    /// How long the hot path waits for the store (a configuration load, a
+    /// side write) before it goes on without it.
+    pub store_timeout: Duration,
     pub horizon: chrono::Duration,
     pub view_down: ViewDownPolicy,
     /// This instance's name, written on every event it emits.
@@ -54,6 +76,8 @@ impl std::fmt::Debug for Settings {
             .field("gateway_token", &"<redacted>")
             .field("lease", &self.lease)
             .field("config_ttl", &self.config_ttl)
+            .field("config_max_stale", &self.config_max_stale)
+            .field("store_timeout", &self.store_timeout)
             .field("view_down", &self.view_down)
             .field("instance", &self.instance)
             .finish()
@@ -67,6 +91,8 @@ impl Settings {
             gateway_token: gateway_token.into(),
             lease: Duration::from_secs(60),
             config_ttl: Duration::from_secs(1),
+            config_max_stale: Duration::from_secs(3600),
+            store_timeout: Duration::from_secs(1),
             horizon: meter::usage::DEFAULT_DEDUP_HORIZON,
             view_down: ViewDownPolicy::Deny,
             instance: format!("gw-{}", random_token(6)),
@@ -85,18 +111,66 @@ pub struct ProjectConfig {
 
 type Cached<T> = Mutex<HashMap<String, (Instant, T)>>;
 
-/// Configuration cached for `config_ttl`.
+/// How long the store is taken to be down after a load failed: lookups
+/// meanwhile serve what the cache holds, and the first one after it tries
+/// the store again.
+pub const STORE_RETRY: Duration = Duration::from_secs(1);
+
+/// Configuration cached for `config_ttl`, and kept up to `config_max_stale`
+/// for when the store cannot be read.
 #[derive(Default)]
 pub struct ConfigCache {
     projects: Cached<Option<ProjectConfig>>,
     keys: Cached<Option<ApiKey>>,
     prices: Cached<Arc<PriceBook>>,
     roles: Cached<Option<Role>>,
+    /// Until when the store is taken to be down, after a failed load.
+    store_down_until: Mutex<Option<Instant>>,
 }
 
-fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration) -> Option<T> {
+impl ConfigCache {
+    /// Whether a lookup may try the store now: it is not known to be down,
+    /// or its retry time has come (this caller takes the retry; others keep
+    /// serving what they have for another [`STORE_RETRY`]).
+    fn may_try_store(&self) -> bool {
+        let mut until = self.store_down_until.lock().unwrap_or_else(|e| e.into_inner());
+        match *until {
+            None => true,
+            Some(t) if Instant::now() < t => false,
+            Some(_) => {
+                *until = Some(Instant::now() + STORE_RETRY);
+                true
+            }
+        }
+    }
+
+    fn store_answered(&self) {
+        let mut until = self.store_down_until.lock().unwrap_or_else(|e| e.into_inner());
+        if until.take().is_some() {
+            tracing::info!("store reachable again; configuration is loaded from it");
+        }
+    }
+
+    fn store_failed(&self) {
+        let mut until = self.store_down_until.lock().unwrap_or_else(|e| e.into_inner());
+        *until = Some(Instant::now() + STORE_RETRY);
+    }
+
+    /// Whether the store is taken to be down right now.
+    pub fn store_down(&self) -> bool {
+        let until = self.store_down_until.lock().unwrap_or_else(|e| e.into_inner());
+        until.is_some_and(|t| Instant::now() < t)
+    }
+}
+
+/// The entry under `k`, if any: whether it is fresh (younger than `ttl`),
+/// and its value if it is younger than `max_stale` (or fresh).
+fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration, max_stale: Duration) -> Option<(bool, T)> {
     let g = m.lock().unwrap_or_else(|e| e.into_inner());
-    g.get(k).filter(|(at, _)| at.elapsed() < ttl).map(|(_, v)| v.clone())
+    g.get(k).and_then(|(at, v)| {
+        let age = at.elapsed();
+        (age < ttl || age < max_stale).then(|| (age < ttl, v.clone()))
+    })
 }
 
 fn put<T>(m: &Cached<T>, k: String, v: T) {
@@ -207,43 +281,86 @@ impl AppState {
         }
     }
 
+    /// A cached lookup: the entry if fresh, else `load` (bounded by
+    /// `store_timeout`), else — when the store fails — the entry if it is
+    /// younger than `config_max_stale` (see the module doc).
+    async fn cached<T: Clone>(
+        &self,
+        map: &Cached<T>,
+        key: &str,
+        load: impl Future<Output = PortResult<T>>,
+    ) -> PortResult<T> {
+        let found = get(map, key, self.settings.config_ttl, self.settings.config_max_stale);
+        let stale = match found {
+            Some((true, v)) => return Ok(v),
+            Some((false, v)) => Some(v),
+            None => None,
+        };
+        let failure = if self.cache.may_try_store() {
+            match tokio::time::timeout(self.settings.store_timeout, load).await {
+                Ok(Ok(v)) => {
+                    self.cache.store_answered();
+                    put(map, key.to_owned(), v.clone());
+                    return Ok(v);
+                }
+                Ok(Err(e)) => {
+                    if e.is_transient() {
+                        self.cache.store_failed();
+                    }
+                    e
+                }
+                Err(_) => {
+                    self.cache.store_failed();
+                    PortError::Transient(format!("the store did not answer within {:?}", self.settings.store_timeout))
+                }
+            }
+        } else {
+            PortError::Transient("the store is unavailable".into())
+        };
+        match stale {
+            Some(v) => {
+                metrics::counter!("tollgate_config_stale_total").increment(1);
+                Ok(v)
+            }
+            None => {
+                warn!(error = %failure, "configuration not cached and the store cannot be read");
+                Err(failure)
+            }
+        }
+    }
+
+    /// Whether the store is taken to be down right now (a load failed less
+    /// than [`STORE_RETRY`] ago): side writes on the hot path skip it.
+    pub fn store_down(&self) -> bool {
+        self.cache.store_down()
+    }
+
     /// A project and its quotas (cached).
     pub async fn project_config(&self, id: &ProjectId) -> PortResult<Option<ProjectConfig>> {
-        if let Some(c) = get(&self.cache.projects, id.as_str(), self.settings.config_ttl) {
-            return Ok(c);
-        }
-        let cfg = match self.stores.tenants.project(id).await? {
-            None => None,
-            Some(project) => {
-                let quotas = self.stores.quotas.quotas(id).await?;
-                let watched = Arc::new(meter::Watched::of(&quotas));
-                Some(ProjectConfig { project, quotas: Arc::new(quotas), watched })
-            }
-        };
-        put(&self.cache.projects, id.as_str().to_owned(), cfg.clone());
-        Ok(cfg)
+        self.cached(&self.cache.projects, id.as_str(), async {
+            Ok(match self.stores.tenants.project(id).await? {
+                None => None,
+                Some(project) => {
+                    let quotas = self.stores.quotas.quotas(id).await?;
+                    let watched = Arc::new(meter::Watched::of(&quotas));
+                    Some(ProjectConfig { project, quotas: Arc::new(quotas), watched })
+                }
+            })
+        })
+        .await
     }
 
     /// The price book (cached). The gateway prices tokens events with it to
     /// settle their cost into the view; the projector prices them again,
     /// durably, from the store's book.
     pub async fn price_book(&self) -> PortResult<Arc<PriceBook>> {
-        if let Some(b) = get(&self.cache.prices, "", self.settings.config_ttl) {
-            return Ok(b);
-        }
-        let book = Arc::new(PriceBook::new(self.stores.prices.prices().await?));
-        put(&self.cache.prices, String::new(), book.clone());
-        Ok(book)
+        self.cached(&self.cache.prices, "", async { Ok(Arc::new(PriceBook::new(self.stores.prices.prices().await?))) })
+            .await
     }
 
     /// A role by its id (cached).
     pub async fn role_by_id(&self, id: &RoleId) -> PortResult<Option<Role>> {
-        if let Some(r) = get(&self.cache.roles, id.as_str(), self.settings.config_ttl) {
-            return Ok(r);
-        }
-        let r = self.stores.tenants.role(id).await?;
-        put(&self.cache.roles, id.as_str().to_owned(), r.clone());
-        Ok(r)
+        self.cached(&self.cache.roles, id.as_str(), self.stores.tenants.role(id)).await
     }
 
     /// Forgets the cached price book after a change.
@@ -264,26 +381,24 @@ impl AppState {
         g.retain(|k, (_, v)| k != &format!("id:{id}") && v.as_ref().is_none_or(|key| &key.id != id));
     }
 
-    /// An API key by its secret (cached by the secret's hash).
+    /// An API key by its secret (cached by the secret's hash, and a key
+    /// found also by its id, so the settles of a checked key find it while
+    /// the store is down).
     pub async fn key_by_secret(&self, secret: &str) -> PortResult<Option<ApiKey>> {
         let hash = hash_secret(secret);
-        if let Some(k) = get(&self.cache.keys, &hash, self.settings.config_ttl) {
-            return Ok(k);
-        }
-        let k = self.stores.tenants.api_key_by_secret_hash(&hash).await?;
-        put(&self.cache.keys, hash, k.clone());
-        Ok(k)
+        self.cached(&self.cache.keys, &hash, async {
+            let key = self.stores.tenants.api_key_by_secret_hash(&hash).await?;
+            if let Some(k) = &key {
+                put(&self.cache.keys, format!("id:{}", k.id), key.clone());
+            }
+            Ok(key)
+        })
+        .await
     }
 
     /// An API key by its id (cached).
     pub async fn key_by_id(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>> {
-        let k = format!("id:{id}");
-        if let Some(v) = get(&self.cache.keys, &k, self.settings.config_ttl) {
-            return Ok(v);
-        }
-        let v = self.stores.tenants.api_key(id).await?;
-        put(&self.cache.keys, k, v.clone());
-        Ok(v)
+        self.cached(&self.cache.keys, &format!("id:{id}"), self.stores.tenants.api_key(id)).await
     }
 }
 
@@ -353,5 +468,102 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> chrono::DateTime<chrono::Utc> {
         chrono::Utc::now()
+    }
+}
+
+#[cfg(all(test, feature = "embedded"))]
+mod tests {
+    use meter::{Metric, Principal, UsageFact, WindowKind};
+    use store::{MemoryView, SqliteLog, SqliteStore};
+
+    use super::*;
+    use crate::error::ApiError;
+    use crate::service::admission::{self, CheckRequest, KeyRef, Who};
+    use crate::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+    use crate::service::{Error, recording};
+
+    fn check_of(secret: &str) -> CheckRequest {
+        CheckRequest {
+            who: Who::Key(KeyRef::Secret(secret.to_owned())),
+            project: None,
+            agent: None,
+            actor: None,
+            storage_delta: None,
+        }
+    }
+
+    fn status(e: Error) -> u16 {
+        ApiError::from(e).status.as_u16()
+    }
+
+    /// PostgreSQL's outage, played by closing the store's pool: checks and
+    /// settles of a key loaded before go on from the cache, a key never
+    /// seen is 503 (not 401), a key seen unknown stays 401, nothing older
+    /// than `config_max_stale` is served, and a store that is back is read
+    /// again.
+    #[tokio::test]
+    async fn the_cache_serves_the_last_configuration_while_the_store_is_down() {
+        let dir = std::env::temp_dir().join(format!("tollgate-cache-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
+        store.migrate().await.expect("migrate");
+        // The log in a file of its own: only the store goes down.
+        let log_file = SqliteStore::open(&dir.join("log.db")).await.expect("open the log file");
+        let log = SqliteLog::new(log_file.pool().clone(), "tollgate.");
+        log.ensure_schema().await.expect("log schema");
+        let mut settings = Settings::new("adm", "gw");
+        settings.config_ttl = Duration::ZERO;
+        settings.config_max_stale = Duration::from_secs(3);
+        let mut s = AppState::new(
+            Arc::new(store.clone()),
+            Arc::new(MemoryView::new()),
+            Arc::new(log),
+            Arc::new(SystemClock),
+            settings,
+        );
+        let starter = Starter {
+            project: NewProject { name: "p".into(), timezone: chrono_tz::Tz::UTC },
+            key: NewApiKey { name: "k".into(), ..NewApiKey::default() },
+            quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 5 }),
+        };
+        let made = provisioning::provision(&s, starter, &Principal::new("admin", "test")).await.expect("provision");
+        let loaded = Instant::now();
+        admission::check(&s, check_of(&made.secret)).await.expect("a check while the store is up");
+        let e = admission::check(&s, check_of("tg_seen_unknown")).await.expect_err("unknown");
+        assert_eq!(status(e), 401);
+
+        store.pool().close().await;
+        let admitted = admission::check(&s, check_of(&made.secret)).await.expect("a check from the cache");
+        let admission::Checked::Admitted { reservation, .. } = admitted else { panic!("not exempt") };
+        let fact = UsageFact {
+            api_key_id: Some(made.key.id.clone()),
+            reservation_id: Some(reservation),
+            rows: 3,
+            ..UsageFact::new(
+                EventId::parse("call-1").expect("id"),
+                made.project.id.clone(),
+                meter::EventKind::Call,
+                chrono::Utc::now(),
+            )
+        };
+        let accepted = recording::accept(&s, vec![fact]).await.expect("a settle from the cache");
+        assert_eq!(accepted.accepted, 1);
+        let e = admission::check(&s, check_of("tg_never_seen")).await.expect_err("cannot know");
+        assert_eq!(status(e), 503, "a key never seen cannot be told unknown while the store is down");
+        let e = admission::check(&s, check_of("tg_seen_unknown")).await.expect_err("still unknown");
+        assert_eq!(status(e), 401, "a key seen unknown before the outage is still unknown");
+        assert!(s.store_down());
+
+        tokio::time::sleep(Duration::from_secs(3).saturating_sub(loaded.elapsed()) + Duration::from_millis(200)).await;
+        let e = admission::check(&s, check_of(&made.secret)).await.expect_err("too stale");
+        assert_eq!(status(e), 503, "configuration older than config_max_stale is not served");
+
+        // The store is back (a new pool on the same file).
+        let again = SqliteStore::open(&dir.join("t.db")).await.expect("reopen");
+        s.stores = Stores::of(Arc::new(again));
+        tokio::time::sleep(STORE_RETRY).await;
+        admission::check(&s, check_of(&made.secret)).await.expect("read from the store again");
+        assert!(!s.store_down());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

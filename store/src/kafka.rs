@@ -342,8 +342,9 @@ impl Transport for KafkaSender {
         // batch on the wire, not one round trip per record.
         let queued: Vec<_> = records
             .iter()
-            .map(|r| producer.send_result(FutureRecord::to(&self.topic).key(&r.key).payload(&r.payload)))
-            .map(|sent| sent.map_err(|(e, _)| e))
+            .map(|r| {
+                producer.send_result(FutureRecord::to(&self.topic).key(&r.key).payload(&r.payload)).map_err(|(e, _)| e)
+            })
             .collect();
         let mut out = Vec::with_capacity(records.len());
         for sent in queued {

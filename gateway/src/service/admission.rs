@@ -400,8 +400,12 @@ fn record_monitor_breaches(
     }
 }
 
-/// Publishes the check's request event in the background; if it never
-/// reaches the log, its pending count is taken back.
+/// Publishes the check's request event in the background. It is never
+/// taken back: if the log does not acknowledge it, it stays in the log's
+/// retry queue (and its request stays counted in the view); only a full
+/// queue loses it from the log, counted in
+/// `tollgate_request_events_unacknowledged_total`, and then its pending
+/// count over-counts until the window ends.
 fn publish_request(
     s: &AppState,
     key: &ApiKey,
@@ -410,7 +414,6 @@ fn publish_request(
     hold: &Hold,
     now: DateTime<Utc>,
 ) {
-    use meter::View;
     let fact = UsageFact {
         api_key_id: Some(key.id.clone()),
         agent_id: agent,
@@ -420,12 +423,11 @@ fn publish_request(
         received_at: Some(now),
         ..UsageFact::new(hold.request_event.clone(), key.project_id.clone(), EventKind::Request, now)
     };
-    let (log, view) = (s.log.clone(), s.view.clone());
+    let log = s.log.clone();
     tokio::spawn(async move {
         if let Err(e) = log.publish(std::slice::from_ref(&fact)).await {
-            warn!(error = %e, "request event not published");
-            metrics::counter!("tollgate_request_events_lost_total").increment(1);
-            let _ = view.unsettle(&fact.project_id, std::slice::from_ref(&fact.id)).await;
+            warn!(error = %e, "request event not acknowledged yet (queued unless the queue was full)");
+            metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
         }
     });
 }

@@ -49,7 +49,9 @@ pub enum Error {
     /// Another uniqueness rule of the store was hit.
     #[error("conflict: {0}")]
     Conflict(String),
-    /// The log did not acknowledge the events; none is acknowledged.
+    /// The log did not acknowledge the events (in time); none is
+    /// acknowledged. Their usage stays in the view and they stay queued for
+    /// the log (see [`recording`]): the caller retries with the same ids.
     #[error("the event log did not acknowledge the events; retry with the same ids")]
     LogUnavailable,
     /// The view could not be reached and the policy refuses the check.

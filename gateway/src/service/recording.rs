@@ -2,15 +2,35 @@
 //!
 //! Facts are settled into the view *before* they are published, so the
 //! projector's fold always finds the pending delta it must drop, and they are
-//! acknowledged only after the broker acknowledged every one of them; a
-//! failed publish takes the settlement back and acknowledges nothing.
+//! acknowledged only after the broker acknowledged every one of them.
+//!
+//! **A failed publish never gives a slot back** (DESIGN §10). The settle
+//! already replaced the call's reservation with its real usage (a `calls`
+//! slot is now a pending call); if the log does not acknowledge the facts
+//! within the publish timeout (or is known to be down), that usage stays in
+//! the view — the safe direction — and the facts stay in the log's retry
+//! queue, published when the log is back; the caller gets
+//! [`Error::LogUnavailable`] (503 `LOG_UNAVAILABLE`) and may send the same
+//! events again (the view adds an event id once, the queue holds it once,
+//! the fold counts it once). So admitted ≤ limit holds through an outage of
+//! any length. When the queue is full the facts are not queued: the usage
+//! still stays in the view and the client must retry. A fact that never
+//! reaches the log (the process died with its queue, or the client gave up
+//! on a full queue) leaves its pending delta in the view until the
+//! counter's window ends: it over-counts, never under-counts.
+//!
+//! While PostgreSQL is down, recording goes on from the configuration the
+//! state's cache holds; the unpriced rows it writes ahead of the events are
+//! best effort (skipped while the store is down, bounded by
+//! `store_timeout`): the fold writes them again from the log.
+//!
 //! [`accept`] is `/v1/events` (facts a gateway reports, checked against the
 //! clock and the store first); [`record`] is what both it and the tower
 //! Layer run.
 
 use std::collections::{BTreeMap, HashSet};
 
-use meter::{EventId, EventKind, ProjectId, Settlement, UnpricedRow, UsageFact, View};
+use meter::{EventKind, PortError, ProjectId, Settlement, UnpricedRow, UsageFact, View};
 use tracing::warn;
 
 use super::{Error, Result};
@@ -62,8 +82,8 @@ pub async fn accept(s: &AppState, mut facts: Vec<UsageFact>) -> Result<Accepted>
 }
 
 /// Settles facts into the view, then publishes them; returns once the log
-/// acknowledged every one (or takes the settlement back and fails with
-/// [`Error::LogUnavailable`]).
+/// acknowledged every one, or fails with [`Error::LogUnavailable`] keeping
+/// the settlement (see the module doc).
 pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
     let now = s.clock.now();
     let book =
@@ -100,9 +120,10 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
         });
     }
     // The unpriced rows go to the store before the events are acknowledged,
-    // so a refusal over a blackout can name them at once.
+    // so a refusal over a blackout can name them at once; but not at the
+    // cost of the settle: the fold writes them again from the log.
     for (project, rows) in &unpriced {
-        s.stores.prices.record_unpriced(project, rows).await?;
+        record_unpriced(s, project, rows).await;
     }
     for (project, settlements) in &by_project {
         if let Err(e) = s.view.settle(project, settlements, now).await {
@@ -111,13 +132,142 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
             metrics::counter!("tollgate_view_unavailable_total", "policy" => "settle").increment(1);
         }
     }
-    if let Err(e) = s.log.publish(facts).await {
-        warn!(error = %e, "publishing events failed; nothing acknowledged");
-        for (project, settlements) in &by_project {
-            let ids: Vec<EventId> = settlements.iter().map(|x| x.event.clone()).collect();
-            let _ = s.view.unsettle(project, &ids).await;
+    match s.log.publish(facts).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // The settlement stays: the usage is real, and the facts are on
+            // their way (or the client sends them again).
+            warn!(error = %e, n = facts.len(), "events not acknowledged by the log; their usage stays in the view");
+            metrics::counter!("tollgate_events_unacknowledged_total").increment(facts.len() as u64);
+            match e {
+                PortError::Transient(_) => Err(Error::LogUnavailable),
+                e => Err(Error::Backend(e)),
+            }
         }
-        return Err(Error::LogUnavailable);
     }
-    Ok(())
+}
+
+/// Writes unpriced rows, best effort: skipped while the store is known to
+/// be down, given up after `store_timeout`.
+async fn record_unpriced(s: &AppState, project: &ProjectId, rows: &[UnpricedRow]) {
+    let outcome = if s.store_down() {
+        Err("the store is down".to_owned())
+    } else {
+        match tokio::time::timeout(s.settings.store_timeout, s.stores.prices.record_unpriced(project, rows)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", s.settings.store_timeout)),
+        }
+    };
+    if let Err(why) = outcome {
+        warn!(error = %why, %project, "unpriced rows not written ahead of the fold");
+        metrics::counter!("tollgate_unpriced_rows_deferred_total").increment(rows.len() as u64);
+    }
+}
+
+#[cfg(all(test, feature = "embedded"))]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use async_trait::async_trait;
+    use meter::{EventId, Log, Metric, PortResult, Principal, UsageFact, WindowKind};
+    use store::{MemoryView, SqliteStore};
+
+    use super::*;
+    use crate::service::admission;
+    use crate::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+    use crate::service::quotas;
+    use crate::state::{Settings, SystemClock};
+
+    /// A log that acknowledges nothing while `down`, and keeps what it took.
+    #[derive(Default)]
+    struct SwitchLog {
+        down: AtomicBool,
+        taken: Mutex<Vec<UsageFact>>,
+    }
+
+    #[async_trait]
+    impl Log for SwitchLog {
+        async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(PortError::Transient("the log is down".into()));
+            }
+            self.taken.lock().expect("lock").extend_from_slice(facts);
+            Ok(())
+        }
+    }
+
+    /// A `calls` quota of 2 and a `requests` quota, the log down: each
+    /// settle answers LOG_UNAVAILABLE and keeps its call counted, so the
+    /// third check is refused; no request is taken back; a retry once the
+    /// log is back is acknowledged and counts nothing again.
+    #[tokio::test]
+    async fn a_failed_publish_keeps_the_slot_and_the_request_count() {
+        let dir = std::env::temp_dir().join(format!("tollgate-rec-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
+        store.migrate().await.expect("migrate");
+        let log = Arc::new(SwitchLog::default());
+        let s = AppState::new(
+            Arc::new(store),
+            Arc::new(MemoryView::new()),
+            log.clone(),
+            Arc::new(SystemClock),
+            Settings::new("adm", "gw"),
+        );
+        let by = Principal::new("admin", "test");
+        let starter = Starter {
+            project: NewProject { name: "p".into(), timezone: chrono_tz::Tz::UTC },
+            key: NewApiKey { name: "k".into(), ..NewApiKey::default() },
+            quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 2 }),
+        };
+        let made = provisioning::provision(&s, starter, &by).await.expect("provision");
+        let calls = made.quota.expect("calls quota").id;
+        let requests = provisioning::key_quota(
+            &s,
+            &made.key,
+            KeyQuota { metric: Metric::Requests, window: WindowKind::Day, limit: 100 },
+            &by,
+        )
+        .await
+        .expect("requests quota")
+        .id;
+        let count = |id| {
+            let s = s.clone();
+            async move { quotas::get(&s, &id).await.expect("quota").current_usage.expect("usage").count }
+        };
+
+        log.down.store(true, Ordering::SeqCst);
+        let mut facts = Vec::new();
+        for i in 0..2 {
+            let a = admission::admit(&s, made.key.clone(), None, None, None).await.expect("admitted");
+            let fact = UsageFact {
+                api_key_id: Some(made.key.id.clone()),
+                reservation_id: Some(a.reservation),
+                ..UsageFact::new(
+                    EventId::parse(format!("call-{i}")).expect("id"),
+                    made.project.id.clone(),
+                    EventKind::Call,
+                    chrono::Utc::now(),
+                )
+            };
+            let e = record(&s, std::slice::from_ref(&fact)).await.expect_err("the log is down");
+            assert!(matches!(e, Error::LogUnavailable), "{e:?}");
+            facts.push(fact);
+        }
+        assert_eq!(count(calls.clone()).await, 2, "both calls stay counted");
+        let e = admission::admit(&s, made.key.clone(), None, None, None).await.expect_err("the limit is reached");
+        assert!(matches!(e, Error::Refused(_)), "{e:?}");
+        // Let the request events' background publishes fail.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(count(requests.clone()).await, 3, "no request is taken back");
+
+        log.down.store(false, Ordering::SeqCst);
+        record(&s, &facts).await.expect("the client's retry is acknowledged");
+        assert_eq!(count(calls).await, 2, "the retry counts nothing again");
+        let taken: Vec<EventId> = log.taken.lock().expect("lock").iter().map(|f| f.id.clone()).collect();
+        assert_eq!(taken, facts.iter().map(|f| f.id.clone()).collect::<Vec<_>>());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
