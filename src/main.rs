@@ -173,6 +173,30 @@ struct ProjectArgs {
     /// Most records folded in one transaction.
     #[arg(long, env = "TOLLGATE_MAX_BATCH", default_value_t = 5000)]
     max_batch: usize,
+    /// Where the projector serves `/metrics` (Prometheus text) and `/healthz`;
+    /// `off` serves nothing.
+    #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    metrics_listen: String,
+}
+
+/// Serves `/metrics` and `/healthz` on `addr` in the background (the
+/// projector has no other HTTP surface).
+async fn serve_metrics(addr: &str) -> anyhow::Result<()> {
+    if addr == "off" {
+        return Ok(());
+    }
+    gateway::telemetry::install();
+    let router = axum::Router::new()
+        .route("/metrics", axum::routing::get(|| async { gateway::telemetry::render() }))
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    info!(addr = %listener.local_addr()?, "projector metrics listening");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::warn!(error = %e, "metrics listener stopped");
+        }
+    });
+    Ok(())
 }
 
 pub(crate) async fn shutdown_signal() {
@@ -250,6 +274,7 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     config.max_batch = args.max_batch;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
+    serve_metrics(&args.metrics_listen).await?;
     info!("tollgate projector running");
     projector.run(shutdown_signal()).await.context("projector stopped")?;
     Ok(())

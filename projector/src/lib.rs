@@ -148,6 +148,7 @@ impl<R: LogReader> Projector<R> {
                     warn!(partition = rec.partition, offset = rec.offset, %reason, "dead-lettering record");
                     self.reader.dead_letter(rec, &reason).await?;
                     report.dead_lettered += 1;
+                    metrics::counter!("tollgate_dead_letters_total", "reason" => reason_class(&reason)).increment(1);
                 }
             }
         }
@@ -230,5 +231,16 @@ impl<R: LogReader> Projector<R> {
             self.known_projects.insert(fact.project_id.clone(), ());
         }
         Ok(Ok(fact))
+    }
+}
+
+/// The cause of a dead letter, as a metric label: the reason's first word
+/// (`malformed`, `invalid`, `out_of_range`, `store`).
+fn reason_class(reason: &str) -> &'static str {
+    match reason.split(':').next().unwrap_or_default() {
+        "malformed" => "malformed",
+        "invalid" => "invalid",
+        "out of range" => "out_of_range",
+        _ => "store",
     }
 }
