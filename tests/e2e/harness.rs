@@ -73,6 +73,9 @@ pub struct Env {
     pub brokers: String,
     /// Where the last projector started serves `/metrics`.
     pub projector_metrics: Option<String>,
+    /// Extra environment variables of every process it starts (a fault
+    /// test's short timeouts).
+    pub extra_env: Vec<(String, String)>,
     children: Vec<(String, Child)>,
     /// Dropped (database, keys) when the environment is.
     _db: Option<testkit::TestDb>,
@@ -115,6 +118,7 @@ impl Env {
             topic_prefix: testkit::topic_prefix("tge2e"),
             brokers: services.brokers.unwrap_or_else(kafka),
             projector_metrics: None,
+            extra_env: Vec::new(),
             id,
             children: Vec::new(),
             _db: Some(db),
@@ -138,6 +142,7 @@ impl Env {
             topic_prefix: "tollgate.".into(),
             brokers: String::new(),
             projector_metrics: None,
+            extra_env: Vec::new(),
             id,
             children: Vec::new(),
             _db: None,
@@ -167,6 +172,7 @@ impl Env {
             .env("TOLLGATE_GATEWAY_TOKEN", GATEWAY)
             .env("TOLLGATE_CONFIG_TTL", "0s")
             .env("TOLLGATE_LOG", if testkit::env::test_log() { "info" } else { "warn" })
+            .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         if !testkit::env::test_log() {
