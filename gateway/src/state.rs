@@ -34,7 +34,6 @@ use rand::Rng;
 use rand::distr::Alphanumeric;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
-use tracing::warn;
 
 use crate::seeding::SeedingView;
 
@@ -153,6 +152,9 @@ impl ConfigCache {
 
     fn store_failed(&self) {
         let mut until = self.store_down_until.lock().unwrap_or_else(|e| e.into_inner());
+        if until.is_none() {
+            tracing::warn!("store unreachable; serving the configuration last loaded");
+        }
         *until = Some(Instant::now() + STORE_RETRY);
     }
 
@@ -322,10 +324,8 @@ impl AppState {
                 metrics::counter!("tollgate_config_stale_total").increment(1);
                 Ok(v)
             }
-            None => {
-                warn!(error = %failure, "configuration not cached and the store cannot be read");
-                Err(failure)
-            }
+            // Logged once, where the caller's error is answered.
+            None => Err(failure),
         }
     }
 
