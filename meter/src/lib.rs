@@ -70,14 +70,14 @@ pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use clock::{Clock, ManualClock};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
-pub use fold::{Fold, FoldBatch, FoldReport, OffsetMove};
+pub use fold::{DeadLetter, DlqMark, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, Posting, StorageFact, StorageKind, StoredFootprint,
     UnknownProject,
 };
 pub use ports::*;
-pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
+pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
 pub use report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 pub use role::{Per, Role, RoleQuota};
