@@ -138,7 +138,7 @@ pub struct StepReport {
 /// What becomes of one record: a fact to fold, or a dead letter's reason.
 #[derive(Debug, Clone)]
 enum Sorted {
-    Fold(UsageFact),
+    Fold(Box<UsageFact>),
     Dead(String),
 }
 
@@ -303,7 +303,8 @@ impl<R: LogReader> Projector<R> {
                 events.entry(p).or_default().push(e);
             }
         }
-        let mut per_project: BTreeMap<ProjectId, (Vec<(Counter, Totals)>, Vec<EventId>)> = BTreeMap::new();
+        type Folded = (Vec<(Counter, Totals)>, Vec<EventId>);
+        let mut per_project: BTreeMap<ProjectId, Folded> = BTreeMap::new();
         for ((p, _), ct) in totals {
             per_project.entry(p).or_default().0.push(ct);
         }
@@ -389,7 +390,7 @@ impl<R: LogReader> Projector<R> {
             let m = moves.entry(rec.partition).or_insert(OffsetMove { partition: rec.partition, from, to: from });
             m.to = m.to.max(rec.offset + 1);
             match s {
-                Sorted::Fold(f) => facts.push(f.clone()),
+                Sorted::Fold(f) => facts.push(UsageFact::clone(f)),
                 Sorted::Dead(reason) => dead_letters.push(DeadLetter {
                     partition: rec.partition,
                     offset: rec.offset,
@@ -448,7 +449,7 @@ impl<R: LogReader> Projector<R> {
             }
             self.known_projects.insert(fact.project_id.clone());
         }
-        Ok(Sorted::Fold(fact))
+        Ok(Sorted::Fold(Box::new(fact)))
     }
 
     /// Publishes every pending dead letter, waiting (with a backoff) for as

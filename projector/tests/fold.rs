@@ -45,11 +45,14 @@ fn call(id: &str, occurred: DateTime<Utc>, received: Option<DateTime<Utc>>) -> U
     }
 }
 
+/// What a DLQ holds: the source (partition, offset) and the reason of each write.
+type Letters = Arc<Mutex<Vec<((i32, i64), String)>>>;
+
 /// A DLQ that keeps every write, duplicates included (as Kafka would), and
 /// can be told to fail.
 #[derive(Clone, Default)]
 struct Dlq {
-    letters: Arc<Mutex<Vec<((i32, i64), String)>>>,
+    letters: Letters,
     /// Writes to refuse before they happen.
     fail_before: Arc<AtomicUsize>,
     /// Writes to make and then hang on (an attempt cut short by a kill).

@@ -210,7 +210,7 @@ impl KafkaReader {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
-            .set("message.timeout.ms", &DLQ_TIMEOUT.as_millis().to_string())
+            .set("message.timeout.ms", DLQ_TIMEOUT.as_millis().to_string())
             .create()
             .map_err(kafka_err)?;
         Ok(KafkaReader {

@@ -1918,7 +1918,7 @@ pub async fn sums_saturate_rather_than_fail_the_batch(s: &dyn Store) {
 pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let received = |f: UsageFact, at: &str| UsageFact { received_at: Some(utc(at)), ..f };
-    let input = |id: &str, at: &str| tokens("proj_1", id, "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 0, 0)]);
+    let input = |id: &str| tokens("proj_1", id, "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 0, 0)]);
     s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], utc("2026-07-07T12:00:00Z"))
         .await
         .expect("prices");
@@ -1941,10 +1941,8 @@ pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &d
         ]
     );
     // Both folded after 13:00; one was received before it.
-    let early =
-        received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t1", "") }, "2026-07-07T12:31:11Z");
-    let late =
-        received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t2", "") }, "2026-07-07T13:00:00Z");
+    let early = received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t1") }, "2026-07-07T12:31:11Z");
+    let late = received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t2") }, "2026-07-07T13:00:00Z");
     s.fold_batch(&batch(0, 2, vec![early, late])).await.expect("fold");
     let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
     let t = total(s, "proj_1", minute.clone()).await;
@@ -1958,7 +1956,7 @@ pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &d
     let output = rows.iter().find(|r| r.key.component == Component::OutputTokens).expect("output row");
     assert_eq!((output.priced_quantity, output.unpriced_quantity, output.cost), (1, 1, Usd(7)));
     // A fact with no receipt at all counts as received when it occurred.
-    s.fold_batch(&batch(2, 3, vec![input("t3", "")])).await.expect("fold");
+    s.fold_batch(&batch(2, 3, vec![input("t3")])).await.expect("fold");
     assert_eq!(total(s, "proj_1", minute).await.cost_llm_tokens, 10 * 3 + 57 + 10 * 3);
 }
 
