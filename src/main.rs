@@ -151,6 +151,30 @@ struct ProjectArgs {
     /// time one publish may take).
     #[arg(long, env = "TOLLGATE_DEAD_LETTER_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
     dead_letter_lease: Duration,
+    /// Where the projector serves `/metrics` (Prometheus text) and `/healthz`;
+    /// `off` serves nothing.
+    #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    metrics_listen: String,
+}
+
+/// Serves `/metrics` and `/healthz` on `addr` in the background (the
+/// projector has no other HTTP surface).
+async fn serve_metrics(addr: &str) -> anyhow::Result<()> {
+    if addr == "off" {
+        return Ok(());
+    }
+    gateway::telemetry::install();
+    let router = axum::Router::new()
+        .route("/metrics", axum::routing::get(|| async { gateway::telemetry::render() }))
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    info!(addr = %listener.local_addr()?, "projector metrics listening");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::warn!(error = %e, "metrics listener stopped");
+        }
+    });
+    Ok(())
 }
 
 pub(crate) async fn shutdown_signal() {
@@ -218,6 +242,7 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     config.dead_letter_lease = chrono::Duration::from_std(args.dead_letter_lease).context("--dead-letter-lease")?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
+    serve_metrics(&args.metrics_listen).await?;
     info!("tollgate projector running");
     projector.run(shutdown_signal()).await.context("projector stopped")?;
     Ok(())

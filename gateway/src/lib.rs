@@ -24,6 +24,7 @@ pub mod routes;
 pub mod seeding;
 pub mod service;
 pub mod state;
+pub mod telemetry;
 
 pub use error::{ApiError, ApiResult};
 pub use layer::TollgateLayer;

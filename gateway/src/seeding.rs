@@ -46,7 +46,9 @@ impl SeedingView {
     /// Loads the project's durable totals of every open window into the view.
     async fn seed_from_ledger(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<()> {
         let totals = self.ledger.open_totals(project, at).await?;
-        self.inner.seed(project, &totals).await
+        self.inner.seed(project, &totals).await?;
+        metrics::counter!("tollgate_view_reseeds_total").increment(1);
+        Ok(())
     }
 }
 

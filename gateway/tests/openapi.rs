@@ -222,6 +222,9 @@ async fn every_answer_matches_the_document() {
     assert_eq!(s, StatusCode::OK);
     let (s, _) = call(Method::GET, "/openapi.json", "/openapi.json", None, None).await;
     assert_eq!(s, StatusCode::OK);
+    let (s, m) = call(Method::GET, "/metrics", "/metrics", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(m.as_str().is_some(), "the Prometheus text: {m}");
 
     let (s, p) = call(
         Method::POST,

@@ -265,6 +265,7 @@ impl<R: LogReader> Projector<R> {
                 debug!(%reason, "dead-lettered");
                 report.dead_lettered += 1;
                 self.letters_check_at = None;
+                metrics::counter!("tollgate_dead_letters_total", "reason" => reason_class(reason)).increment(1);
             }
         }
         if report.dead_lettered > 0 {
@@ -549,4 +550,16 @@ fn earliest(marks: &[&DlqMark]) -> DlqMark {
         .into_iter()
         .map(|p| (p, marks.iter().map(|m| m.get(&p).copied().unwrap_or(0)).min().unwrap_or(0)))
         .collect()
+}
+
+/// The cause of a dead letter, as a metric label: the reason's first word
+/// (`malformed`, `invalid`, `out_of_range`; `store` for what the store
+/// refused).
+fn reason_class(reason: &str) -> &'static str {
+    match reason.split(':').next().unwrap_or_default() {
+        "malformed" => "malformed",
+        "invalid" => "invalid",
+        "out of range" => "out_of_range",
+        _ => "store",
+    }
 }

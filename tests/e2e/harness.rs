@@ -71,6 +71,8 @@ pub struct Env {
     pub topic_prefix: String,
     /// The broker(s) its processes use (`TOLLGATE_KAFKA_BROKERS`).
     pub brokers: String,
+    /// Where the last projector started serves `/metrics`.
+    pub projector_metrics: Option<String>,
     children: Vec<(String, Child)>,
     /// Dropped (database, keys) when the environment is.
     _db: Option<testkit::TestDb>,
@@ -112,6 +114,7 @@ impl Env {
             redis_prefix: keys.prefix.clone(),
             topic_prefix: testkit::topic_prefix("tge2e"),
             brokers: services.brokers.unwrap_or_else(kafka),
+            projector_metrics: None,
             id,
             children: Vec::new(),
             _db: Some(db),
@@ -134,6 +137,7 @@ impl Env {
             redis_prefix: String::new(),
             topic_prefix: "tollgate.".into(),
             brokers: String::new(),
+            projector_metrics: None,
             id,
             children: Vec::new(),
             _db: None,
@@ -209,7 +213,10 @@ impl Env {
             // `tollgate dev` runs its projector in-process.
             return usize::MAX;
         }
-        let child = self.command("project").spawn().expect("spawn tollgate project");
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let child =
+            self.command("project").env("TOLLGATE_METRICS_LISTEN", &metrics).spawn().expect("spawn tollgate project");
+        self.projector_metrics = Some(format!("http://{metrics}/metrics"));
         self.children.push(("projector".into(), child));
         self.children.len() - 1
     }
@@ -218,9 +225,11 @@ impl Env {
     /// settings of its own); returns its index for `kill`.
     pub fn start_projector_with(&mut self, vars: &[(&str, &str)]) -> usize {
         assert_eq!(self.mode, Mode::Distributed, "`tollgate dev` runs its projector in-process");
+        let metrics = format!("127.0.0.1:{}", free_port());
         let mut c = self.command("project");
-        c.envs(vars.iter().copied());
+        c.env("TOLLGATE_METRICS_LISTEN", &metrics).envs(vars.iter().copied());
         self.children.push(("projector".into(), c.spawn().expect("spawn tollgate project")));
+        self.projector_metrics = Some(format!("http://{metrics}/metrics"));
         self.children.len() - 1
     }
 

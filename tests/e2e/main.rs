@@ -847,3 +847,68 @@ async fn inert_quota(mode: Mode) {
         log["data"].as_array().expect("entries").iter().filter_map(|e| e["action"].as_str()).collect();
     assert_eq!(actions, ["quotas:CreateQuota", "quotas:DeleteQuota"], "{log}");
 }
+
+/// `/metrics` on the gateway and the projector (and `tollgate dev`), in the
+/// Prometheus text format, counting what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_in_prometheus_text() {
+    metrics(Mode::Distributed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_in_prometheus_text_dev() {
+    metrics(Mode::Dev).await;
+}
+
+async fn metrics(mode: Mode) {
+    let Some(mut env) = Env::of(mode).await else { return };
+    env.start_gateway().await;
+    env.start_projector();
+    let (pid, kid, secret) = env.project_with_key(safe_timezone()).await;
+    env.quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 2}))
+        .await;
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16());
+        }
+        v
+    };
+    assert_eq!(statuses, [200, 200, 429]);
+    let (s, _) = post_events(&env.http, env.gw(), vec![call_event("m-1", &pid, &kid, None, 3)]).await;
+    assert_eq!(s, 202);
+    env.eventually(30, "the event folded", || async { env.durable(&pid, "p", "day").await.1 == 1 }).await;
+
+    let text = |url: String| {
+        let http = env.http.clone();
+        async move {
+            let r = http.get(url).send().await.expect("metrics request");
+            assert_eq!(r.status().as_u16(), 200);
+            assert!(
+                r.headers()["content-type"].to_str().is_ok_and(|c| c.starts_with("text/plain")),
+                "{:?}",
+                r.headers()
+            );
+            r.text().await.expect("metrics body")
+        }
+    };
+    let sample = |body: &str, name: &str| -> f64 {
+        body.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+    };
+    let gw = text(format!("{}/metrics", env.gw())).await;
+    assert_eq!(sample(&gw, "tollgate_checks_total{verdict=\"admitted\"}"), 2.0, "{gw}");
+    assert_eq!(sample(&gw, "tollgate_checks_total{verdict=\"refused\"}"), 1.0, "{gw}");
+    assert_eq!(sample(&gw, "tollgate_check_seconds_count"), 3.0, "{gw}");
+    assert!(gw.contains("# TYPE tollgate_check_seconds histogram"), "{gw}");
+    assert_eq!(sample(&gw, "tollgate_events_accepted_total"), 1.0, "{gw}");
+    // The projector's own numbers: in-process under dev, on its own port otherwise.
+    let proj_url = match mode {
+        Mode::Distributed => env.projector_metrics.clone().expect("a projector was started"),
+        Mode::Dev => format!("{}/metrics", env.gw()),
+    };
+    env.eventually(10, "the fold counted in the projector's metrics", || {
+        let body = text(proj_url.clone());
+        async move { sample(&body.await, "tollgate_projector_events_total{result=\"folded\"}") >= 1.0 }
+    })
+    .await;
+}

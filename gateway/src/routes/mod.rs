@@ -51,6 +51,7 @@ macro_rules! table {
 table! {
     GET "/healthz" => meta::healthz,
     GET "/openapi.json" => meta::openapi,
+    GET "/metrics" => meta::metrics,
     POST "/v1/check" => hot::check,
     POST "/v1/events" => hot::events,
     POST "/v1/projects" => tenants::create_project,
@@ -80,6 +81,7 @@ pub fn routes() -> Vec<(Method, &'static str)> {
 
 /// The whole HTTP API over the given state.
 pub fn app(state: AppState) -> Router {
+    crate::telemetry::install();
     // Routes of one path merge into one method router.
     table().into_iter().fold(Router::new(), |router, r| router.route(r.path, r.handler)).with_state(state)
 }
@@ -94,6 +96,7 @@ pub fn app(state: AppState) -> Router {
     paths(
         meta::healthz,
         meta::openapi,
+        meta::metrics,
         hot::check,
         hot::events,
         tenants::create_project,

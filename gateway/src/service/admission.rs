@@ -133,6 +133,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
     match req.who {
         Who::BreakGlass => {
             metrics::counter!("tollgate_exempt_checks_total").increment(1);
+            metrics::counter!("tollgate_checks_total", "verdict" => "exempt").increment(1);
             Ok(Checked::Exempt)
         }
         Who::User { user, role } => {
@@ -202,6 +203,22 @@ async fn admit_with(s: &AppState, key: ApiKey, ctx: Context) -> Result<Admission
 /// published in the background. A refusal is [`Error::Refused`], or
 /// [`Error::ViewUnavailable`] by the view-down policy.
 async fn admit_subject(s: &AppState, subject: Subject, role: Option<Role>, ctx: Context) -> Result<Granted> {
+    let started = std::time::Instant::now();
+    let result = admit_subject_timed(s, subject, role, ctx).await;
+    metrics::histogram!("tollgate_check_seconds").record(started.elapsed().as_secs_f64());
+    let verdict = match &result {
+        Ok(g) if g.exempt => "exempt",
+        Ok(g) if g.degraded => "degraded",
+        Ok(_) => "admitted",
+        Err(Error::Refused(_)) => "refused",
+        Err(Error::ViewUnavailable) => "unavailable",
+        Err(_) => "error",
+    };
+    metrics::counter!("tollgate_checks_total", "verdict" => verdict).increment(1);
+    result
+}
+
+async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>, ctx: Context) -> Result<Granted> {
     if role.as_ref().is_some_and(|r| r.exempt) {
         metrics::counter!("tollgate_exempt_checks_total").increment(1);
         return Ok(Granted {

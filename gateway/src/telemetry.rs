@@ -1,0 +1,63 @@
+//! `/metrics`: every counter and histogram the process records, in the
+//! Prometheus text format.
+//!
+//! Why here: the gateway, the projector and `tollgate dev` all record into
+//! the `metrics` facade; this module installs the one process-wide recorder
+//! (the first call wins, later calls get the same handle) and renders it.
+//! Durations (`*_seconds`) are true Prometheus histograms with buckets from
+//! 100 µs to 10 s, so p50/p99 can be computed across instances.
+//!
+//! What is recorded (names are `tollgate_<what>_total` or `_seconds`):
+//!
+//! | metric | labels | what |
+//! |---|---|---|
+//! | `tollgate_check_seconds` | | latency of a check (HTTP or Layer), from the caller named to the verdict |
+//! | `tollgate_checks_total` | `verdict` = admitted, refused, degraded, exempt, unavailable, error | checks by outcome |
+//! | `tollgate_view_unavailable_total` | `policy` = allow, deny, settle | decisions taken while the view was unreachable |
+//! | `tollgate_view_reseeds_total` | | projects re-seeded into the view from the store |
+//! | `tollgate_events_accepted_total` | | events acknowledged on `/v1/events` |
+//! | `tollgate_publish_failures_total`, `tollgate_publish_queue_depth` | | the log's write side, while it is unreachable |
+//! | `tollgate_projector_events_total` | `result` = folded, duplicate, dead_lettered | what the fold did |
+//! | `tollgate_projector_lag_seconds` | | receipt-to-fold time of the oldest fact of each batch |
+//! | `tollgate_dead_letters_total` | `reason` = malformed, invalid, out_of_range, store | dead letters by cause |
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Bucket bounds of every `*_seconds` histogram.
+const SECONDS_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process's Prometheus recorder, once; `None` if another
+/// recorder was installed first (then `/metrics` answers what it can: nothing).
+pub fn install() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .ok()?;
+            let handle = builder.install_recorder().ok()?;
+            // Histograms are drained into their buckets by the upkeep; run it
+            // off the request path, if there is a runtime to run it on.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let h = handle.clone();
+                rt.spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                        h.run_upkeep();
+                    }
+                });
+            }
+            Some(handle)
+        })
+        .as_ref()
+}
+
+/// Everything recorded so far, in the Prometheus text format.
+pub fn render() -> String {
+    install().map(PrometheusHandle::render).unwrap_or_default()
+}
