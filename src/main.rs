@@ -173,6 +173,11 @@ struct ProjectArgs {
     /// Most records folded in one transaction.
     #[arg(long, env = "TOLLGATE_MAX_BATCH", default_value_t = 5000)]
     max_batch: usize,
+    /// How long a projector's claim on dead letters it is publishing lasts
+    /// (what a killed projector's letters wait for another; above 10 s, the
+    /// time one publish may take).
+    #[arg(long, env = "TOLLGATE_DEAD_LETTER_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
+    dead_letter_lease: Duration,
     /// Where the projector serves `/metrics` (Prometheus text) and `/healthz`;
     /// `off` serves nothing.
     #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
@@ -272,6 +277,7 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     let mut config = ProjectorConfig::new(kafka.usage_topic());
     config.consumer = args.consumer;
     config.max_batch = args.max_batch;
+    config.dead_letter_lease = chrono::Duration::from_std(args.dead_letter_lease).context("--dead-letter-lease")?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
     serve_metrics(&args.metrics_listen).await?;

@@ -35,7 +35,10 @@ async fn app(dir: &std::path::Path) -> axum::Router {
         .expect("project");
     let key = |c| PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: c };
     store
-        .put_prices(&[Price { key: key(Component::InputTokens), unit_price_usd: Usd(2_500_000), effective_from: at }])
+        .put_prices(
+            &[Price { key: key(Component::InputTokens), unit_price_usd: Usd(2_500_000), effective_from: at }],
+            at,
+        )
         .await
         .expect("prices");
     let fact = UsageFact {
@@ -55,6 +58,7 @@ async fn app(dir: &std::path::Path) -> axum::Router {
         topic: "tollgate.usage".into(),
         offsets: vec![OffsetMove { partition: 0, from: 0, to: 1 }],
         facts: vec![fact],
+        dead_letters: Vec::new(),
     };
     store.fold_batch(&batch).await.expect("fold");
     let log = SqliteLog::new(store.pool().clone(), "tollgate.");

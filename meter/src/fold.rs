@@ -26,12 +26,57 @@ pub struct OffsetMove {
 }
 
 /// One batch for the store to fold, atomically with its offsets.
-#[derive(Debug, Clone)]
+///
+/// Every record the offsets move past is either one of `facts` (folded or a
+/// duplicate) or one of `dead_letters`: none is skipped. The store keeps the
+/// dead letters in the fold's transaction (its dead-letter outbox), and the
+/// projector publishes them to the dead-letter topic from there, once.
+#[derive(Debug, Clone, Default)]
 pub struct FoldBatch {
     pub consumer: String,
     pub topic: String,
     pub offsets: Vec<OffsetMove>,
     pub facts: Vec<UsageFact>,
+    pub dead_letters: Vec<DeadLetter>,
+}
+
+impl FoldBatch {
+    /// The newest receipt of the batch's facts ([`UsageFact::receipt`]):
+    /// how far the fold has come in receipt time, which is what the dedup
+    /// set's purge is measured from (never a wall clock).
+    pub fn newest_receipt(&self) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.facts.iter().map(UsageFact::receipt).max()
+    }
+}
+
+/// A record of the log that is not folded, with why: what the dead-letter
+/// topic gets (the original key and bytes, the reason, the source position).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    /// `malformed: …`, `invalid: …`, `out of range: …` or `refused by the
+    /// store: …`.
+    pub reason: String,
+}
+
+/// Where the dead-letter topic ended, partition by partition (the next
+/// offset of each), before a publish of dead letters: a publisher that may
+/// have written them already looks for them only past it.
+pub type DlqMark = BTreeMap<i32, i64>;
+
+/// A dead letter the store holds that is not known to be on the dead-letter
+/// topic yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingDeadLetter {
+    pub letter: DeadLetter,
+    /// Set before the first attempt to publish it: the topic's end then. A
+    /// letter with a mark may be on the topic already (the attempt's outcome
+    /// was not recorded), so it is looked for past the mark before it is
+    /// published again.
+    pub mark: Option<DlqMark>,
 }
 
 /// What a fold did.
@@ -147,6 +192,16 @@ mod tests {
         assert_eq!(fold.events(), 1);
         assert!(!fold.apply(&fact("p1", "e1", EventKind::Call, Outcome::Success, 5), Tz::UTC, &PriceBook::default()));
         assert!(fold.is_empty());
+    }
+
+    #[test]
+    fn a_batch_knows_its_newest_receipt() {
+        let mut a = fact("p1", "e1", EventKind::Call, Outcome::Success, 1);
+        let b = fact("p1", "e2", EventKind::Call, Outcome::Success, 1);
+        a.received_at = Some(a.occurred_at + chrono::Duration::minutes(3));
+        let batch = FoldBatch { facts: vec![a.clone(), b], ..FoldBatch::default() };
+        assert_eq!(batch.newest_receipt(), a.received_at);
+        assert_eq!(FoldBatch::default().newest_receipt(), None);
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!    `INSERT … ON CONFLICT DO NOTHING RETURNING` stays the judge of which
 //!    ids it never folded.
 //! 2. [`BatchFold::post`], given those new ids, each project's time zone and
-//!    the slice of the price book the batch names ([`BatchFold::price_keys`]),
+//!    the slice of the price book the batch names ([`BatchFold::price_keys`];
+//!    every version of it, each fact priced by the book as of its receipt),
 //!    returns a [`Posting`]: one [`FactOutcome`] per fact, the sums to add to
 //!    each counter (with its reset), the unpriced rows, the token breakdown by
 //!    model for the day and month, the storage facts to keep, and what to read
@@ -149,11 +150,12 @@ pub struct StoredFootprint {
     /// and its bytes.
     pub snapshot: Option<(DateTime<Utc>, EventId, i64)>,
     /// The sum of the stored deltas strictly after that snapshot; of all of
-    /// them if there is none.
-    pub after_snapshot: i64,
+    /// them if there is none. Exact (128 bits), so a footprint is the same
+    /// whatever batches its facts came in, saturating only at the end.
+    pub after_snapshot: i128,
     /// The sum of the stored deltas strictly after the read's cut (0 if it
     /// has none).
-    pub after_cut: i64,
+    pub after_cut: i128,
     /// How many storage facts are stored (snapshots and deltas).
     pub events: u64,
 }
@@ -171,7 +173,7 @@ impl StoredFootprint {
             // Up to the cut: count unless a new snapshot at the cut wins.
             // After it: count whichever snapshot wins.
             (at, Some(c)) if at.is_none_or(|s| s < c) => {
-                vec![(c, self.after_snapshot.saturating_sub(self.after_cut)), (just_after(c), self.after_cut)]
+                vec![(c, self.after_snapshot - self.after_cut), (just_after(c), self.after_cut)]
             }
             // The stored snapshot is at or after every new one: the newest
             // is at its instant, and every delta after it counts.
@@ -239,8 +241,9 @@ impl<'a> BatchFold<'a> {
 
     /// Folds the facts whose ids are `new` (the first occurrence of each):
     /// everything a store writes but the footprints. Tokens events are
-    /// priced at their event time against `book`; every fact's project must
-    /// have a zone in `zones`.
+    /// priced at their event time against `book` as it stood at their
+    /// receipt ([`UsageFact::receipt`]); every fact's project must have a
+    /// zone in `zones`.
     pub fn post(
         &self,
         new: &HashSet<(ProjectId, EventId)>,
@@ -513,6 +516,38 @@ mod tests {
         assert!(posting.unpriced.iter().all(|(_, r)| r.key.component == Component::OutputTokens));
     }
 
+    #[test]
+    fn a_tokens_fact_is_priced_by_the_book_as_of_its_receipt() {
+        let k = PriceKey { provider: "openai".into(), model: "alpha".into(), component: Component::InputTokens };
+        let mut book = PriceBook::default();
+        // In effect since January, but put only at 13:00 on the fact's day.
+        book.insert_version(
+            Price { key: k, unit_price_usd: Usd(2), effective_from: utc("2026-01-01T00:00:00Z") },
+            utc("2026-07-07T13:00:00Z"),
+        );
+        let entry = TokenUsage { provider: "openai".into(), model: "alpha".into(), input: 10, ..Default::default() };
+        let tokens = |id: &str, received: &str| UsageFact {
+            tokens: vec![entry.clone()],
+            received_at: Some(utc(received)),
+            ..fact("p1", id, EventKind::Tokens, "2026-07-07T12:31:00Z")
+        };
+        // Received before the row was put, and after: folded in one batch, whenever.
+        let facts = vec![tokens("t1", "2026-07-07T12:31:01Z"), tokens("t2", "2026-07-07T13:00:00Z")];
+        let batch = BatchFold::new(&facts);
+        let posting = batch.post(&all_new(&batch), &zones(&["p1"]), &book).expect("post");
+        let day = posting
+            .sums
+            .iter()
+            .find(|(_, c, _)| c.key.dimension == Dimension::Project && c.key.window == WindowKind::Day)
+            .map(|(_, _, t)| *t)
+            .expect("day");
+        assert_eq!((day.cost_llm_tokens, day.llm_priced, day.llm_unpriced), (20, 1, 1));
+        let input = |m: &&ModelUsageAdd| m.window == WindowKind::Day;
+        let row = posting.model_usage.iter().find(input).expect("row");
+        assert_eq!((row.row.priced_quantity, row.row.unpriced_quantity, row.row.cost), (10, 10, Usd(20)));
+        assert_eq!(posting.unpriced.len(), WindowKind::FLOW.len(), "t1's input is unpriced on its counters");
+    }
+
     fn footprint_of(facts: &[UsageFact]) -> (i64, u64) {
         let mut f = Footprint::default();
         facts.iter().for_each(|fact| f.apply(fact));
@@ -528,10 +563,10 @@ mod tests {
             .filter(|f| f.kind == EventKind::StorageSnapshot)
             .max_by(|a, b| (a.occurred_at, &a.id).cmp(&(b.occurred_at, &b.id)))
             .map(|s| (s.occurred_at, s.id.clone(), s.storage_bytes.unwrap_or(0)));
-        let sum_after = |t: Option<DateTime<Utc>>| -> i64 {
+        let sum_after = |t: Option<DateTime<Utc>>| -> i128 {
             held.iter()
                 .filter(|f| f.kind == EventKind::StorageDelta && t.is_none_or(|t| f.occurred_at > t))
-                .map(|f| f.storage_bytes.unwrap_or(0))
+                .map(|f| i128::from(f.storage_bytes.unwrap_or(0)))
                 .sum()
         };
         StoredFootprint {

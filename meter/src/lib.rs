@@ -35,6 +35,14 @@
 //!   last snapshot plus the deltas settled since, and a write is refused when
 //!   footprint + its delta exceeds the limit; concurrent writes are not
 //!   reserved against each other. Deletes are never refused.
+//! - **Durable totals saturate, they never fail**: every quantity and every
+//!   event's sums are bounded by 2^53 at ingest ([`usage::MAX_QUANTITY`]),
+//!   and a durable sum that would pass `i64::MAX` (a project spending more
+//!   than ~$9.2M in one monthly counter) stays at it; the fold goes on.
+//! - **The fold is a function of the log**: lateness is judged by each
+//!   record's receipt and prices are read as of it ([`UsageFact::receipt`],
+//!   [`price::PriceBook::price_as_of`]), never by a clock at fold time, so a
+//!   replay gives the live fold's totals to the unit.
 //! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
 //!   at 12:00:59 and 60 more at 12:01:00.
 //! - **Freshness**: a settled call is in the view before its event is
@@ -70,14 +78,14 @@ pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use clock::{Clock, ManualClock};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
-pub use fold::{Fold, FoldBatch, FoldReport, OffsetMove};
+pub use fold::{DeadLetter, DlqMark, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, Posting, StorageFact, StorageKind, StoredFootprint,
     UnknownProject,
 };
 pub use ports::*;
-pub use price::{Component, MeterType, Price, PriceBook, PriceKey, Priced, TokenUsage, Usd};
+pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
 pub use report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 pub use role::{Per, Role, RoleQuota};

@@ -11,7 +11,7 @@
 //!
 //! Errors say once, at the adapter, whether retrying can help.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -21,7 +21,7 @@ use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::AuditEntry;
 use crate::error::PortResult;
-use crate::fold::{FoldBatch, FoldReport};
+use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
 use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId, RoleId};
 use crate::price::{Price, PriceKey};
 use crate::quota::Quota;
@@ -76,10 +76,16 @@ pub trait AuditStore: Send + Sync {
 /// The price book, and the usage it could not price.
 #[async_trait]
 pub trait PriceStore: Send + Sync {
-    /// Adds price rows; a row with the same (provider, model, component,
-    /// effective_from) is replaced. All or nothing.
-    async fn put_prices(&self, prices: &[Price]) -> PortResult<()>;
-    /// The whole price book, ordered by key then `effective_from`.
+    /// Adds price rows, recorded at `at` (the caller's clock: the instant
+    /// the book learns them). All or nothing. A row with the same
+    /// (provider, model, component, effective_from) as an earlier one
+    /// replaces it in [`PriceStore::prices`], but as a new version: the fold
+    /// prices a fact only with the versions recorded at or before its
+    /// receipt ([`crate::PriceBook::price_as_of`]), so putting a row never
+    /// re-prices what was received before it.
+    async fn put_prices(&self, prices: &[Price], at: DateTime<Utc>) -> PortResult<()>;
+    /// The current price book (of each key and `effective_from`, the latest
+    /// version), ordered by key then `effective_from`.
     async fn prices(&self) -> PortResult<Vec<Price>>;
     /// Remembers unpriced rows of counters (idempotent). The gateway writes
     /// them when it accepts an event, the fold again from the log.
@@ -107,13 +113,57 @@ pub trait Ledger: Send + Sync {
     /// The next offset to read, per partition, for a consumer.
     async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>>;
     /// Folds a batch: skips ids already folded, adds the rest to the
-    /// aggregates (tokens events priced against the store's price book at
-    /// their event time, their unpriced rows recorded; storage facts turned
-    /// into the project's footprint, see [`crate::usage::Footprint`]) and
-    /// moves the offsets, all in one transaction. Fails with
+    /// aggregates (tokens events priced at their event time against the
+    /// price book as of their receipt, their unpriced rows recorded; storage
+    /// facts turned into the project's footprint, see
+    /// [`crate::usage::Footprint`]; sums saturating at `i64::MAX`), keeps the
+    /// batch's dead letters as pending, remembers the newest receipt folded
+    /// and moves the offsets, all in one transaction. Fails with
     /// [`PortError::Fenced`](crate::PortError::Fenced) (changing nothing) if
-    /// the offsets moved.
+    /// the offsets moved, and with
+    /// [`PortError::Permanent`](crate::PortError::Permanent) (changing
+    /// nothing) if it refuses one of the facts: the caller isolates it.
     async fn fold_batch(&self, batch: &FoldBatch) -> PortResult<FoldReport>;
+    /// Claims up to `limit` pending dead letters of a consumer for
+    /// `claimant` until `until`: those nobody claimed, those `claimant`
+    /// claimed before, and those whose claim lapsed before `at`. So two
+    /// publishers never hold one letter at once. Ordered by partition, offset.
+    async fn claim_dead_letters(
+        &self,
+        consumer: &str,
+        topic: &str,
+        claimant: &str,
+        at: DateTime<Utc>,
+        until: DateTime<Utc>,
+        limit: usize,
+    ) -> PortResult<Vec<PendingDeadLetter>>;
+    /// Sets the mark of pending dead letters (by source partition and
+    /// offset) that have none, before their first publish.
+    async fn mark_dead_letters(
+        &self,
+        consumer: &str,
+        topic: &str,
+        letters: &[(i32, i64)],
+        mark: &DlqMark,
+    ) -> PortResult<()>;
+    /// Records dead letters as on the dead-letter topic: no longer pending.
+    async fn dead_letters_published(&self, consumer: &str, topic: &str, letters: &[(i32, i64)]) -> PortResult<()>;
+    /// Forgets folded event ids that occurred more than `keep` before the
+    /// newest receipt this consumer folded (never after `at`, the caller's
+    /// clock, which only ever makes it keep more). The cutoff comes from the
+    /// fold's own position, not from a wall clock: an event older than the
+    /// horizon at its receipt is dead-lettered before its id is looked up,
+    /// so with `keep` at least the horizon plus how far receipts run out of
+    /// order on the log, a purge never changes what a later record folds
+    /// to, and a replay purging at other moments folds the same. Returns
+    /// how many ids were forgotten.
+    async fn purge_processed(
+        &self,
+        consumer: &str,
+        topic: &str,
+        keep: chrono::Duration,
+        at: DateTime<Utc>,
+    ) -> PortResult<u64>;
     /// Durable totals of the given counters (missing ones are zero).
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.
@@ -233,6 +283,10 @@ pub struct LogRecord {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Vec<u8>,
+    /// The log's own timestamp of the record (Kafka's message timestamp,
+    /// the embedded log's append time), to the millisecond, if it has one:
+    /// the receipt of a fact the gateway did not stamp.
+    pub timestamp: Option<DateTime<Utc>>,
 }
 
 /// The read side of the log, positioned by offsets the store keeps.
@@ -244,6 +298,14 @@ pub trait LogReader: Send {
     async fn seek(&mut self, positions: &BTreeMap<i32, i64>) -> PortResult<()>;
     /// Up to `max` records, waiting at most `wait` for the first.
     async fn poll(&mut self, max: usize, wait: Duration) -> PortResult<Vec<LogRecord>>;
-    /// Puts a record that cannot be folded on the dead-letter topic.
+    /// Puts a record that cannot be folded on the dead-letter topic, with
+    /// its reason and its source (topic, partition, offset). Once the call
+    /// returns the letter is durably there; a failed call may or may not
+    /// have written it, which [`LogReader::dead_lettered_since`] tells.
     async fn dead_letter(&mut self, record: &LogRecord, reason: &str) -> PortResult<()>;
+    /// Where the dead-letter topic ends now, per partition.
+    async fn dead_letter_mark(&mut self) -> PortResult<DlqMark>;
+    /// The source positions (partition, offset) of this reader's topic of
+    /// every dead letter on the dead-letter topic past `mark`.
+    async fn dead_lettered_since(&mut self, mark: &DlqMark) -> PortResult<BTreeSet<(i32, i64)>>;
 }

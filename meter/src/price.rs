@@ -9,9 +9,19 @@
 //! (`i64::MAX` picodollars); sums saturate there.
 //!
 //! A price applies per (provider, model, component) from its `effective_from`
-//! on; an event is priced by the price in effect at its event time, so
-//! replaying the same events against the same book gives the same cost to the
-//! last picodollar.
+//! on; an event is priced by the price in effect at its event time.
+//!
+//! The book is **append-only in time**: every row is a version recorded at
+//! some instant (the store sets it when the row is put), and a fold prices
+//! a fact only with the versions recorded at or before the fact's receipt
+//! ([`PriceBook::price_as_of`], [`price_tokens_as_of`]). So a price put
+//! later, even one with an earlier `effective_from` or one replacing a row
+//! of the same key and `effective_from`, never re-prices what was received
+//! before it: the live fold and a replay from offset 0 price every event
+//! alike, to the last picodollar, however late either runs. A book built
+//! from plain [`Price`] rows ([`PriceBook::new`]) holds them as known since
+//! always, which is what a lookup without a receipt time
+//! ([`PriceBook::price_at`]) reads: the current book.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -161,13 +171,33 @@ pub fn check_price(p: &Price) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// Prices by key, each key's rows ordered by `effective_from`.
+/// One version of a row of the price book: the price, and when the book
+/// learnt it (the store records it at [`put_prices`](crate::PriceStore::put_prices)).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriceVersion {
+    #[serde(flatten)]
+    pub price: Price,
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// One version of one key's row, as the book keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Row {
+    effective_from: DateTime<Utc>,
+    recorded_at: DateTime<Utc>,
+    unit: Usd,
+}
+
+/// Prices by key, each key's versions ordered by (`effective_from`,
+/// `recorded_at`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PriceBook {
-    rows: BTreeMap<PriceKey, Vec<(DateTime<Utc>, Usd)>>,
+    rows: BTreeMap<PriceKey, Vec<Row>>,
 }
 
 impl PriceBook {
+    /// A book of rows known since always (as if recorded at the dawn of
+    /// time): the current book, as the gateway reads it.
     pub fn new(prices: impl IntoIterator<Item = Price>) -> PriceBook {
         let mut book = PriceBook::default();
         for p in prices {
@@ -176,25 +206,66 @@ impl PriceBook {
         book
     }
 
-    /// Adds a row; a row with the same key and `effective_from` replaces it.
+    /// A book of versions, each known from its `recorded_at`.
+    pub fn with_versions(versions: impl IntoIterator<Item = PriceVersion>) -> PriceBook {
+        let mut book = PriceBook::default();
+        for v in versions {
+            book.insert_version(v.price, v.recorded_at);
+        }
+        book
+    }
+
+    /// Adds a row known since always; a row with the same key and
+    /// `effective_from` (known since always too) is replaced.
     pub fn insert(&mut self, p: Price) {
+        self.insert_version(p, DateTime::<Utc>::MIN_UTC);
+    }
+
+    /// Adds a version of a row recorded at `recorded_at`; a version of the
+    /// same key, `effective_from` and `recorded_at` is replaced.
+    pub fn insert_version(&mut self, p: Price, recorded_at: DateTime<Utc>) {
         let rows = self.rows.entry(p.key).or_default();
-        match rows.binary_search_by(|(t, _)| t.cmp(&p.effective_from)) {
-            Ok(i) => rows[i].1 = p.unit_price_usd,
-            Err(i) => rows.insert(i, (p.effective_from, p.unit_price_usd)),
+        let at = (p.effective_from, recorded_at);
+        match rows.binary_search_by(|r| (r.effective_from, r.recorded_at).cmp(&at)) {
+            Ok(i) => rows[i].unit = p.unit_price_usd,
+            Err(i) => rows.insert(i, Row { effective_from: p.effective_from, recorded_at, unit: p.unit_price_usd }),
         }
     }
 
-    /// The unit price in effect at `at`, if any row covers it.
+    /// The unit price in effect at `at` in the current book (every version
+    /// known), if any row covers it.
     pub fn price_at(&self, key: &PriceKey, at: DateTime<Utc>) -> Option<Usd> {
-        let rows = self.rows.get(key)?;
-        let i = rows.partition_point(|(t, _)| *t <= at);
-        (i > 0).then(|| rows[i - 1].1)
+        self.price_as_of(key, at, DateTime::<Utc>::MAX_UTC)
     }
 
+    /// The unit price in effect at `at` as the book stood at `known`: the
+    /// row with the latest `effective_from` at or before `at` among the
+    /// versions recorded at or before `known`, and of that row the latest
+    /// such version.
+    pub fn price_as_of(&self, key: &PriceKey, at: DateTime<Utc>, known: DateTime<Utc>) -> Option<Usd> {
+        // Ordered by (effective_from, recorded_at): the last match is it.
+        let rows = self.rows.get(key)?;
+        rows.iter().rev().find(|r| r.effective_from <= at && r.recorded_at <= known).map(|r| r.unit)
+    }
+
+    /// The current book: of each (key, `effective_from`) its latest
+    /// version, ordered by key then `effective_from`.
     pub fn prices(&self) -> impl Iterator<Item = Price> + '_ {
         self.rows.iter().flat_map(|(k, rows)| {
-            rows.iter().map(|(t, u)| Price { key: k.clone(), unit_price_usd: *u, effective_from: *t })
+            rows.iter()
+                .enumerate()
+                .filter(|(i, r)| rows.get(i + 1).is_none_or(|next| next.effective_from != r.effective_from))
+                .map(|(_, r)| Price { key: k.clone(), unit_price_usd: r.unit, effective_from: r.effective_from })
+        })
+    }
+
+    /// Every version, ordered by key, `effective_from`, then `recorded_at`.
+    pub fn versions(&self) -> impl Iterator<Item = PriceVersion> + '_ {
+        self.rows.iter().flat_map(|(k, rows)| {
+            rows.iter().map(|r| PriceVersion {
+                price: Price { key: k.clone(), unit_price_usd: r.unit, effective_from: r.effective_from },
+                recorded_at: r.recorded_at,
+            })
         })
     }
 
@@ -285,15 +356,27 @@ pub struct Priced {
     pub unpriced_rows: BTreeSet<PriceKey>,
 }
 
-/// Prices one event's token usage at its event time.
+/// Prices one event's token usage at its event time, by the current book.
 pub fn price_tokens(usage: &[TokenUsage], meter: MeterType, at: DateTime<Utc>, book: &PriceBook) -> Priced {
+    price_tokens_as_of(usage, meter, at, DateTime::<Utc>::MAX_UTC, book)
+}
+
+/// Prices one event's token usage at its event time `at`, by the book as it
+/// stood at `known` (the event's receipt: see [`PriceBook::price_as_of`]).
+pub fn price_tokens_as_of(
+    usage: &[TokenUsage],
+    meter: MeterType,
+    at: DateTime<Utc>,
+    known: DateTime<Utc>,
+    book: &PriceBook,
+) -> Priced {
     let ai = meter == MeterType::LlmTokens;
     let mut out = Priced { meter: Some(meter), ..Priced::default() };
     if ai {
         out.tokens = usage.iter().fold(0u64, |acc, u| acc.saturating_add(u.billable()));
     }
     // One pricing of each component, shared with the usage breakdown.
-    for c in component_usage(usage, meter, at, book) {
+    for c in component_usage_as_of(usage, meter, at, known, book) {
         out.cost = out.cost.saturating_add(c.cost);
         if !ai || c.embedding {
             continue;
@@ -323,12 +406,24 @@ pub struct ComponentUsage {
 }
 
 /// Breaks one event's token usage down by (provider, model, component),
-/// priced at its event time. Components that measured zero are left out;
-/// reasoning tokens are never priced and never listed.
+/// priced at its event time by the current book. Components that measured
+/// zero are left out; reasoning tokens are never priced and never listed.
 pub fn component_usage(
     usage: &[TokenUsage],
     meter: MeterType,
     at: DateTime<Utc>,
+    book: &PriceBook,
+) -> Vec<ComponentUsage> {
+    component_usage_as_of(usage, meter, at, DateTime::<Utc>::MAX_UTC, book)
+}
+
+/// [`component_usage`] by the book as it stood at `known` (the event's
+/// receipt). A component's cost saturates at the largest amount.
+pub fn component_usage_as_of(
+    usage: &[TokenUsage],
+    meter: MeterType,
+    at: DateTime<Utc>,
+    known: DateTime<Utc>,
     book: &PriceBook,
 ) -> Vec<ComponentUsage> {
     let mut out = Vec::new();
@@ -338,7 +433,7 @@ pub fn component_usage(
                 continue;
             }
             let key = PriceKey { provider: u.provider.clone(), model: u.model.clone(), component };
-            let row = match book.price_at(&key, at) {
+            let row = match book.price_as_of(&key, at, known) {
                 Some(unit) => ComponentUsage {
                     cost: Usd(i64::try_from(i128::from(qty) * i128::from(unit.0)).unwrap_or(i64::MAX)),
                     key,
@@ -411,6 +506,61 @@ mod tests {
         assert_eq!(book.price_at(&k, utc("2026-06-30T23:59:59Z")), Some(Usd(2_500_000)));
         assert_eq!(book.price_at(&k, utc("2026-07-01T00:00:00Z")), Some(Usd(2_000_000)));
         assert_eq!(book.price_at(&key("gpt-4o", Component::OutputTokens), utc("2026-08-01T00:00:00Z")), None);
+    }
+
+    #[test]
+    fn a_version_prices_only_what_was_received_after_it_was_recorded() {
+        let k = key("gpt-4o", Component::InputTokens);
+        let p = |picos, from| Price { key: k.clone(), unit_price_usd: Usd(picos), effective_from: utc(from) };
+        let mut book = PriceBook::default();
+        // Recorded on 1 March, in effect from 1 January.
+        book.insert_version(p(10, "2026-01-01T00:00:00Z"), utc("2026-03-01T00:00:00Z"));
+        // A back-dated row put on 1 May, in effect from 1 February.
+        book.insert_version(p(20, "2026-02-01T00:00:00Z"), utc("2026-05-01T00:00:00Z"));
+        // The January row replaced on 1 June.
+        book.insert_version(p(30, "2026-01-01T00:00:00Z"), utc("2026-06-01T00:00:00Z"));
+
+        let jan = utc("2026-01-15T00:00:00Z");
+        let feb = utc("2026-02-15T00:00:00Z");
+        // Received before anything was recorded: unpriced, however late it is folded.
+        assert_eq!(book.price_as_of(&k, feb, utc("2026-02-20T00:00:00Z")), None);
+        // Received in April: the book of April, which had no February row yet.
+        assert_eq!(book.price_as_of(&k, feb, utc("2026-04-01T00:00:00Z")), Some(Usd(10)));
+        assert_eq!(book.price_as_of(&k, feb, utc("2026-05-01T00:00:00Z")), Some(Usd(20)), "recorded at the receipt");
+        // The replacement re-prices nothing received before it.
+        assert_eq!(book.price_as_of(&k, jan, utc("2026-05-31T23:59:59Z")), Some(Usd(10)));
+        assert_eq!(book.price_as_of(&k, jan, utc("2026-06-01T00:00:00Z")), Some(Usd(30)));
+        // The current book: the latest of each row.
+        assert_eq!(book.price_at(&k, jan), Some(Usd(30)));
+        assert_eq!(book.price_at(&k, feb), Some(Usd(20)));
+        let current: Vec<(i64, DateTime<Utc>)> =
+            book.prices().map(|p| (p.unit_price_usd.0, p.effective_from)).collect();
+        assert_eq!(current, [(30, utc("2026-01-01T00:00:00Z")), (20, utc("2026-02-01T00:00:00Z"))]);
+        assert_eq!(book.versions().count(), 3);
+        assert_eq!(PriceBook::with_versions(book.versions()), book);
+
+        // Rows known since always price whatever the receipt.
+        let plain = PriceBook::new([p(5, "2026-01-01T00:00:00Z")]);
+        assert_eq!(plain.price_as_of(&k, jan, utc("2026-01-15T00:00:00Z")), Some(Usd(5)));
+        let usage = [TokenUsage { provider: "openai".into(), model: "gpt-4o".into(), input: 3, ..Default::default() }];
+        let early = price_tokens_as_of(&usage, MeterType::LlmTokens, feb, utc("2026-04-01T00:00:00Z"), &book);
+        let late = price_tokens_as_of(&usage, MeterType::LlmTokens, feb, utc("2026-07-01T00:00:00Z"), &book);
+        assert_eq!((early.cost, late.cost), (Usd(30), Usd(60)));
+        assert_eq!(price_tokens(&usage, MeterType::LlmTokens, feb, &book).cost, Usd(60), "the current book");
+    }
+
+    #[test]
+    fn a_cost_saturates_at_the_largest_amount() {
+        let k = key("gpt-4o", Component::InputTokens);
+        let book = PriceBook::new([Price {
+            key: k,
+            unit_price_usd: Usd(PICOS_PER_USD),
+            effective_from: utc("2026-01-01T00:00:00Z"),
+        }]);
+        let big =
+            TokenUsage { provider: "openai".into(), model: "gpt-4o".into(), input: 1 << 53, ..Default::default() };
+        let p = price_tokens(&[big.clone(), big], MeterType::LlmTokens, utc("2026-07-07T12:00:00Z"), &book);
+        assert_eq!(p.cost, Usd(i64::MAX), "2^54 tokens at $1: far past $9.2M, held at it");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{FieldError, named};
 use crate::ids::{ApiKeyId, EventId, ProjectId, QuotaId, ReservationId};
-use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens};
+use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens_as_of};
 use crate::window::{WindowKind, window_at};
 
 /// What an event reports.
@@ -178,6 +178,18 @@ impl UsageFact {
     pub fn meter(&self) -> MeterType {
         self.meter_type.unwrap_or(MeterType::LlmTokens)
     }
+
+    /// When the fact was received: the instant its lateness is judged by
+    /// and the price book is read as of. It is `received_at`, which the
+    /// projector fills from the log's own timestamp of the record when the
+    /// gateway did not stamp it; a fact with neither (a record of an old
+    /// embedded log, a fact built by hand) counts as received when it
+    /// occurred, so it is never late and is priced by the book as it stood
+    /// then. Every one of these is in the record itself, so a replay judges
+    /// and prices each fact exactly as the live fold did.
+    pub fn receipt(&self) -> DateTime<Utc> {
+        self.received_at.unwrap_or(self.occurred_at)
+    }
 }
 
 /// How far back an event may be and still be counted (and deduplicated).
@@ -185,7 +197,11 @@ pub const DEFAULT_DEDUP_HORIZON: Duration = Duration::days(35);
 /// How far ahead of the clock an event may claim to be.
 pub const MAX_FUTURE_SKEW: Duration = Duration::minutes(5);
 
-/// Why a fact cannot be counted, as a DLQ reason or an API error.
+/// Why a fact cannot be counted, as a DLQ reason or an API error: its event
+/// time more than [`MAX_FUTURE_SKEW`] after `at`, or more than `horizon`
+/// before it. `at` is the fact's receipt ([`UsageFact::receipt`]) in the
+/// fold, the gateway's clock at ingest: never the projector's clock, so a
+/// lagging projector or a replay judges every record as the live fold did.
 pub fn check_fact_time(occurred_at: DateTime<Utc>, at: DateTime<Utc>, horizon: Duration) -> Result<(), FieldError> {
     if occurred_at > at + MAX_FUTURE_SKEW {
         return Err(FieldError::new("occurred_at", "is more than 5 minutes in the future"));
@@ -215,10 +231,31 @@ fn bounded(field: impl Into<String>, v: u64) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// The earliest instant a fact may carry (1 January of the year 1, UTC).
+pub const MIN_INSTANT: &str = "0001-01-01T00:00:00Z";
+/// The latest instant a fact may carry (the end of the year 9999, UTC): what
+/// every store can keep and order (the embedded one writes four-digit years).
+pub const MAX_INSTANT: &str = "9999-12-31T23:59:59.999999Z";
+
+fn check_instant(field: &str, at: DateTime<Utc>) -> Result<(), FieldError> {
+    use chrono::Datelike;
+    if !(1..=9999).contains(&at.year()) {
+        return Err(FieldError::new(field, format!("must be between {MIN_INSTANT} and {MAX_INSTANT}")));
+    }
+    Ok(())
+}
+
 /// Checks what the fold needs of a fact beyond its types.
 pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
     if !fact.kind.is_folded() {
         return Err(FieldError::new("type", format!("{} events are not metered by this release", fact.kind)));
+    }
+    check_instant("occurred_at", fact.occurred_at)?;
+    if let Some(t) = fact.received_at {
+        check_instant("received_at", t)?;
+    }
+    if let Some(t) = fact.lease_until {
+        check_instant("lease_until", t)?;
     }
     let k = fact.kind;
     if k != EventKind::Call && fact.rows != 0 {
@@ -594,17 +631,19 @@ pub fn delta_of(fact: &UsageFact, book: &PriceBook) -> Totals {
 }
 
 /// A tokens fact broken down by (provider, model, component), priced at its
-/// event time; empty for other kinds.
+/// event time by the book as of its receipt; empty for other kinds.
 pub fn component_usage(fact: &UsageFact, book: &PriceBook) -> Vec<crate::price::ComponentUsage> {
     if fact.kind != EventKind::Tokens {
         return Vec::new();
     }
-    crate::price::component_usage(&fact.tokens, fact.meter(), fact.occurred_at, book)
+    crate::price::component_usage_as_of(&fact.tokens, fact.meter(), fact.occurred_at, fact.receipt(), book)
 }
 
-/// Prices a tokens fact at its event time.
+/// Prices a tokens fact at its event time, by the book as of its receipt
+/// ([`UsageFact::receipt`]; a book of plain rows, as the gateway holds, is
+/// known since always).
 pub fn priced(fact: &UsageFact, book: &PriceBook) -> Priced {
-    price_tokens(&fact.tokens, fact.meter(), fact.occurred_at, book)
+    price_tokens_as_of(&fact.tokens, fact.meter(), fact.occurred_at, fact.receipt(), book)
 }
 
 /// The dimensions a fact is attributed to: only those some quota can scope
@@ -672,10 +711,13 @@ pub fn counters_for(fact: &UsageFact, tz: Tz, book: &PriceBook) -> Vec<(Counter,
 /// A project's storage footprint, folded from its storage facts in any
 /// order: the newest snapshot (by event time, then event id) plus the deltas
 /// that happened after it. A project never measured is its deltas alone.
+/// The sum is exact (128 bits) and saturates to 64 only in [`Footprint::bytes`],
+/// so it does not depend on the order or the batches of the facts even
+/// past the bounds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Footprint {
     snapshot: Option<(DateTime<Utc>, EventId, i64)>,
-    deltas: Vec<(DateTime<Utc>, i64)>,
+    deltas: Vec<(DateTime<Utc>, i128)>,
     events: u64,
 }
 
@@ -687,7 +729,7 @@ impl Footprint {
     /// would), and how many `events` they are. See [`crate::ledger`].
     pub fn resume(
         snapshot: Option<(DateTime<Utc>, EventId, i64)>,
-        deltas: Vec<(DateTime<Utc>, i64)>,
+        deltas: Vec<(DateTime<Utc>, i128)>,
         events: u64,
     ) -> Footprint {
         Footprint { snapshot, deltas, events }
@@ -701,7 +743,7 @@ impl Footprint {
     /// the two storage kinds adds nothing.
     pub fn add(&mut self, kind: EventKind, at: DateTime<Utc>, id: &EventId, bytes: i64) {
         match kind {
-            EventKind::StorageDelta => self.deltas.push((at, bytes)),
+            EventKind::StorageDelta => self.deltas.push((at, i128::from(bytes))),
             EventKind::StorageSnapshot => {
                 let newer = match &self.snapshot {
                     None => true,
@@ -716,15 +758,14 @@ impl Footprint {
         self.events += 1;
     }
 
+    /// The footprint, held within the bounds of a 64-bit integer.
     pub fn bytes(&self) -> i64 {
         let (base, after) = match &self.snapshot {
-            Some((t, _, b)) => (*b, Some(*t)),
+            Some((t, _, b)) => (i128::from(*b), Some(*t)),
             None => (0, None),
         };
-        self.deltas
-            .iter()
-            .filter(|(t, _)| after.is_none_or(|s| *t > s))
-            .fold(base, |acc, (_, d)| acc.saturating_add(*d))
+        let sum = self.deltas.iter().filter(|(t, _)| after.is_none_or(|s| *t > s)).fold(base, |acc, (_, d)| acc + d);
+        i64::try_from(sum).unwrap_or(if sum < 0 { i64::MIN } else { i64::MAX })
     }
 
     pub fn events(&self) -> u64 {
@@ -806,6 +847,35 @@ mod tests {
         assert_eq!(field(call), Err("admitted".into()));
         let corrects = UsageFact { corrects: Some(EventId::parse("e0").expect("id")), ..request };
         assert_eq!(field(corrects), Err("corrects".into()));
+    }
+
+    #[test]
+    fn a_fact_is_received_when_stamped_else_when_it_occurred() {
+        let f = fact(EventKind::Call, Outcome::Success, 1);
+        assert_eq!(f.receipt(), f.occurred_at, "neither stamp nor log timestamp: never late");
+        let stamped = UsageFact { received_at: Some(f.occurred_at + Duration::days(40)), ..f.clone() };
+        assert_eq!(stamped.receipt(), f.occurred_at + Duration::days(40));
+        // Judged by its receipt: 40 days late is past the horizon, whatever the clock says.
+        assert!(check_fact_time(stamped.occurred_at, stamped.receipt(), DEFAULT_DEDUP_HORIZON).is_err());
+        let on_time = UsageFact { received_at: Some(f.occurred_at + Duration::days(30)), ..f };
+        assert!(check_fact_time(on_time.occurred_at, on_time.receipt(), DEFAULT_DEDUP_HORIZON).is_ok());
+    }
+
+    #[test]
+    fn instants_are_bounded_to_what_every_store_keeps() {
+        let field = |f: UsageFact| check_fact(&f).map_err(|e| e.field);
+        let ok = fact(EventKind::Call, Outcome::Success, 1);
+        let year = |y: i32| {
+            use chrono::TimeZone;
+            Utc.with_ymd_and_hms(y, 1, 1, 0, 0, 0).single().expect("instant")
+        };
+        assert_eq!(field(UsageFact { occurred_at: year(9999), ..ok.clone() }), Ok(()));
+        assert_eq!(field(UsageFact { occurred_at: year(10_000), ..ok.clone() }), Err("occurred_at".into()));
+        assert_eq!(field(UsageFact { occurred_at: year(0), ..ok.clone() }), Err("occurred_at".into()));
+        assert_eq!(field(UsageFact { received_at: Some(year(20_000)), ..ok.clone() }), Err("received_at".into()));
+        let request = fact(EventKind::Request, Outcome::Success, 0);
+        let leased = UsageFact { admitted: Some(true), lease_until: Some(year(12_000)), ..request };
+        assert_eq!(field(leased), Err("lease_until".into()));
     }
 
     #[test]

@@ -135,11 +135,11 @@ impl ModelStore {
             .filter(|s| s.kind == StorageKind::Snapshot)
             .max_by(|a, b| (a.occurred_at, &a.event_id).cmp(&(b.occurred_at, &b.event_id)))
             .map(|s| (s.occurred_at, s.event_id.clone(), s.bytes));
-        let after = |t: Option<DateTime<Utc>>| -> i64 {
+        let after = |t: Option<DateTime<Utc>>| -> i128 {
             facts
                 .iter()
                 .filter(|s| s.kind == StorageKind::Delta && t.is_none_or(|t| s.occurred_at > t))
-                .map(|s| s.bytes)
+                .map(|s| i128::from(s.bytes))
                 .sum()
         };
         StoredFootprint {

@@ -1,26 +1,71 @@
-//! # projector — folds the usage log, exactly once
+//! # projector — folds the usage log, exactly once, and nothing stops it
 //!
-//! Each step reads a batch from the log, sorts every record into *fold* or
-//! *dead-letter* (malformed bytes, an unknown project, an event outside the
-//! dedup horizon or too far in the future, a kind this release does not
-//! fold), puts the dead letters on the DLQ topic, and then folds the rest into
-//! the store **in the same transaction that moves the partition offsets**.
-//! Only after that commit is the view brought up to date. So:
+//! Each step reads a batch from the log and sorts every record into *fold*
+//! or *dead-letter* (malformed bytes, an invalid fact, an unknown project, an
+//! event outside the dedup horizon or too far in the future, a kind this
+//! release does not fold), then folds the facts into the store **in the
+//! same transaction that moves the partition offsets past every record of
+//! the batch and keeps its dead letters** (the store's dead-letter outbox).
+//! Only after that commit are the dead letters published and the view
+//! brought up to date. So:
 //!
 //! - a crash before the commit re-reads the same records (nothing lost);
 //! - a crash after it resumes from the stored offsets (nothing counted twice);
 //! - a second projector that moved the offsets fences this one out;
-//! - the same event id sent twice is folded once (dedup in the store).
+//! - the same event id sent twice is folded once (dedup in the store);
+//! - every record is folded or dead-lettered: none is skipped.
 //!
 //! Kafka's committed offsets are never read or written.
+//!
+//! ## Time: the record's receipt, never this process's clock
+//!
+//! A fact is judged late or early against its receipt
+//! ([`UsageFact::receipt`]): `received_at`, stamped by the gateway, else the
+//! log's own timestamp of the record ([`LogRecord::timestamp`], which the
+//! projector writes into the fact), else (neither: a record of an old
+//! embedded log) its event time, so it is never late. The price book is read
+//! as of that receipt too. Everything the fold depends on is in the record,
+//! so a projector that lags, one that catches up after days, and a replay
+//! from offset 0 fold every record exactly alike. The clock only says *when*
+//! to purge the dedup set; the cutoff comes from the fold's own position
+//! ([`Ledger::purge_processed`](meter::Ledger::purge_processed)).
+//!
+//! ## No record can stop it
+//!
+//! A batch the store refuses permanently (a value it cannot keep, say) is
+//! **bisected** — split in two at a fact, each half folded on its own, with
+//! per-partition offset ranges kept contiguous — until the refused fact is
+//! alone; that record is dead-lettered with the store's reason, in a
+//! transaction that moves the offsets past it, and the rest is folded.
+//! Should the store refuse [`ProjectorConfig::max_store_refusals`] records
+//! in a row with nothing folded between them, it is taken to be broken (a
+//! missing table, say) rather than the records, and the projector stops
+//! instead of dead-lettering the whole log. A transient failure re-seeks to
+//! the stored offsets and retries.
+//!
+//! ## Dead letters, once
+//!
+//! A dead letter is published from the store's outbox after the commit that
+//! kept it: the projector claims pending letters (a lease, so two
+//! projectors never publish one letter at once), records where the DLQ
+//! ends (a *mark*) before the first attempt, publishes, and records them as
+//! published. A letter that already has a mark may be on the DLQ (the
+//! attempt failed, or the projector died before recording it), so the DLQ
+//! is read from the mark first and the letter is published only if it is
+//! not there. A DLQ that cannot be written is retried with a backoff, the
+//! projector waiting rather than exiting; the letters are durable in the
+//! store meanwhile. What this cannot rule out: a publish held in a stalled
+//! broker's socket beyond both the producer's timeout and the lease, which
+//! lands after another attempt found nothing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use meter::{
-    Clock, Counter, EventId, FoldBatch, LogReader, LogRecord, OffsetMove, PortError, PortResult, ProjectId, Store,
-    Totals, UsageFact, View,
+    Clock, Counter, CounterKey, DeadLetter, DlqMark, EventId, FoldBatch, FoldReport, LogReader, LogRecord, OffsetMove,
+    PortError, PortResult, ProjectId, Store, Totals, UsageFact, View,
 };
 use tracing::{debug, info, warn};
 
@@ -35,8 +80,28 @@ pub struct ProjectorConfig {
     pub max_batch: usize,
     /// How long one poll waits for the first record.
     pub poll_wait: Duration,
-    /// Events older than this are dead-lettered.
+    /// Events older than this at their receipt are dead-lettered.
     pub horizon: chrono::Duration,
+    /// How far receipt times may run out of order on the log (a gateway's
+    /// retried publishes after an outage, clocks apart): the dedup set
+    /// keeps ids for the horizon plus this past the newest receipt folded.
+    pub receipt_disorder: chrono::Duration,
+    /// How often the dedup set is purged (by this process's clock: when,
+    /// never what).
+    pub purge_every: chrono::Duration,
+    /// How long a claim on pending dead letters lasts: longer than one
+    /// attempt to publish them can take (the Kafka reader's DLQ producer
+    /// gives up on a letter after 10 s), and how long letters a killed
+    /// projector claimed wait for another.
+    pub dead_letter_lease: chrono::Duration,
+    /// Whether dead letters are published to the DLQ (a rebuild into a
+    /// shadow store keeps them in its outbox only: the live fold published
+    /// them already).
+    pub publish_dead_letters: bool,
+    /// Records the store may refuse in a row, with none folded between them,
+    /// before the projector takes the store, not the records, to be at fault
+    /// and stops.
+    pub max_store_refusals: usize,
 }
 
 impl ProjectorConfig {
@@ -47,6 +112,11 @@ impl ProjectorConfig {
             max_batch: 5000,
             poll_wait: Duration::from_millis(200),
             horizon: meter::usage::DEFAULT_DEDUP_HORIZON,
+            receipt_disorder: chrono::Duration::days(7),
+            purge_every: chrono::Duration::hours(1),
+            dead_letter_lease: chrono::Duration::seconds(30),
+            publish_dead_letters: true,
+            max_store_refusals: 16,
         }
     }
 }
@@ -57,8 +127,25 @@ pub struct StepReport {
     pub read: usize,
     pub folded: usize,
     pub duplicates: usize,
+    /// Records put in the dead-letter outbox (those the store refused included).
     pub dead_lettered: usize,
+    /// Of the dead-lettered, those the store refused.
+    pub refused: usize,
+    /// Transactions the batch took (more than one when it was bisected).
+    pub commits: usize,
 }
+
+/// What becomes of one record: a fact to fold, or a dead letter's reason.
+#[derive(Debug, Clone)]
+enum Sorted {
+    Fold(Box<UsageFact>),
+    Dead(String),
+}
+
+/// Pending dead letters claimed at once.
+const CLAIM: usize = 500;
+/// The longest wait between two attempts to publish dead letters.
+const MAX_DLQ_BACKOFF: Duration = Duration::from_secs(5);
 
 /// The projector: a log reader, the store and the view.
 pub struct Projector<R: LogReader> {
@@ -68,7 +155,17 @@ pub struct Projector<R: LogReader> {
     clock: Arc<dyn Clock>,
     config: ProjectorConfig,
     positions: BTreeMap<i32, i64>,
-    known_projects: HashMap<ProjectId, ()>,
+    known_projects: BTreeSet<ProjectId>,
+    /// This instance's name on its claims of dead letters.
+    claimant: String,
+    /// Records the store refused since it last folded one.
+    refusals: usize,
+    last_purge: Option<DateTime<Utc>>,
+    /// When to look at the outbox for dead letters to publish next: at once
+    /// (`None`) at start, since a projector before this one may have left
+    /// some, and after a batch dead-lettered records; else a lease after the
+    /// last look, when claims a dead projector held have lapsed.
+    letters_check_at: Option<DateTime<Utc>>,
 }
 
 impl<R: LogReader> Projector<R> {
@@ -79,7 +176,21 @@ impl<R: LogReader> Projector<R> {
         clock: Arc<dyn Clock>,
         config: ProjectorConfig,
     ) -> Self {
-        Projector { reader, store, view, clock, config, positions: BTreeMap::new(), known_projects: HashMap::new() }
+        let started = clock.now().timestamp_nanos_opt().unwrap_or_default();
+        let claimant = format!("{}@{}-{started:x}", config.consumer, std::process::id());
+        Projector {
+            reader,
+            store,
+            view,
+            clock,
+            config,
+            positions: BTreeMap::new(),
+            known_projects: BTreeSet::new(),
+            claimant,
+            refusals: 0,
+            last_purge: None,
+            letters_check_at: None,
+        }
     }
 
     /// Positions the reader at the offsets the store holds (0 where it holds none).
@@ -95,8 +206,9 @@ impl<R: LogReader> Projector<R> {
         Ok(())
     }
 
-    /// Runs steps until `shutdown` resolves. Transient failures re-seek to the
-    /// stored offsets and retry; they never skip a record.
+    /// Runs steps until `shutdown` resolves. Transient failures (and a
+    /// fence) re-seek to the stored offsets and retry; they never skip a
+    /// record. It returns an error only for a store it takes to be broken.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) -> PortResult<()> {
         tokio::pin!(shutdown);
         loop {
@@ -120,7 +232,10 @@ impl<R: LogReader> Projector<R> {
                     }
                     Err(e) => {
                         warn!(error = %e, "projector step failed; re-seeking to stored offsets");
-                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        tokio::select! {
+                            _ = &mut shutdown => return Ok(()),
+                            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+                        }
                         break;
                     }
                 }
@@ -128,66 +243,171 @@ impl<R: LogReader> Projector<R> {
         }
     }
 
-    /// Reads, sorts, dead-letters, folds and commits one batch, then updates the view.
+    /// Publishes dead letters left pending, reads a batch, sorts it, folds
+    /// and commits it (bisecting what the store refuses), publishes its dead
+    /// letters, then updates the view.
     pub async fn step(&mut self) -> PortResult<StepReport> {
+        self.publish_dead_letters().await;
         let records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
         let mut report = StepReport { read: records.len(), ..StepReport::default() };
         if records.is_empty() {
+            self.purge().await;
             return Ok(report);
         }
         let now = self.clock.now();
-        let mut facts = Vec::with_capacity(records.len());
-        let mut moves: BTreeMap<i32, OffsetMove> = BTreeMap::new();
+        let mut sorted = Vec::with_capacity(records.len());
         for rec in &records {
-            let from = self.positions.get(&rec.partition).copied().unwrap_or(0);
-            let m = moves.entry(rec.partition).or_insert(OffsetMove { partition: rec.partition, from, to: from });
-            m.to = m.to.max(rec.offset + 1);
-            match self.sort(rec, now).await? {
-                Ok(fact) => facts.push(fact),
-                Err(reason) => {
-                    warn!(partition = rec.partition, offset = rec.offset, %reason, "dead-lettering record");
-                    self.reader.dead_letter(rec, &reason).await?;
-                    report.dead_lettered += 1;
-                    metrics::counter!("tollgate_dead_letters_total", "reason" => reason_class(&reason)).increment(1);
-                }
+            sorted.push(self.sort(rec).await?);
+        }
+        let folds = self.commit(&records, &mut sorted, &mut report).await?;
+        for s in &sorted {
+            if let Sorted::Dead(reason) = s {
+                debug!(%reason, "dead-lettered");
+                report.dead_lettered += 1;
+                self.letters_check_at = None;
+                metrics::counter!("tollgate_dead_letters_total", "reason" => reason_class(reason)).increment(1);
             }
         }
-        let batch = FoldBatch {
-            consumer: self.config.consumer.clone(),
-            topic: self.config.topic.clone(),
-            offsets: moves.values().cloned().collect(),
-            facts,
-        };
-        let folded = self.store.fold_batch(&batch).await?;
-        for m in moves.values() {
-            self.positions.insert(m.partition, m.to);
+        if report.dead_lettered > 0 {
+            warn!(n = report.dead_lettered, refused = report.refused, "records dead-lettered");
         }
-        report.folded = folded.folded.len();
-        report.duplicates = folded.duplicates.len();
+        report.folded = folds.iter().map(|f| f.folded.len()).sum();
+        report.duplicates = folds.iter().map(|f| f.duplicates.len()).sum();
         metrics::counter!("tollgate_projector_events_total", "result" => "folded").increment(report.folded as u64);
         metrics::counter!("tollgate_projector_events_total", "result" => "duplicate")
             .increment(report.duplicates as u64);
         metrics::counter!("tollgate_projector_events_total", "result" => "dead_lettered")
             .increment(report.dead_lettered as u64);
-        if let Some(oldest) = batch.facts.iter().map(|f| f.occurred_at).min() {
+        let oldest = sorted
+            .iter()
+            .filter_map(|s| match s {
+                Sorted::Fold(f) => Some(f.receipt()),
+                Sorted::Dead(_) => None,
+            })
+            .min();
+        if let Some(oldest) = oldest {
             metrics::histogram!("tollgate_projector_lag_seconds")
                 .record((now - oldest).num_milliseconds().max(0) as f64 / 1000.0);
         }
+        self.publish_dead_letters().await;
 
-        // The view: per project, the new durable totals and the events whose
-        // pending deltas they now contain (folded or duplicate alike).
+        // The view: per project, the newest durable totals of each counter
+        // the batch touched and the events whose pending deltas they now
+        // contain (folded or duplicate alike).
+        let mut totals: BTreeMap<(ProjectId, CounterKey), (Counter, Totals)> = BTreeMap::new();
+        let mut events: BTreeMap<ProjectId, Vec<EventId>> = BTreeMap::new();
+        for fold in folds {
+            for (p, c, t) in fold.totals {
+                totals.insert((p, c.key.clone()), (c, t));
+            }
+            for (p, e) in fold.folded.into_iter().chain(fold.duplicates) {
+                events.entry(p).or_default().push(e);
+            }
+        }
         type Folded = (Vec<(Counter, Totals)>, Vec<EventId>);
         let mut per_project: BTreeMap<ProjectId, Folded> = BTreeMap::new();
-        for (p, c, t) in folded.totals {
-            per_project.entry(p).or_default().0.push((c, t));
+        for ((p, _), ct) in totals {
+            per_project.entry(p).or_default().0.push(ct);
         }
-        for (p, e) in folded.folded.into_iter().chain(folded.duplicates) {
-            per_project.entry(p).or_default().1.push(e);
+        for (p, e) in events {
+            per_project.entry(p).or_default().1 = e;
         }
         for (project, (totals, events)) in per_project {
             self.update_view(&project, &totals, &events).await;
         }
+        self.purge().await;
         Ok(report)
+    }
+
+    /// Folds `records` (sorted as `sorted`) in as few transactions as the
+    /// store allows: the whole batch, or, when it refuses it, each half on
+    /// its own, down to the refused fact, which becomes a dead letter with
+    /// the store's reason. Returns what each commit folded, in order.
+    async fn commit(
+        &mut self,
+        records: &[LogRecord],
+        sorted: &mut [Sorted],
+        report: &mut StepReport,
+    ) -> PortResult<Vec<FoldReport>> {
+        let mut folds = Vec::new();
+        // Spans of the batch still to fold, the next one last.
+        let mut spans = vec![(0, records.len())];
+        while let Some((lo, hi)) = spans.pop() {
+            let batch = self.batch_of(&records[lo..hi], &sorted[lo..hi]);
+            match self.store.fold_batch(&batch).await {
+                Ok(fold) => {
+                    for m in &batch.offsets {
+                        self.positions.insert(m.partition, m.to);
+                    }
+                    if !batch.facts.is_empty() {
+                        self.refusals = 0;
+                    }
+                    report.commits += 1;
+                    folds.push(fold);
+                }
+                Err(PortError::Permanent(why)) => {
+                    let facts: Vec<usize> = (lo..hi).filter(|&i| matches!(sorted[i], Sorted::Fold(_))).collect();
+                    match facts.as_slice() {
+                        // Offsets and dead letters alone refused: it is the store.
+                        [] => return Err(PortError::Permanent(why)),
+                        [one] => {
+                            self.refusals += 1;
+                            if self.refusals >= self.config.max_store_refusals {
+                                return Err(PortError::Permanent(format!(
+                                    "the store refused {} records in a row with none folded between them, \
+                                     so it is taken to be at fault; the last refusal: {why}",
+                                    self.refusals
+                                )));
+                            }
+                            let rec = &records[*one];
+                            warn!(partition = rec.partition, offset = rec.offset, error = %why, "the store refuses a record");
+                            metrics::counter!("tollgate_projector_store_refusals_total").increment(1);
+                            report.refused += 1;
+                            sorted[*one] = Sorted::Dead(format!("refused by the store: {why}"));
+                            spans.push((lo, hi));
+                        }
+                        more => {
+                            let mid = more[more.len() / 2];
+                            debug!(lo, mid, hi, "bisecting a batch the store refused");
+                            spans.push((mid, hi));
+                            spans.push((lo, mid));
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(folds)
+    }
+
+    /// The batch that folds `records` as `sorted` says, from where each
+    /// partition stands now to just past its last record there.
+    fn batch_of(&self, records: &[LogRecord], sorted: &[Sorted]) -> FoldBatch {
+        let mut moves: BTreeMap<i32, OffsetMove> = BTreeMap::new();
+        let mut facts = Vec::new();
+        let mut dead_letters = Vec::new();
+        for (rec, s) in records.iter().zip(sorted) {
+            let from = self.positions.get(&rec.partition).copied().unwrap_or(0);
+            let m = moves.entry(rec.partition).or_insert(OffsetMove { partition: rec.partition, from, to: from });
+            m.to = m.to.max(rec.offset + 1);
+            match s {
+                Sorted::Fold(f) => facts.push(UsageFact::clone(f)),
+                Sorted::Dead(reason) => dead_letters.push(DeadLetter {
+                    partition: rec.partition,
+                    offset: rec.offset,
+                    key: rec.key.clone(),
+                    payload: rec.payload.clone(),
+                    reason: reason.clone(),
+                }),
+            }
+        }
+        FoldBatch {
+            consumer: self.config.consumer.clone(),
+            topic: self.config.topic.clone(),
+            offsets: moves.into_values().collect(),
+            facts,
+            dead_letters,
+        }
     }
 
     async fn update_view(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId]) {
@@ -207,35 +427,134 @@ impl<R: LogReader> Projector<R> {
         // counters, or is re-seeded from the store if it was lost.
     }
 
-    /// Decodes and validates one record: `Ok(Ok(fact))` to fold,
-    /// `Ok(Err(reason))` to dead-letter, `Err` when the store cannot answer.
-    async fn sort(
-        &mut self,
-        rec: &LogRecord,
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> PortResult<Result<UsageFact, String>> {
-        let fact = match schemas::decode_usage(&rec.payload) {
+    /// Decodes and validates one record: a fact to fold, or why not.
+    /// `Err` when the store cannot answer.
+    async fn sort(&mut self, rec: &LogRecord) -> PortResult<Sorted> {
+        let mut fact = match schemas::decode_usage(&rec.payload) {
             Ok(f) => f,
-            Err(e) => return Ok(Err(format!("malformed: {e}"))),
+            Err(e) => return Ok(Sorted::Dead(format!("malformed: {e}"))),
         };
+        // The receipt: the gateway's stamp, else the log's own timestamp.
+        if fact.received_at.is_none() {
+            fact.received_at = rec.timestamp;
+        }
         if let Err(e) = meter::usage::check_fact(&fact) {
-            return Ok(Err(format!("invalid: {e}")));
+            return Ok(Sorted::Dead(format!("invalid: {e}")));
         }
-        if let Err(e) = meter::usage::check_fact_time(fact.occurred_at, now, self.config.horizon) {
-            return Ok(Err(format!("out of range: {e}")));
+        if let Err(e) = meter::usage::check_fact_time(fact.occurred_at, fact.receipt(), self.config.horizon) {
+            return Ok(Sorted::Dead(format!("out of range: {e}")));
         }
-        if !self.known_projects.contains_key(&fact.project_id) {
+        if !self.known_projects.contains(&fact.project_id) {
             if self.store.project(&fact.project_id).await?.is_none() {
-                return Ok(Err(format!("invalid: unknown project {}", fact.project_id)));
+                return Ok(Sorted::Dead(format!("invalid: unknown project {}", fact.project_id)));
             }
-            self.known_projects.insert(fact.project_id.clone(), ());
+            self.known_projects.insert(fact.project_id.clone());
         }
-        Ok(Ok(fact))
+        Ok(Sorted::Fold(Box::new(fact)))
+    }
+
+    /// Publishes every pending dead letter, waiting (with a backoff) for as
+    /// long as the DLQ or the store cannot be written: the letters are
+    /// durable in the store meanwhile, and the projector does not exit.
+    async fn publish_dead_letters(&mut self) {
+        if !self.config.publish_dead_letters || self.letters_check_at.is_some_and(|t| self.clock.now() < t) {
+            return;
+        }
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.publish_pending().await {
+                Ok(n) => {
+                    metrics::counter!("tollgate_dead_letters_published_total").increment(n as u64);
+                    self.letters_check_at = Some(self.clock.now() + self.config.dead_letter_lease);
+                    return;
+                }
+                Err(e) => {
+                    warn!(error = %e, "dead letters not published yet; retrying");
+                    metrics::counter!("tollgate_dead_letter_publish_failures_total").increment(1);
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(MAX_DLQ_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// One pass over the pending dead letters; how many it published.
+    async fn publish_pending(&mut self) -> PortResult<usize> {
+        let (consumer, topic) = (self.config.consumer.clone(), self.config.topic.clone());
+        let mut published = 0;
+        loop {
+            let now = self.clock.now();
+            let until = now + self.config.dead_letter_lease;
+            let claimed = self.store.claim_dead_letters(&consumer, &topic, &self.claimant, now, until, CLAIM).await?;
+            if claimed.is_empty() {
+                return Ok(published);
+            }
+            let position = |l: &DeadLetter| (l.partition, l.offset);
+            // Letters an earlier attempt may have written: look past the
+            // earliest of their marks.
+            let marks: Vec<&DlqMark> = claimed.iter().filter_map(|p| p.mark.as_ref()).collect();
+            let present = if marks.is_empty() {
+                BTreeSet::new()
+            } else {
+                self.reader.dead_lettered_since(&earliest(&marks)).await?
+            };
+            let fresh: Vec<(i32, i64)> =
+                claimed.iter().filter(|p| p.mark.is_none()).map(|p| position(&p.letter)).collect();
+            if !fresh.is_empty() {
+                let mark = self.reader.dead_letter_mark().await?;
+                self.store.mark_dead_letters(&consumer, &topic, &fresh, &mark).await?;
+            }
+            for p in &claimed {
+                let l = &p.letter;
+                if present.contains(&position(l)) {
+                    debug!(partition = l.partition, offset = l.offset, "dead letter already on the DLQ");
+                    continue;
+                }
+                let record = LogRecord {
+                    partition: l.partition,
+                    offset: l.offset,
+                    key: l.key.clone(),
+                    payload: l.payload.clone(),
+                    timestamp: None,
+                };
+                self.reader.dead_letter(&record, &l.reason).await?;
+                published += 1;
+            }
+            let all: Vec<(i32, i64)> = claimed.iter().map(|p| position(&p.letter)).collect();
+            self.store.dead_letters_published(&consumer, &topic, &all).await?;
+        }
+    }
+
+    /// Purges the dedup set if it is time to (see
+    /// [`ProjectorConfig::purge_every`]); a failure waits for the next time.
+    async fn purge(&mut self) {
+        let now = self.clock.now();
+        if self.last_purge.is_some_and(|t| now - t < self.config.purge_every) {
+            return;
+        }
+        self.last_purge = Some(now);
+        let keep = self.config.horizon + self.config.receipt_disorder;
+        match self.store.purge_processed(&self.config.consumer, &self.config.topic, keep, now).await {
+            Ok(0) => {}
+            Ok(n) => info!(forgotten = n, "dedup set purged"),
+            Err(e) => warn!(error = %e, "purging the dedup set failed; trying again later"),
+        }
     }
 }
 
+/// Per partition, the earliest of `marks` (a partition one of them does not
+/// know is read from its start).
+fn earliest(marks: &[&DlqMark]) -> DlqMark {
+    let partitions: BTreeSet<i32> = marks.iter().flat_map(|m| m.keys().copied()).collect();
+    partitions
+        .into_iter()
+        .map(|p| (p, marks.iter().map(|m| m.get(&p).copied().unwrap_or(0)).min().unwrap_or(0)))
+        .collect()
+}
+
 /// The cause of a dead letter, as a metric label: the reason's first word
-/// (`malformed`, `invalid`, `out_of_range`, `store`).
+/// (`malformed`, `invalid`, `out_of_range`; `store` for what the store
+/// refused).
 fn reason_class(reason: &str) -> &'static str {
     match reason.split(':').next().unwrap_or_default() {
         "malformed" => "malformed",

@@ -9,22 +9,30 @@
 //! (the [`outbox`](crate::outbox), see [`KafkaLog`]). [`KafkaReader`] reads by explicit partition
 //! assignment from offsets the store keeps; Kafka's own committed offsets are
 //! never used (`enable.auto.commit=false`), so the store's transaction is the
-//! only place progress is recorded.
+//! only place progress is recorded. Each record read carries its Kafka
+//! timestamp (create or log-append time, whichever the topic keeps).
+//!
+//! Dead letters go to the `dlq` topic with the original key and bytes and
+//! headers naming the reason and the source (topic, partition, offset). A
+//! publisher that may have written one already (its earlier attempt failed
+//! or was cut short) asks [`LogReader::dead_lettered_since`], which reads the
+//! DLQ from a [mark](LogReader::dead_letter_mark) taken before that attempt
+//! to its end, with a consumer of its own (assigned, never committing).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use meter::{Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
+use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
@@ -375,9 +383,16 @@ impl Transport for KafkaSender {
 pub struct KafkaReader {
     consumer: StreamConsumer,
     dlq: FutureProducer,
+    /// Reads the DLQ back (its marks, and what is past one).
+    dlq_reader: Arc<BaseConsumer>,
     topic: String,
     dlq_topic: String,
 }
+
+/// How long reading the DLQ back may take before it is a transient failure.
+const DLQ_SCAN_DEADLINE: Duration = Duration::from_secs(30);
+/// How long one dead letter's publish may take before it fails.
+pub const DLQ_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl KafkaReader {
     pub fn new(config: &KafkaConfig, group: &str) -> PortResult<Self> {
@@ -391,9 +406,30 @@ impl KafkaReader {
             .set("fetch.wait.max.ms", "20")
             .create()
             .map_err(kafka_err)?;
+        let dlq_reader: BaseConsumer = config
+            .client()
+            .set("group.id", format!("{group}-dlq"))
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("fetch.wait.max.ms", "20")
+            .create()
+            .map_err(kafka_err)?;
+        // Its own producer, with a shorter delivery timeout than the usage
+        // producer's: a dead letter's publisher holds a lease on it (see the
+        // projector), which must outlast one attempt.
+        let dlq = config
+            .client()
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "2")
+            .set("message.timeout.ms", DLQ_TIMEOUT.as_millis().to_string())
+            .create()
+            .map_err(kafka_err)?;
         Ok(KafkaReader {
             consumer,
-            dlq: config.producer()?,
+            dlq,
+            dlq_reader: Arc::new(dlq_reader),
             topic: config.usage_topic(),
             dlq_topic: config.dlq_topic(),
         })
@@ -458,8 +494,98 @@ impl LogReader for KafkaReader {
         if let Some(k) = &record.key {
             rec = rec.key(k);
         }
-        self.dlq.send(rec, Timeout::After(Duration::from_secs(30))).await.map(|_| ()).map_err(|(e, _)| kafka_err(e))
+        self.dlq.send(rec, Timeout::After(DLQ_TIMEOUT)).await.map(|_| ()).map_err(|(e, _)| kafka_err(e))
     }
+
+    async fn dead_letter_mark(&mut self) -> PortResult<DlqMark> {
+        let (reader, topic) = (Arc::clone(&self.dlq_reader), self.dlq_topic.clone());
+        // librdkafka's metadata and watermark calls block.
+        tokio::task::spawn_blocking(move || ends(&reader, &topic))
+            .await
+            .map_err(|e| PortError::Transient(format!("reading the DLQ's end: {e}")))?
+    }
+
+    async fn dead_lettered_since(&mut self, mark: &DlqMark) -> PortResult<BTreeSet<(i32, i64)>> {
+        let (reader, dlq, source, mark) =
+            (Arc::clone(&self.dlq_reader), self.dlq_topic.clone(), self.topic.clone(), mark.clone());
+        tokio::task::spawn_blocking(move || sources_since(&reader, &dlq, &source, &mark))
+            .instrument(info_span!("datastore", op = "kafka.dlq_scan"))
+            .await
+            .map_err(|e| PortError::Transient(format!("reading the DLQ: {e}")))?
+    }
+}
+
+/// The high watermark of every partition of `topic`.
+fn ends(reader: &BaseConsumer, topic: &str) -> PortResult<DlqMark> {
+    let md = reader.fetch_metadata(Some(topic), Duration::from_secs(10)).map_err(kafka_err)?;
+    let t = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(|| PortError::Transient(format!("topic {topic} not in metadata")))?;
+    if let Some(e) = t.error() {
+        return Err(PortError::Transient(format!("topic {topic}: {e:?}")));
+    }
+    let mut out = DlqMark::new();
+    for p in t.partitions() {
+        let (_, high) = reader.fetch_watermarks(topic, p.id(), Duration::from_secs(10)).map_err(kafka_err)?;
+        out.insert(p.id(), high);
+    }
+    Ok(out)
+}
+
+/// The (partition, offset) each dead letter of `source` on `dlq` past `mark`
+/// names, read to the ends the topic has now.
+fn sources_since(reader: &BaseConsumer, dlq: &str, source: &str, mark: &DlqMark) -> PortResult<BTreeSet<(i32, i64)>> {
+    let ends = ends(reader, dlq)?;
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for (&p, &end) in &ends {
+        // A partition the mark does not know is read from its start.
+        let from = mark.get(&p).copied().unwrap_or(0);
+        if from < end {
+            tpl.add_partition_offset(dlq, p, Offset::Offset(from)).map_err(kafka_err)?;
+            next.insert(p, from);
+        }
+    }
+    let mut found = BTreeSet::new();
+    if next.is_empty() {
+        return Ok(found);
+    }
+    reader.assign(&tpl).map_err(kafka_err)?;
+    let started = std::time::Instant::now();
+    let outcome = loop {
+        if next.iter().all(|(p, o)| *o >= ends[p]) {
+            break Ok(());
+        }
+        if started.elapsed() > DLQ_SCAN_DEADLINE {
+            break Err(PortError::Transient(format!("reading {dlq} to its end took over {DLQ_SCAN_DEADLINE:?}")));
+        }
+        let Some(m) = reader.poll(Duration::from_millis(100)) else { continue };
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => break Err(kafka_err(e)),
+        };
+        next.insert(m.partition(), m.offset() + 1);
+        let header = |name: &str| {
+            m.headers()?
+                .iter()
+                .find(|h| h.key == name)
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        };
+        if header("tollgate-source-topic").as_deref() != Some(source) {
+            continue;
+        }
+        let partition = header("tollgate-source-partition").and_then(|v| v.parse().ok());
+        let offset = header("tollgate-source-offset").and_then(|v| v.parse().ok());
+        if let (Some(p), Some(o)) = (partition, offset) {
+            found.insert((p, o));
+        }
+    };
+    // Leave no assignment behind: the next scan assigns afresh.
+    let _ = reader.unassign();
+    outcome.map(|()| found)
 }
 
 fn record_of<M: Message>(m: &M) -> LogRecord {
@@ -468,5 +594,10 @@ fn record_of<M: Message>(m: &M) -> LogRecord {
         offset: m.offset(),
         key: m.key().map(<[u8]>::to_vec),
         payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+        timestamp: m
+            .timestamp()
+            .to_millis()
+            .filter(|ms| *ms >= 0)
+            .and_then(chrono::DateTime::<chrono::Utc>::from_timestamp_millis),
     }
 }

@@ -54,6 +54,7 @@ fn query(stmt: Stmt) -> Query<'static, Postgres, PgArguments> {
                     Col::Int(_) => "bigint",
                     Col::Bool(_) => "bool",
                     Col::Time(_) | Col::OptTime(_) => "timestamptz",
+                    Col::Bytes(_) | Col::OptBytes(_) => "bytea",
                 };
                 format!("${}::{ty}[]", first + i)
             })
@@ -80,6 +81,8 @@ fn query(stmt: Stmt) -> Query<'static, Postgres, PgArguments> {
             Col::Bool(v) => q.bind(v),
             Col::Time(v) => q.bind(v),
             Col::OptTime(v) => q.bind(v),
+            Col::Bytes(v) => q.bind(v),
+            Col::OptBytes(v) => q.bind(v),
         };
     }
     q

@@ -63,19 +63,27 @@
 //!   [`SqliteLog::reader`] wakes readers of the same process as soon as a
 //!   batch commits; writers in other processes (or other [`SqliteLog`]
 //!   values) are noticed by re-reading every [`POLL_INTERVAL`].
+//! - Every record carries its append time (`appended_at`, set by SQLite
+//!   itself at the insert, to the millisecond, like a broker's log-append
+//!   timestamp): the [`LogRecord::timestamp`] the projector takes as the
+//!   receipt of a fact the gateway did not stamp. Records of a file written
+//!   before the column existed have none.
 //! - Dead letters go to `log_dead_letters`: the original key and bytes, the
 //!   reason, and the source topic, partition and offset, under the
-//!   `<prefix>dlq` topic name.
+//!   `<prefix>dlq` topic name, **at most once per source record**: the
+//!   insert is skipped if a letter of the same source is there (one
+//!   statement, and SQLite has one writer at a time). The topic's mark is
+//!   the next letter id ([`LogReader::dead_letter_mark`]).
 //!
 //! [`SqliteLog::ensure_schema`] creates the tables (`CREATE TABLE IF NOT
 //! EXISTS`), so the log does not depend on the store's migrations.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use meter::{Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
+use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
 use sqlx::Row;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -118,13 +126,14 @@ fn insert_sql(size: usize) -> &'static str {
 
 /// The one partition of every topic.
 const PARTITION: i32 = 0;
-const SCHEMA: [&str; 3] = [
+const SCHEMA: [&str; 4] = [
     r#"CREATE TABLE IF NOT EXISTS log_records (
         "offset"    INTEGER PRIMARY KEY AUTOINCREMENT,
         topic       TEXT    NOT NULL,
         "partition" INTEGER NOT NULL,
         key         BLOB,
-        payload     BLOB    NOT NULL
+        payload     BLOB    NOT NULL,
+        appended_at TEXT    DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
     )"#,
     r#"CREATE INDEX IF NOT EXISTS log_records_by_position
         ON log_records (topic, "partition", "offset")"#,
@@ -139,6 +148,8 @@ const SCHEMA: [&str; 3] = [
         reason           TEXT    NOT NULL,
         dead_lettered_at TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
     )"#,
+    r#"CREATE INDEX IF NOT EXISTS log_dead_letters_by_source
+        ON log_dead_letters (topic, source_topic, source_partition, source_offset)"#,
 ];
 
 /// Publishes usage facts into the SQLite file; cheap to clone (clones share
@@ -188,10 +199,24 @@ impl SqliteLog {
         SqliteLog { outbox: Outbox::new(appender.clone(), options), appender, dlq_topic: format!("{topic_prefix}dlq") }
     }
 
-    /// Creates the log's tables if they are missing.
+    /// Creates the log's tables if they are missing, and adds the append
+    /// time to a table made before it existed (SQLite cannot add a column
+    /// with a computed default, so records appended to such a file later
+    /// have none either; their receipt is `received_at`, which every
+    /// gateway stamps).
     pub async fn ensure_schema(&self) -> PortResult<()> {
         for statement in SCHEMA {
             sqlx::query(statement).execute(&self.appender.pool).await.map_err(log_err)?;
+        }
+        let columns: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info('log_records')")
+            .fetch_all(&self.appender.pool)
+            .await
+            .map_err(log_err)?;
+        if !columns.iter().any(|c| c == "appended_at") {
+            sqlx::query("ALTER TABLE log_records ADD COLUMN appended_at TEXT")
+                .execute(&self.appender.pool)
+                .await
+                .map_err(log_err)?;
         }
         Ok(())
     }
@@ -406,7 +431,7 @@ impl SqliteLogReader {
                 break;
             }
             let rows = sqlx::query(
-                r#"SELECT "offset", key, payload FROM log_records
+                r#"SELECT "offset", key, payload, appended_at FROM log_records
                    WHERE topic = ?1 AND "partition" = ?2 AND "offset" >= ?3
                    ORDER BY "offset" LIMIT ?4"#,
             )
@@ -469,7 +494,9 @@ impl LogReader for SqliteLogReader {
         sqlx::query(
             "INSERT INTO log_dead_letters
                  (topic, source_topic, source_partition, source_offset, key, payload, reason)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+             SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7
+             WHERE NOT EXISTS (SELECT 1 FROM log_dead_letters
+                               WHERE topic = ?1 AND source_topic = ?2 AND source_partition = ?3 AND source_offset = ?4)",
         )
         .bind(&self.dlq_topic)
         .bind(&self.topic)
@@ -484,14 +511,48 @@ impl LogReader for SqliteLogReader {
         .map(|_| ())
         .map_err(log_err)
     }
+
+    async fn dead_letter_mark(&mut self) -> PortResult<DlqMark> {
+        let next: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) + 1 FROM log_dead_letters")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(log_err)?;
+        Ok(DlqMark::from([(PARTITION, next)]))
+    }
+
+    async fn dead_lettered_since(&mut self, mark: &DlqMark) -> PortResult<BTreeSet<(i32, i64)>> {
+        let from = mark.get(&PARTITION).copied().unwrap_or(0);
+        let rows: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT source_partition, source_offset FROM log_dead_letters
+             WHERE topic = ?1 AND source_topic = ?2 AND id >= ?3",
+        )
+        .bind(&self.dlq_topic)
+        .bind(&self.topic)
+        .bind(from)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(log_err)?;
+        rows.into_iter()
+            .map(|(p, o)| {
+                i32::try_from(p)
+                    .map(|p| (p, o))
+                    .map_err(|_| PortError::Permanent(format!("dead letter of partition {p} out of range")))
+            })
+            .collect()
+    }
 }
 
 fn record_of(partition: i32, row: &SqliteRow) -> PortResult<LogRecord> {
+    let appended_at: Option<String> = row.try_get("appended_at").map_err(log_err)?;
     Ok(LogRecord {
         partition,
         offset: row.try_get("offset").map_err(log_err)?,
         key: row.try_get("key").map_err(log_err)?,
         payload: row.try_get("payload").map_err(log_err)?,
+        // A stamp that does not parse is as good as none.
+        timestamp: appended_at
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
+            .map(|t| t.with_timezone(&chrono::Utc)),
     })
 }
 

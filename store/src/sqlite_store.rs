@@ -101,6 +101,9 @@ fn json_rows(rows: &Rows) -> PortResult<String> {
             Col::Bool(v) => v.iter().map(|b| Value::from(*b)).collect(),
             Col::Time(v) => v.iter().map(|t| ts(*t).map(Value::from)).collect::<PortResult<_>>()?,
             Col::OptTime(v) => v.iter().map(|t| Ok(Value::from(t.map(ts).transpose()?))).collect::<PortResult<_>>()?,
+            // JSON has no bytes: hex, which the query unpacks with `unhex`.
+            Col::Bytes(v) => v.iter().map(|b| Value::from(hex(b))).collect(),
+            Col::OptBytes(v) => v.iter().map(|b| Value::from(b.as_deref().map(hex))).collect(),
         };
         for (row, cell) in out.iter_mut().zip(cells) {
             row.push(cell);
@@ -109,12 +112,29 @@ fn json_rows(rows: &Rows) -> PortResult<String> {
     serde_json::to_string(&out).map_err(|e| PortError::Permanent(format!("encoding a batch: {e}")))
 }
 
+/// Bytes as lowercase hex, for a batch's JSON.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
 /// `stmt` as a query: its SQL with `{rows}` as `json_each` of one JSON
 /// parameter, and every parameter bound.
 fn query(stmt: Stmt) -> PortResult<Query<'static, Sqlite, SqliteArguments>> {
     let sql = stmt.render(|rows, first| {
-        let cells: Vec<String> =
-            rows.names.iter().enumerate().map(|(i, n)| format!("value ->> {i} AS \"{n}\"")).collect();
+        let cells: Vec<String> = rows
+            .names
+            .iter()
+            .zip(&rows.cols)
+            .enumerate()
+            .map(|(i, (n, c))| match c {
+                Col::Bytes(_) | Col::OptBytes(_) => format!("unhex(value ->> {i}) AS \"{n}\""),
+                _ => format!("value ->> {i} AS \"{n}\""),
+            })
+            .collect();
         format!("(SELECT {} FROM json_each(${first}))", cells.join(", "))
     });
     let mut q = sqlx::query(AssertSqlSafe(sql));

@@ -71,6 +71,8 @@ macro_rules! suite {
             a_dead_letter_keeps_the_original_bytes_and_the_reason,
             facts_of_one_project_stay_in_order,
             many_concurrent_publishers_are_each_read_back_once,
+            every_record_carries_the_logs_timestamp,
+            the_dlq_tells_which_records_it_holds_past_a_mark,
         );
     };
 }
@@ -139,6 +141,16 @@ mod sqlite {
     #[tokio::test]
     async fn a_dead_letter_records_its_source() {
         super::a_dead_letter_records_its_source(&super::SqliteHarness::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn a_record_is_dead_lettered_at_most_once() {
+        super::a_record_is_dead_lettered_at_most_once(&super::SqliteHarness::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn a_log_made_before_append_times_gains_them() {
+        super::a_log_made_before_append_times_gains_them().await;
     }
 
     #[tokio::test]
@@ -373,6 +385,49 @@ async fn a_dead_letter_keeps_the_original_bytes_and_the_reason(h: &dyn Harness) 
     assert_eq!(h.dead_letters(1).await, [(garbage, reason.to_owned())]);
     // The dead letter is not on the usage topic.
     assert_nothing_more(reader.as_mut()).await;
+}
+
+async fn every_record_carries_the_logs_timestamp(h: &dyn Harness) {
+    let before = Utc::now() - chrono::Duration::seconds(5);
+    h.log().publish(&facts(3)).await.expect("publish");
+    h.publish_raw("pa", b"raw bytes").await;
+    let after = Utc::now() + chrono::Duration::seconds(5);
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), 4).await;
+    for r in &got {
+        let t = r.timestamp.unwrap_or_else(|| panic!("record {} has no timestamp", r.offset));
+        assert!(before <= t && t <= after, "record {} stamped {t}, outside [{before}, {after}]", r.offset);
+        assert_eq!(t.timestamp_subsec_micros() % 1000, 0, "to the millisecond");
+    }
+    // Read again, a record has the same timestamp.
+    let mut again = reader_at(h, 0).await;
+    assert_eq!(read_n(again.as_mut(), 4).await, got);
+}
+
+async fn the_dlq_tells_which_records_it_holds_past_a_mark(h: &dyn Harness) {
+    h.log().publish(&facts(4)).await.expect("publish");
+    let mut reader = reader_at(h, 0).await;
+    let got = read_n(reader.as_mut(), 4).await;
+    let empty = reader.dead_letter_mark().await.expect("mark of an empty DLQ");
+    assert!(reader.dead_lettered_since(&empty).await.expect("since").is_empty());
+    reader.dead_letter(&got[0], "invalid: first").await.expect("dead letter");
+    let mark = reader.dead_letter_mark().await.expect("mark");
+    assert_ne!(mark, empty, "the mark moved");
+    reader.dead_letter(&got[2], "invalid: third").await.expect("dead letter");
+    reader.dead_letter(&got[3], "invalid: fourth").await.expect("dead letter");
+    let at = |r: &LogRecord| (r.partition, r.offset);
+    assert_eq!(
+        reader.dead_lettered_since(&mark).await.expect("since the mark"),
+        [at(&got[2]), at(&got[3])].into_iter().collect(),
+        "only what is past the mark"
+    );
+    assert_eq!(reader.dead_lettered_since(&empty).await.expect("since the start").len(), 3);
+    let end = reader.dead_letter_mark().await.expect("mark at the end");
+    assert!(reader.dead_lettered_since(&end).await.expect("since the end").is_empty());
+    // Another reader of the same topics sees the same.
+    let mut other = reader_at(h, 0).await;
+    assert_eq!(other.dead_lettered_since(&mark).await.expect("since").len(), 2);
+    assert_eq!(h.dead_letters(3).await.len(), 3);
 }
 
 async fn facts_of_one_project_stay_in_order(h: &dyn Harness) {
@@ -663,6 +718,44 @@ async fn a_dead_letter_records_its_source(h: &SqliteHarness) {
             "invalid: unknown project pb".to_owned(),
         )
     );
+}
+
+async fn a_record_is_dead_lettered_at_most_once(h: &SqliteHarness) {
+    h.log.publish(&facts(2)).await.expect("publish");
+    let mut reader = h.log.reader();
+    let got = read_n(&mut reader, 2).await;
+    reader.dead_letter(&got[1], "invalid: once").await.expect("dead letter");
+    reader.dead_letter(&got[1], "invalid: twice").await.expect("the same record again is harmless");
+    let mut other = h.log.reader();
+    other.dead_letter(&got[1], "invalid: from another reader").await.expect("and from another reader");
+    assert_eq!(h.dead_letters(1).await, [(got[1].payload.clone(), "invalid: once".to_owned())]);
+}
+
+/// A file whose log table predates the append time: records already there
+/// have none, and the table gains the column.
+async fn a_log_made_before_append_times_gains_them() {
+    let dir = TempDir::new();
+    let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open");
+    sqlx::query(
+        r#"CREATE TABLE log_records ("offset" INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL,
+           "partition" INTEGER NOT NULL, key BLOB, payload BLOB NOT NULL)"#,
+    )
+    .execute(store.pool())
+    .await
+    .expect("an old log table");
+    sqlx::query(
+        r#"INSERT INTO log_records (topic, "partition", key, payload) VALUES ('tollgate.usage', 0, x'7061', x'00')"#,
+    )
+    .execute(store.pool())
+    .await
+    .expect("an old record");
+    let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+    log.ensure_schema().await.expect("schema");
+    log.ensure_schema().await.expect("schema twice");
+    let mut reader = log.reader();
+    let got = read_n(&mut reader, 1).await;
+    assert_eq!((got[0].payload.as_slice(), got[0].timestamp), (&b"\x00"[..], None));
+    store.pool().close().await;
 }
 
 async fn published_records_survive_reopening_the_file() {

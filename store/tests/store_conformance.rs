@@ -64,6 +64,10 @@ macro_rules! conformance {
             refolding_a_tokens_event_adds_nothing_to_the_breakdown,
             two_tokens_events_of_one_model_add_up_in_the_breakdown,
             population_totals_list_each_member_of_a_population,
+            sums_saturate_rather_than_fail_the_batch,
+            a_price_is_applied_only_to_what_was_received_after_it_was_put,
+            dead_letters_are_kept_with_the_fold_and_published_once,
+            the_dedup_set_is_purged_by_the_fold_position_not_the_clock,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -254,6 +258,7 @@ fn batch(from: i64, to: i64, facts: Vec<UsageFact>) -> FoldBatch {
         topic: "tollgate.usage".into(),
         offsets: vec![OffsetMove { partition: 0, from, to }],
         facts,
+        dead_letters: Vec::new(),
     }
 }
 
@@ -1070,6 +1075,12 @@ fn price(model: &str, component: Component, picos: i64, from: &str) -> Price {
     }
 }
 
+/// When the tests' prices are put: before every fact of the suite, so each
+/// is known as of any receipt there.
+fn recorded() -> DateTime<Utc> {
+    utc("2026-01-01T00:00:00Z")
+}
+
 fn pkey(model: &str, component: Component) -> PriceKey {
     PriceKey { provider: "openai".into(), model: model.into(), component }
 }
@@ -1091,7 +1102,9 @@ fn tokens(project: &str, id: &str, at: &str, entries: Vec<TokenUsage>) -> UsageF
 pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     // $2.50 per million input tokens: 2,500,000 picodollars a token.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
 
     let e1 = UsageFact {
         tokens: vec![TokenUsage { reasoning: 50, ..usage("gpt-4o", 1000, 200, 0) }],
@@ -1143,10 +1156,13 @@ pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Stor
 
     // A new price from 12:35 on: an event before it keeps the old price, even
     // folded after the new row; one after it takes the new one.
-    s.put_prices(&[
-        price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-07T12:35:00Z"),
-        price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-07-07T12:35:00Z"),
-    ])
+    s.put_prices(
+        &[
+            price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-07T12:35:00Z"),
+            price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-07-07T12:35:00Z"),
+        ],
+        recorded(),
+    )
     .await
     .expect("new prices");
     let report = s
@@ -1181,7 +1197,9 @@ pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Stor
 
 pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let facts = vec![
         tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 5, 0)]),
         storage("proj_1", "s1", EventKind::StorageSnapshot, "2026-07-07T12:00:00Z", 1000),
@@ -1199,7 +1217,9 @@ pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
     assert_eq!(before.2, vec![pkey("gpt-4o", Component::OutputTokens)]);
 
     // Redelivered under new offsets, even with a price that would now cover it.
-    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let report = s.fold_batch(&batch(3, 6, facts)).await.expect("refold");
     assert!(report.folded.is_empty());
     assert_eq!(report.duplicates.len(), 3);
@@ -1214,7 +1234,7 @@ pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
 
 pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
     assert!(s.prices().await.expect("empty book").is_empty());
-    s.put_prices(&[]).await.expect("nothing to put");
+    s.put_prices(&[], recorded()).await.expect("nothing to put");
     let book = vec![
         price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
         price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-01T00:00:00Z"),
@@ -1228,7 +1248,7 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
         // The same key and instant twice in one call: the last one wins.
         price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-01-01T00:00:00Z"),
     ];
-    s.put_prices(&book).await.expect("put");
+    s.put_prices(&book, recorded()).await.expect("put");
     let expected = vec![
         book[2].clone(),
         // Components in meter's order (input, output, cached), then by time.
@@ -1241,17 +1261,22 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
     assert_eq!(s.prices().await.expect("book"), PriceBook::new(book.clone()).prices().collect::<Vec<_>>());
 
     // A row with the same key and instant is replaced; the others stay.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")]).await.expect("replace");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("replace");
     let got = s.prices().await.expect("book");
     assert_eq!(got.len(), 5);
     assert_eq!(got[1].unit_price_usd, Usd(2_400_000));
 
     // All or nothing: a negative price fails the call and changes nothing.
     let e = s
-        .put_prices(&[
-            price("gpt-5", Component::InputTokens, 1, "2026-01-01T00:00:00Z"),
-            price("gpt-5", Component::OutputTokens, -1, "2026-01-01T00:00:00Z"),
-        ])
+        .put_prices(
+            &[
+                price("gpt-5", Component::InputTokens, 1, "2026-01-01T00:00:00Z"),
+                price("gpt-5", Component::OutputTokens, -1, "2026-01-01T00:00:00Z"),
+            ],
+            recorded(),
+        )
         .await;
     assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
     assert_eq!(s.prices().await.expect("book"), got);
@@ -1637,7 +1662,9 @@ pub async fn a_tokens_events_breakdown_lands_in_its_local_day_and_month(s: &dyn 
     // 20:00 UTC on 31 July is 01:45 on 1 August in Kathmandu (+05:45).
     s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu)).await.expect("create project");
     s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let chat = UsageFact {
         tokens: vec![
             TokenUsage { reasoning: 50, ..usage("gpt-4o", 1000, 200, 0) },
@@ -1680,7 +1707,9 @@ pub async fn a_tokens_events_breakdown_lands_in_its_local_day_and_month(s: &dyn 
 
 pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let t1 = tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 5, 0)]);
     s.fold_batch(&batch(0, 1, vec![t1.clone()])).await.expect("fold");
     let expected = vec![
@@ -1691,7 +1720,9 @@ pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Stor
 
     // Redelivered under new offsets (twice in one batch, too), even with a
     // price that would now cover its output: nothing moves.
-    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")]).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let report = s.fold_batch(&batch(1, 3, vec![t1.clone(), t1])).await.expect("refold");
     assert!(report.folded.is_empty());
     assert_eq!(report.duplicates.len(), 2);
@@ -1708,10 +1739,13 @@ pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Stor
 
 pub async fn two_tokens_events_of_one_model_add_up_in_the_breakdown(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[
-        price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z"),
-        price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
-    ])
+    s.put_prices(
+        &[
+            price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z"),
+            price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
+        ],
+        recorded(),
+    )
     .await
     .expect("prices");
     // Two in one batch (summed before the upsert), for two actors; a third
@@ -1814,4 +1848,221 @@ pub async fn population_totals_list_each_member_of_a_population(s: &dyn Store) {
             .expect("none")
             .is_empty()
     );
+}
+
+// --- A fold nothing stops and no clock can change ---------------------------
+
+/// Sums that would pass `i64::MAX` stay at it, in the aggregates, the
+/// breakdown by model and the footprint, whatever the split into batches,
+/// rather than failing the batch.
+pub async fn sums_saturate_rather_than_fail_the_batch(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    // $1,000,000 a token: one event of 2^53 input tokens costs past $9.2M.
+    s.put_prices(
+        &[price("gpt-4o", Component::InputTokens, 1_000_000 * 1_000_000_000_000, "2026-01-01T00:00:00Z")],
+        recorded(),
+    )
+    .await
+    .expect("prices");
+    let big = 1u64 << 53;
+    let spend = |id: &str| tokens("proj_1", id, "2026-07-07T12:31:10Z", vec![usage("gpt-4o", big, 0, 0)]);
+    let calls = |from: usize| -> Vec<UsageFact> {
+        (from..from + 600).map(|i| call("proj_1", &format!("c{i}"), "2026-07-07T12:31:20Z", big)).collect()
+    };
+    let mut first = vec![spend("t1"), spend("t2")];
+    first.extend(calls(0));
+    let n = first.len() as i64;
+    s.fold_batch(&batch(0, n, first)).await.expect("a first batch near the bound");
+    let mut second = vec![spend("t3")];
+    second.extend(calls(600));
+    let m = second.len() as i64;
+    s.fold_batch(&batch(n, n + m, second)).await.expect("a second batch past it");
+
+    let month = total(s, "proj_1", key(Dimension::Project, WindowKind::CalendarMonth, "2026-07")).await;
+    assert_eq!(month.cost_llm_tokens, i64::MAX as u64, "held at the largest amount");
+    assert_eq!(month.rows, i64::MAX as u64, "1,200 calls of 2^53 rows: held at i64::MAX");
+    assert_eq!(month.calls, 1_200, "the other fields still count");
+    assert_eq!(month.tokens, 3 * big);
+    let rows = breakdown(s, "proj_1", WindowKind::CalendarMonth, "2026-07").await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].priced_quantity, rows[0].cost), (3 * big, Usd(i64::MAX)));
+
+    // The footprint: 1,100 deltas of 2^53 bytes, over two batches.
+    let deltas = |from: usize| -> Vec<UsageFact> {
+        (from..from + 550).map(|i| delta(&format!("d{i}"), "2026-07-07T12:00:00Z", big as i64)).collect()
+    };
+    s.fold_batch(&batch(n + m, n + m + 550, deltas(0))).await.expect("deltas");
+    let report = s.fold_batch(&batch(n + m + 550, n + m + 1100, deltas(550))).await.expect("deltas past the bound");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (i64::MAX, 1_100));
+    // The stored deltas alone now sum past the bound; and a delete is still a delta.
+    let report = s
+        .fold_batch(&batch(
+            n + m + 1100,
+            n + m + 1102,
+            vec![
+                delta("d-big", "2026-07-07T12:00:00Z", big as i64),
+                delta("d-del", "2026-07-07T12:00:00Z", -(big as i64)),
+            ],
+        ))
+        .await
+        .expect("deltas over stored ones past the bound");
+    let t = reported_footprint(s, &report, "proj_1").await;
+    assert_eq!((t.storage, t.storage_events), (i64::MAX, 1_102));
+}
+
+/// A price put after an event was received, even one in effect from before
+/// the event, never prices it; nor does a row that replaces one: the fold
+/// reads the book as of each fact's receipt, so folding now or replaying
+/// later gives the same cost.
+pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let received = |f: UsageFact, at: &str| UsageFact { received_at: Some(utc(at)), ..f };
+    let input = |id: &str| tokens("proj_1", id, "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 0, 0)]);
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], utc("2026-07-07T12:00:00Z"))
+        .await
+        .expect("prices");
+    // Put at 13:00, back-dated to January: a new price, and a replacement of the 3.
+    s.put_prices(
+        &[
+            price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z"),
+            price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z"),
+        ],
+        utc("2026-07-07T13:00:00Z"),
+    )
+    .await
+    .expect("later prices");
+    // The current book shows the replacement, in the same shape as ever.
+    assert_eq!(
+        s.prices().await.expect("book"),
+        vec![
+            price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z"),
+            price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z"),
+        ]
+    );
+    // Both folded after 13:00; one was received before it.
+    let early = received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t1") }, "2026-07-07T12:31:11Z");
+    let late = received(UsageFact { tokens: vec![usage("gpt-4o", 10, 1, 0)], ..input("t2") }, "2026-07-07T13:00:00Z");
+    s.fold_batch(&batch(0, 2, vec![early, late])).await.expect("fold");
+    let minute = key(Dimension::Project, WindowKind::Rolling1m, "2026-07-07T12:31Z");
+    let t = total(s, "proj_1", minute.clone()).await;
+    assert_eq!(t.cost_llm_tokens, 10 * 3 + (10 * 5 + 7), "the 12:31 book for t1, the 13:00 one for t2");
+    assert_eq!((t.llm_priced, t.llm_unpriced), (2, 1), "t1's output had no price yet");
+    assert_eq!(
+        s.unpriced_rows(&pid("proj_1"), &minute, 10).await.expect("unpriced"),
+        vec![pkey("gpt-4o", Component::OutputTokens)]
+    );
+    let rows = breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await;
+    let output = rows.iter().find(|r| r.key.component == Component::OutputTokens).expect("output row");
+    assert_eq!((output.priced_quantity, output.unpriced_quantity, output.cost), (1, 1, Usd(7)));
+    // A fact with no receipt at all counts as received when it occurred.
+    s.fold_batch(&batch(2, 3, vec![input("t3")])).await.expect("fold");
+    assert_eq!(total(s, "proj_1", minute).await.cost_llm_tokens, 10 * 3 + 57 + 10 * 3);
+}
+
+fn letter(partition: i32, offset: i64, reason: &str) -> meter::DeadLetter {
+    meter::DeadLetter {
+        partition,
+        offset,
+        key: (offset % 2 == 0).then(|| b"proj_1".to_vec()),
+        payload: vec![0xc3, 0x01, 0x00, offset as u8, 0xff],
+        reason: reason.into(),
+    }
+}
+
+/// Dead letters are kept in the fold's transaction, with the offsets that
+/// move past them; they are claimed, marked and published once.
+pub async fn dead_letters_are_kept_with_the_fold_and_published_once(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let at = utc("2026-07-07T12:00:00Z");
+    let until = at + Duration::seconds(30);
+    // A batch of dead letters only still moves the offsets.
+    let only = FoldBatch { dead_letters: vec![letter(0, 0, "malformed: x")], ..batch(0, 1, Vec::new()) };
+    s.fold_batch(&only).await.expect("dead letters alone");
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), BTreeMap::from([(0, 1)]));
+    let mixed = FoldBatch {
+        dead_letters: vec![letter(0, 1, "invalid: y"), letter(0, 3, "out of range: z")],
+        ..batch(1, 4, vec![call("proj_1", "e2", "2026-07-07T12:31:10Z", 1)])
+    };
+    s.fold_batch(&mixed).await.expect("a fold with dead letters");
+    // A fenced batch keeps none of its letters.
+    let fenced = FoldBatch { dead_letters: vec![letter(0, 9, "never")], ..batch(1, 10, Vec::new()) };
+    assert!(matches!(s.fold_batch(&fenced).await, Err(PortError::Fenced(_))));
+
+    let claim = |who: &'static str, at, until| s.claim_dead_letters("projector", "tollgate.usage", who, at, until, 10);
+    let mine = claim("a", at, until).await.expect("claim");
+    assert_eq!(
+        mine.iter().map(|p| p.letter.clone()).collect::<Vec<_>>(),
+        vec![letter(0, 0, "malformed: x"), letter(0, 1, "invalid: y"), letter(0, 3, "out of range: z"),]
+    );
+    assert!(mine.iter().all(|p| p.mark.is_none()), "never attempted");
+    // Held by `a`: nobody else gets them until the claim lapses; `a` does.
+    assert!(claim("b", at + Duration::seconds(29), until).await.expect("claim").is_empty());
+    assert_eq!(claim("a", at + Duration::seconds(1), until).await.expect("re-claim").len(), 3);
+    // Another consumer's letters are its own.
+    assert!(s.claim_dead_letters("other", "tollgate.usage", "a", at, until, 10).await.expect("claim").is_empty());
+
+    // Marked before the attempt (a mark is set once), then published.
+    let mark = meter::DlqMark::from([(0, 17), (1, 4)]);
+    s.mark_dead_letters("projector", "tollgate.usage", &[(0, 0), (0, 1)], &mark).await.expect("mark");
+    let later = meter::DlqMark::from([(0, 99)]);
+    s.mark_dead_letters("projector", "tollgate.usage", &[(0, 0)], &later).await.expect("mark again");
+    s.dead_letters_published("projector", "tollgate.usage", &[(0, 0)]).await.expect("published");
+    // `a` died holding the other two: once its claim lapses, `b` gets them, marks and all.
+    let taken = claim("b", until + Duration::seconds(1), until + Duration::seconds(31)).await.expect("claim");
+    assert_eq!(
+        taken.iter().map(|p| (p.letter.offset, p.mark.clone())).collect::<Vec<_>>(),
+        vec![(1, Some(mark)), (3, None)]
+    );
+    s.dead_letters_published("projector", "tollgate.usage", &[(0, 1), (0, 3)]).await.expect("published");
+    assert!(claim("b", until + Duration::seconds(2), until).await.expect("claim").is_empty(), "none left");
+    assert!(claim("c", until + Duration::days(1), until + Duration::days(2)).await.expect("claim").is_empty());
+}
+
+/// The dedup set is purged from the fold's own position (its newest receipt
+/// folded), never from the caller's clock, which can only make it keep more.
+pub async fn the_dedup_set_is_purged_by_the_fold_position_not_the_clock(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let keep = Duration::days(35);
+    let now = utc("2026-12-01T00:00:00Z");
+    let (c, t) = ("projector", "tollgate.usage");
+    assert_eq!(s.purge_processed(c, t, keep, now).await.expect("nothing folded yet"), 0);
+    let received = |id: &str, occurred: &str, received: &str| UsageFact {
+        received_at: Some(utc(received)),
+        ..call("proj_1", id, occurred, 1)
+    };
+    s.fold_batch(&batch(
+        0,
+        3,
+        vec![
+            received("old", "2026-04-01T00:00:00Z", "2026-04-01T00:00:01Z"),
+            received("mid", "2026-05-20T00:00:00Z", "2026-05-20T00:00:01Z"),
+            // A batch's newest receipt: 1 June.
+            received("new", "2026-06-01T00:00:00Z", "2026-06-01T00:00:00Z"),
+        ],
+    ))
+    .await
+    .expect("fold");
+    // An older receipt later does not move the position back.
+    s.fold_batch(&batch(3, 4, vec![received("late", "2026-05-02T00:00:00Z", "2026-05-03T00:00:00Z")]))
+        .await
+        .expect("fold");
+    // A clock a year on changes nothing: the cutoff is 1 June − 35 days.
+    assert_eq!(s.purge_processed(c, t, keep, utc("2027-12-01T00:00:00Z")).await.expect("purge"), 1);
+    // A clock behind the fold keeps more.
+    assert_eq!(s.purge_processed(c, t, keep, utc("2026-05-01T00:00:00Z")).await.expect("purge"), 0);
+    assert_eq!(s.purge_processed(c, t, keep, now).await.expect("purge"), 0, "idempotent");
+    let report = s
+        .fold_batch(&batch(
+            4,
+            8,
+            ["old", "mid", "new", "late"].iter().map(|id| call("proj_1", id, "2026-06-01T00:00:00Z", 1)).collect(),
+        ))
+        .await
+        .expect("refold");
+    let e = |id: &str| (pid("proj_1"), EventId::parse(id).expect("id"));
+    assert_eq!(report.folded, vec![e("old")], "only the id before the cutoff was forgotten");
+    assert_eq!(report.duplicates, vec![e("mid"), e("new"), e("late")]);
+    // Another consumer's position is its own.
+    assert_eq!(s.purge_processed("other", t, keep, now).await.expect("purge"), 0);
 }

@@ -227,6 +227,18 @@ impl Env {
         self.children.len() - 1
     }
 
+    /// Starts a projector process with more environment (`TOLLGATE_…`
+    /// settings of its own); returns its index for `kill`.
+    pub fn start_projector_with(&mut self, vars: &[(&str, &str)]) -> usize {
+        assert_eq!(self.mode, Mode::Distributed, "`tollgate dev` runs its projector in-process");
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let mut c = self.command("project");
+        c.env("TOLLGATE_METRICS_LISTEN", &metrics).envs(vars.iter().copied());
+        self.children.push(("projector".into(), c.spawn().expect("spawn tollgate project")));
+        self.projector_metrics = Some(format!("http://{metrics}/metrics"));
+        self.children.len() - 1
+    }
+
     /// SIGKILLs a child process.
     pub fn kill(&mut self, index: usize) {
         let (_, c) = &mut self.children[index];

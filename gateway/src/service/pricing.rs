@@ -54,7 +54,8 @@ pub async fn put(s: &AppState, rows: Vec<NewPrice>) -> Result<Vec<Price>> {
             effective_from: r.effective_from.unwrap_or(now),
         })
         .collect();
-    s.stores.prices.put_prices(&prices).await?;
+    // Recorded now: events received before this never take these rows.
+    s.stores.prices.put_prices(&prices, now).await?;
     s.invalidate_prices();
     Ok(prices)
 }

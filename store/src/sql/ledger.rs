@@ -4,12 +4,31 @@
 //! [`Ledger::fold_batch`] is **one transaction** with a fixed number of
 //! statements per batch, never one per event: one or two per partition for
 //! the fence, one for the time zones, one for the dedup set, one for the
-//! prices its tokens events name, one upsert of the sums, one for their
-//! unpriced rows, one for their breakdown by model (`model_usage`), and
-//! four for the storage footprint. `meter::ledger` computes what they write;
-//! this module only reads what that needs and persists it. That is what
-//! makes the fold exactly-once: a redelivered batch is fenced by its offsets,
-//! and a resent event id adds nothing.
+//! prices its tokens events name (every version: meter prices each fact as
+//! of its receipt), one upsert of the sums, one for their unpriced rows, one
+//! for their breakdown by model (`model_usage`), four for the storage
+//! footprint, one for the batch's dead letters and one for the newest
+//! receipt folded. `meter::ledger` computes what they write; this module
+//! only reads what that needs and persists it. That is what makes the fold
+//! exactly-once: a redelivered batch is fenced by its offsets, and a resent
+//! event id adds nothing.
+//!
+//! **Nothing overflows.** Every sum the fold adds saturates at the bounds of
+//! a 64-bit integer, in SQL (a `CASE` that compares before it adds, the same
+//! on both databases, evaluated branch by branch), so a counter that would
+//! pass `i64::MAX` — a project spending more than ~$9.2M in one monthly
+//! counter — stays at it rather than failing the batch. The footprint's
+//! stored deltas are summed in two halves (the high and low 32 bits of each,
+//! exact for 2^31 rows) and joined in Rust, exactly, because SQLite's `sum()`
+//! fails on an overflow and PostgreSQL's is `numeric`; meter saturates the
+//! footprint only once it is summed, so it is the same whatever batches
+//! its facts came in.
+//!
+//! **Dead letters** are kept in `dead_letters` in the fold's transaction,
+//! the one that moves the offsets past them, and published by the projector
+//! from there ([`Ledger::claim_dead_letters`] and the two after it), so a
+//! record is never skipped and a letter is never lost between the DLQ and
+//! the offsets.
 //!
 //! The footprint is not a sum: the fold keeps every storage fact
 //! (`storage_facts`), reads what the project already holds (its newest
@@ -30,13 +49,13 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use meter::{
-    BatchFold, Counter, CounterKey, Dimension, EventId, Field, FoldBatch, FoldReport, Ledger, ModelUsageAdd,
-    ModelUsageRow, Population, PortError, PortResult, Posting, PriceBook, ProjectId, ReportStore, StoredFootprint,
-    Totals, Usd, WindowKind,
+    BatchFold, Counter, CounterKey, DeadLetter, Dimension, DlqMark, EventId, Field, FoldBatch, FoldReport, Ledger,
+    ModelUsageAdd, ModelUsageRow, PendingDeadLetter, Population, PortError, PortResult, Posting, PriceBook, ProjectId,
+    ReportStore, StoredFootprint, Totals, Usd, WindowKind,
 };
 
 use super::prices::{PRICE_COLUMNS, insert_unpriced, price, price_key};
-use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error, to_i64};
+use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error, limit};
 
 /// The `usage_aggregates` column of each field of [`Totals`] (the match is
 /// exhaustive, so a new field does not compile until it has a column).
@@ -202,7 +221,26 @@ async fn price_book<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> 
         "SELECT {PRICE_COLUMNS} FROM prices WHERE (provider, model) IN (SELECT provider, model FROM {{rows}} AS t)"
     ))
     .rows(rows);
-    Ok(PriceBook::new(each(&B::fetch(c, stmt).await?, price::<B>)?))
+    Ok(PriceBook::with_versions(each(&B::fetch(c, stmt).await?, price::<B>)?))
+}
+
+/// `old + add` in SQL, saturating at the bounds of a 64-bit integer. A `CASE`
+/// is evaluated branch by branch on both databases, so the addition runs only
+/// where it cannot overflow (PostgreSQL would fail the statement; SQLite
+/// would make a REAL of it, which a STRICT integer column refuses).
+fn saturating_add(old: &str, add: &str) -> String {
+    format!(
+        "CASE WHEN {add} > 0 THEN CASE WHEN {old} > 9223372036854775807 - {add} THEN 9223372036854775807 \
+         ELSE {old} + {add} END \
+         WHEN {add} < 0 THEN CASE WHEN {old} < (-9223372036854775807 - 1) - {add} THEN (-9223372036854775807 - 1) \
+         ELSE {old} + {add} END \
+         ELSE {old} END"
+    )
+}
+
+/// A quantity as a 64-bit integer column, saturating.
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// (5) Adding the sums in one upsert, which returns the new absolute totals
@@ -218,7 +256,10 @@ fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
         rows = rows.int(column(f), sums.iter().map(|(_, _, t)| t.get(f)));
     }
     static SQL: LazyLock<String> = LazyLock::new(|| {
-        let add = Field::ALL.map(|f| format!("\"{0}\" = a.\"{0}\" + excluded.\"{0}\"", column(f)));
+        let add = Field::ALL.map(|f| {
+            let c = column(f);
+            format!("\"{c}\" = {}", saturating_add(&format!("a.\"{c}\""), &format!("excluded.\"{c}\"")))
+        });
         format!(
             "INSERT INTO usage_aggregates AS a ({cols}) SELECT * FROM {{rows}} AS t WHERE true \
              ON CONFLICT (project_id, dimension, window_kind, window_key) DO UPDATE SET {add} RETURNING {cols}",
@@ -229,8 +270,8 @@ fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
     Stmt::new(SQL.as_str()).rows(rows)
 }
 
-/// (7) Adding the breakdown by model in one upsert.
-fn add_model_usage(adds: &[ModelUsageAdd]) -> PortResult<Stmt> {
+/// (7) Adding the breakdown by model in one upsert, saturating.
+fn add_model_usage(adds: &[ModelUsageAdd]) -> Stmt {
     let rows = Rows::new()
         .text("project_id", adds.iter().map(|m| m.project_id.as_str()))
         .text("window_kind", adds.iter().map(|m| m.window.as_str()))
@@ -240,26 +281,27 @@ fn add_model_usage(adds: &[ModelUsageAdd]) -> PortResult<Stmt> {
         .text("component", adds.iter().map(|m| m.row.key.component.as_str()))
         .text("meter_type", adds.iter().map(|m| m.row.meter.as_str()))
         .flag("embedding", adds.iter().map(|m| m.row.embedding))
-        .int(
-            "priced_quantity",
-            adds.iter().map(|m| to_i64("priced quantity", m.row.priced_quantity)).collect::<PortResult<Vec<_>>>()?,
-        )
-        .int(
-            "unpriced_quantity",
-            adds.iter()
-                .map(|m| to_i64("unpriced quantity", m.row.unpriced_quantity))
-                .collect::<PortResult<Vec<_>>>()?,
-        )
+        .int("priced_quantity", adds.iter().map(|m| clamp(m.row.priced_quantity)))
+        .int("unpriced_quantity", adds.iter().map(|m| clamp(m.row.unpriced_quantity)))
         .int("cost_picos", adds.iter().map(|m| m.row.cost.picos()));
-    Ok(Stmt::new(format!(
-        "INSERT INTO model_usage AS m (project_id, window_kind, window_key, {MODEL_USAGE_COLUMNS}) \
-         SELECT * FROM {{rows}} AS t WHERE true \
-         ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
-         DO UPDATE SET priced_quantity = m.priced_quantity + excluded.priced_quantity, \
-                       unpriced_quantity = m.unpriced_quantity + excluded.unpriced_quantity, \
-                       cost_picos = m.cost_picos + excluded.cost_picos"
-    ))
-    .rows(rows))
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        let add = ["priced_quantity", "unpriced_quantity", "cost_picos"]
+            .map(|c| format!("{c} = {}", saturating_add(&format!("m.{c}"), &format!("excluded.{c}"))));
+        format!(
+            "INSERT INTO model_usage AS m (project_id, window_kind, window_key, {MODEL_USAGE_COLUMNS}) \
+             SELECT * FROM {{rows}} AS t WHERE true \
+             ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
+             DO UPDATE SET {}",
+            add.join(", ")
+        )
+    });
+    Stmt::new(SQL.as_str()).rows(rows)
+}
+
+/// A sum read in two halves (`sum(x >> 32)` and `sum(x & 4294967295)`, each
+/// exact in 64 bits for 2^31 rows), joined exactly.
+fn joined(hi: i64, lo: i64) -> i128 {
+    i128::from(hi) * (1i128 << 32) + i128::from(lo)
 }
 
 /// (8) The footprint of every project with new storage facts: lock its
@@ -288,13 +330,20 @@ async fn set_footprints<B: Backend>(
     // (b) What each project holds, as `StoredFootprint` defines it.
     let read = Stmt::new(
         "SELECT r.fp_project, s.occurred_at AS snapshot_at, s.event_id AS snapshot_id, s.bytes AS snapshot_bytes,
-                CAST(COALESCE((SELECT sum(d.bytes) FROM storage_facts d
+                CAST(COALESCE((SELECT sum(d.bytes >> 32) FROM storage_facts d
                                WHERE d.project_id = r.fp_project AND d.kind = 'delta'
                                  AND (s.occurred_at IS NULL OR d.occurred_at > s.occurred_at)), 0) AS BIGINT)
-                    AS after_snapshot,
-                CAST(COALESCE((SELECT sum(d.bytes) FROM storage_facts d
+                    AS after_snapshot_hi,
+                CAST(COALESCE((SELECT sum(d.bytes & 4294967295) FROM storage_facts d
+                               WHERE d.project_id = r.fp_project AND d.kind = 'delta'
+                                 AND (s.occurred_at IS NULL OR d.occurred_at > s.occurred_at)), 0) AS BIGINT)
+                    AS after_snapshot_lo,
+                CAST(COALESCE((SELECT sum(d.bytes >> 32) FROM storage_facts d
                                WHERE d.project_id = r.fp_project AND d.kind = 'delta' AND d.occurred_at > r.cut), 0)
-                     AS BIGINT) AS after_cut,
+                     AS BIGINT) AS after_cut_hi,
+                CAST(COALESCE((SELECT sum(d.bytes & 4294967295) FROM storage_facts d
+                               WHERE d.project_id = r.fp_project AND d.kind = 'delta' AND d.occurred_at > r.cut), 0)
+                     AS BIGINT) AS after_cut_lo,
                 (SELECT count(*) FROM storage_facts n WHERE n.project_id = r.fp_project) AS events
          FROM (SELECT t.project_id AS fp_project, t.cut,
                       (SELECT x.event_id FROM storage_facts x WHERE x.project_id = t.project_id AND x.kind = 'snapshot'
@@ -310,8 +359,8 @@ async fn set_footprints<B: Backend>(
         };
         let stored = StoredFootprint {
             snapshot,
-            after_snapshot: r.int("after_snapshot")?,
-            after_cut: r.int("after_cut")?,
+            after_snapshot: joined(r.int("after_snapshot_hi")?, r.int("after_snapshot_lo")?),
+            after_cut: joined(r.int("after_cut_hi")?, r.int("after_cut_lo")?),
             events: r.count("events")?,
         };
         Ok((r.id("fp_project")?, stored))
@@ -337,8 +386,7 @@ async fn set_footprints<B: Backend>(
 
     // (d) Set (not add) each footprint.
     let footprints = posting.footprints(&stored, &kept);
-    let events =
-        footprints.iter().map(|(_, f)| to_i64("storage events", f.events())).collect::<PortResult<Vec<_>>>()?;
+    let events: Vec<i64> = footprints.iter().map(|(_, f)| clamp(f.events())).collect();
     let set = Stmt::new(format!(
         "UPDATE usage_aggregates AS a SET storage = f.fp_bytes, storage_events = f.fp_events FROM {{rows}} AS f \
          WHERE a.project_id = f.fp_project AND a.dimension = $1 AND a.window_kind = $2 AND a.window_key = $3 \
@@ -350,6 +398,66 @@ async fn set_footprints<B: Backend>(
         .int("fp_bytes", footprints.iter().map(|(_, f)| f.bytes()))
         .int("fp_events", events);
     each(&B::fetch(c, at_footprint(set).rows(rows)).await?, aggregate::<B>)
+}
+
+/// (9) The batch's dead letters, kept as pending (the fence makes each
+/// position folded once, so a letter is never kept twice).
+fn keep_dead_letters(batch: &FoldBatch) -> Option<Stmt> {
+    let d = &batch.dead_letters;
+    if d.is_empty() {
+        return None;
+    }
+    let rows = Rows::new()
+        .int("partition", d.iter().map(|l| i64::from(l.partition)))
+        .int("offset", d.iter().map(|l| l.offset))
+        .opt_bytes("key", d.iter().map(|l| l.key.clone()))
+        .bytes("payload", d.iter().map(|l| l.payload.clone()))
+        .text("reason", d.iter().map(|l| l.reason.as_str()));
+    Some(
+        Stmt::new(
+            r#"INSERT INTO dead_letters (consumer, topic, "partition", "offset", key, payload, reason)
+               SELECT $1, $2, t."partition", t."offset", t.key, t.payload, t.reason FROM {rows} AS t WHERE true
+               ON CONFLICT DO NOTHING"#,
+        )
+        .text(&batch.consumer)
+        .text(&batch.topic)
+        .rows(rows),
+    )
+}
+
+/// (10) The newest receipt folded, which only moves forward.
+fn note_receipt(batch: &FoldBatch) -> Option<Stmt> {
+    let newest = batch.newest_receipt()?;
+    Some(
+        Stmt::new(
+            "INSERT INTO fold_receipts AS w (consumer, topic, newest_receipt) VALUES ($1, $2, $3) \
+             ON CONFLICT (consumer, topic) DO UPDATE SET newest_receipt = \
+             CASE WHEN excluded.newest_receipt > w.newest_receipt THEN excluded.newest_receipt \
+             ELSE w.newest_receipt END",
+        )
+        .text(&batch.consumer)
+        .text(&batch.topic)
+        .time(newest),
+    )
+}
+
+/// Positions (partition, offset) as a batch of rows.
+fn positions(letters: &[(i32, i64)]) -> Rows {
+    Rows::new().int("p", letters.iter().map(|(p, _)| i64::from(*p))).int("o", letters.iter().map(|(_, o)| *o))
+}
+
+fn pending<B: Backend>(r: &Rec<'_, B>) -> PortResult<PendingDeadLetter> {
+    let p = r.int("partition")?;
+    Ok(PendingDeadLetter {
+        letter: DeadLetter {
+            partition: i32::try_from(p).map_err(|_| corrupt("partition", &p.to_string()))?,
+            offset: r.int("offset")?,
+            key: r.get("key")?,
+            payload: r.get("payload")?,
+            reason: r.text("reason")?,
+        },
+        mark: r.opt_json::<DlqMark>("mark")?,
+    })
 }
 
 #[async_trait]
@@ -396,13 +504,104 @@ impl<B: Backend> Ledger for SqlStore<B> {
             B::execute(&mut *tx, stmt).await?;
         }
         if !posting.model_usage.is_empty() {
-            B::execute(&mut *tx, add_model_usage(&posting.model_usage)?).await?;
+            B::execute(&mut *tx, add_model_usage(&posting.model_usage)).await?;
         }
         report.totals.extend(set_footprints::<B>(&mut *tx, &posting).await?);
         report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
+        for stmt in [keep_dead_letters(batch), note_receipt(batch)].into_iter().flatten() {
+            B::execute(&mut *tx, stmt).await?;
+        }
 
         tx.commit().await.map_err(error::<B>)?;
         Ok(report)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "claim_dead_letters"))]
+    async fn claim_dead_letters(
+        &self,
+        consumer: &str,
+        topic: &str,
+        claimant: &str,
+        at: DateTime<Utc>,
+        until: DateTime<Utc>,
+        max: usize,
+    ) -> PortResult<Vec<PendingDeadLetter>> {
+        // One UPDATE: on PostgreSQL a row another claimer took meanwhile is
+        // re-checked against the WHERE after its lock, and skipped.
+        let claimable = r#"consumer = $1 AND topic = $2 AND NOT published
+               AND (claimed_by IS NULL OR claimed_by = $3 OR claimed_until < $4)"#;
+        let stmt = Stmt::new(format!(
+            r#"UPDATE dead_letters SET claimed_by = $3, claimed_until = $5
+               WHERE {claimable} AND ("partition", "offset") IN (
+                   SELECT "partition", "offset" FROM dead_letters WHERE {claimable}
+                   ORDER BY "partition", "offset" LIMIT $6)
+               RETURNING CAST("partition" AS BIGINT) AS "partition", "offset", key, payload, reason, mark"#
+        ))
+        .text(consumer)
+        .text(topic)
+        .text(claimant)
+        .time(at)
+        .time(until)
+        .int(limit(max));
+        let mut out = each(&self.all(stmt).await?, pending::<B>)?;
+        out.sort_by_key(|p| (p.letter.partition, p.letter.offset));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "mark_dead_letters"))]
+    async fn mark_dead_letters(
+        &self,
+        consumer: &str,
+        topic: &str,
+        letters: &[(i32, i64)],
+        mark: &DlqMark,
+    ) -> PortResult<()> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let stmt = Stmt::new(
+            r#"UPDATE dead_letters SET mark = $3
+               WHERE consumer = $1 AND topic = $2 AND mark IS NULL
+                 AND ("partition", "offset") IN (SELECT CAST(p AS INTEGER), o FROM {rows} AS t)"#,
+        )
+        .text(consumer)
+        .text(topic)
+        .json(mark)?
+        .rows(positions(letters));
+        self.run(stmt).await.map(drop)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "dead_letters_published"))]
+    async fn dead_letters_published(&self, consumer: &str, topic: &str, letters: &[(i32, i64)]) -> PortResult<()> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let stmt = Stmt::new(
+            r#"UPDATE dead_letters SET published = true, claimed_by = NULL, claimed_until = NULL
+               WHERE consumer = $1 AND topic = $2
+                 AND ("partition", "offset") IN (SELECT CAST(p AS INTEGER), o FROM {rows} AS t)"#,
+        )
+        .text(consumer)
+        .text(topic)
+        .rows(positions(letters));
+        self.run(stmt).await.map(drop)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "purge_processed"))]
+    async fn purge_processed(
+        &self,
+        consumer: &str,
+        topic: &str,
+        keep: chrono::Duration,
+        at: DateTime<Utc>,
+    ) -> PortResult<u64> {
+        let stmt = Stmt::new("SELECT newest_receipt FROM fold_receipts WHERE consumer = $1 AND topic = $2")
+            .text(consumer)
+            .text(topic);
+        let Some(row) = self.opt(stmt).await? else { return Ok(0) };
+        let newest = Rec::<B>(&row).time("newest_receipt")?;
+        let Some(cutoff) = newest.min(at).checked_sub_signed(keep) else { return Ok(0) };
+        self.purge_processed_before(cutoff).await
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "totals"))]

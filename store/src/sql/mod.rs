@@ -46,7 +46,14 @@ use sqlx::{ColumnIndex, Database, Decode, Pool, Row, Transaction, Type};
 /// Implemented for [`sqlx::Postgres`] (in `pg.rs`) and [`sqlx::Sqlite`] (in
 /// `sqlite_store.rs`).
 pub trait Backend:
-    Database + Decodes<String> + Decodes<Option<String>> + Decodes<i64> + Decodes<Option<i64>> + Decodes<bool>
+    Database
+    + Decodes<String>
+    + Decodes<Option<String>>
+    + Decodes<i64>
+    + Decodes<Option<i64>>
+    + Decodes<bool>
+    + Decodes<Vec<u8>>
+    + Decodes<Option<Vec<u8>>>
 {
     /// The `db` field of every `datastore` span.
     const SPAN_DB: &'static str;
@@ -126,9 +133,10 @@ impl<B: Backend> SqlStore<B> {
         })
     }
 
-    /// Forgets folded event ids that occurred before `before` (the dedup
-    /// horizon: the projector dead-letters events older than it, so their
-    /// ids can no longer be folded). Returns how many were removed.
+    /// Forgets folded event ids that occurred before `before`, whatever the
+    /// fold's position (housekeeping by hand; the projector purges with
+    /// [`Ledger::purge_processed`](meter::Ledger::purge_processed), whose
+    /// cutoff comes from the fold itself). Returns how many were removed.
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "purge_processed_before"))]
     pub async fn purge_processed_before(&self, before: DateTime<Utc>) -> PortResult<u64> {
         self.run(Stmt::new("DELETE FROM processed_events WHERE occurred_at < $1").time(before)).await
@@ -211,6 +219,8 @@ pub enum Col {
     Bool(Vec<bool>),
     Time(Vec<DateTime<Utc>>),
     OptTime(Vec<Option<DateTime<Utc>>>),
+    Bytes(Vec<Vec<u8>>),
+    OptBytes(Vec<Option<Vec<u8>>>),
 }
 
 /// A batch of rows bound as a table: `{rows}` in a query is a subquery
@@ -252,6 +262,14 @@ impl Rows {
         self.with(name, Col::OptTime(values.into_iter().collect()))
     }
 
+    pub fn bytes(self, name: &'static str, values: impl IntoIterator<Item = Vec<u8>>) -> Rows {
+        self.with(name, Col::Bytes(values.into_iter().collect()))
+    }
+
+    pub fn opt_bytes(self, name: &'static str, values: impl IntoIterator<Item = Option<Vec<u8>>>) -> Rows {
+        self.with(name, Col::OptBytes(values.into_iter().collect()))
+    }
+
     /// How many rows (every column has as many).
     pub fn len(&self) -> usize {
         match self.cols.first() {
@@ -261,6 +279,8 @@ impl Rows {
             Some(Col::Bool(v)) => v.len(),
             Some(Col::Time(v)) => v.len(),
             Some(Col::OptTime(v)) => v.len(),
+            Some(Col::Bytes(v)) => v.len(),
+            Some(Col::OptBytes(v)) => v.len(),
         }
     }
 

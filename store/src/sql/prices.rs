@@ -1,19 +1,25 @@
 //! The price book over SQL, the unpriced rows of each counter and the
 //! `quota_unpriced` exceptions. Money is 64-bit integer picodollars
 //! ([`Usd`]), never a float.
+//!
+//! The book is append-only in time: `put_prices` inserts versions recorded
+//! at its `at` (a row with the same key and `effective_from` as an earlier
+//! one is a new version, never an overwrite), `prices` reads the current
+//! book (of each key and `effective_from`, the latest version) and the fold
+//! reads every version of the keys it prices, as of each fact's receipt.
 
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 use meter::{
-    CounterKey, PortError, PortResult, Price, PriceBook, PriceKey, PriceStore, ProjectId, QuotaId, UnpricedException,
-    UnpricedRow, Usd,
+    CounterKey, PortError, PortResult, Price, PriceBook, PriceKey, PriceStore, PriceVersion, ProjectId, QuotaId,
+    UnpricedException, UnpricedRow, Usd,
 };
 
 use super::{Backend, Rec, Rows, SqlStore, Stmt, each, to_i64};
 
-pub(super) const PRICE_COLUMNS: &str = "provider, model, component, effective_from, unit_price_picos";
+pub(super) const PRICE_COLUMNS: &str = "provider, model, component, effective_from, unit_price_picos, recorded_at";
 const EXCEPTION_COLUMNS: &str = r#"quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows, occurrence_count, first_seen, last_seen"#;
 
 // A component's rank in meter's `Component` order (input, output, cached),
@@ -26,11 +32,15 @@ pub(super) fn price_key<B: Backend>(r: &Rec<'_, B>) -> PortResult<PriceKey> {
     Ok(PriceKey { provider: r.text("provider")?, model: r.text("model")?, component: r.parse("component")? })
 }
 
-pub(super) fn price<B: Backend>(r: &Rec<'_, B>) -> PortResult<Price> {
-    Ok(Price {
-        key: price_key(r)?,
-        unit_price_usd: Usd(r.int("unit_price_picos")?),
-        effective_from: r.time("effective_from")?,
+/// A row of `prices`: one version of a price.
+pub(super) fn price<B: Backend>(r: &Rec<'_, B>) -> PortResult<PriceVersion> {
+    Ok(PriceVersion {
+        price: Price {
+            key: price_key(r)?,
+            unit_price_usd: Usd(r.int("unit_price_picos")?),
+            effective_from: r.time("effective_from")?,
+        },
+        recorded_at: r.time("recorded_at")?,
     })
 }
 
@@ -79,10 +89,10 @@ fn exception_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<UnpricedException> {
 #[async_trait]
 impl<B: Backend> PriceStore for SqlStore<B> {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "put_prices", prices = prices.len()))]
-    async fn put_prices(&self, prices: &[Price]) -> PortResult<()> {
+    async fn put_prices(&self, prices: &[Price], at: DateTime<Utc>) -> PortResult<()> {
         // One row per key and instant, the last one winning as in
         // `PriceBook::insert`: one upsert may not touch a row twice. The
-        // instant is keyed as stored, to the microsecond.
+        // instants are keyed as stored, to the microsecond.
         let mut unique: BTreeMap<(&PriceKey, DateTime<Utc>), Usd> = BTreeMap::new();
         for p in prices {
             unique.insert((&p.key, p.effective_from.trunc_subsecs(6)), p.unit_price_usd);
@@ -90,16 +100,19 @@ impl<B: Backend> PriceStore for SqlStore<B> {
         if unique.is_empty() {
             return Ok(());
         }
+        let recorded_at = at.trunc_subsecs(6);
         let rows = Rows::new()
             .text("provider", unique.keys().map(|(k, _)| k.provider.as_str()))
             .text("model", unique.keys().map(|(k, _)| k.model.as_str()))
             .text("component", unique.keys().map(|(k, _)| k.component.as_str()))
             .time("effective_from", unique.keys().map(|(_, at)| *at))
-            .int("unit_price_picos", unique.values().map(|u| u.picos()));
-        // One statement: all the rows or none.
+            .int("unit_price_picos", unique.values().map(|u| u.picos()))
+            .time("recorded_at", unique.keys().map(|_| recorded_at));
+        // One statement: all the rows or none. A new version of each row;
+        // only a second put within the same microsecond replaces one.
         let stmt = Stmt::new(format!(
             "INSERT INTO prices ({PRICE_COLUMNS}) SELECT * FROM {{rows}} AS t WHERE true \
-             ON CONFLICT (provider, model, component, effective_from) \
+             ON CONFLICT (provider, model, component, effective_from, recorded_at) \
              DO UPDATE SET unit_price_picos = excluded.unit_price_picos"
         ))
         .rows(rows);
@@ -109,9 +122,9 @@ impl<B: Backend> PriceStore for SqlStore<B> {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "prices"))]
     async fn prices(&self) -> PortResult<Vec<Price>> {
         let rows = self.all(Stmt::new(format!("SELECT {PRICE_COLUMNS} FROM prices"))).await?;
-        // The book orders by key (meter's order of components, not their
-        // names') then effective_from.
-        Ok(PriceBook::new(each(&rows, price::<B>)?).prices().collect())
+        // The current book, ordered by key (meter's order of components,
+        // not their names') then effective_from.
+        Ok(PriceBook::with_versions(each(&rows, price::<B>)?).prices().collect())
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "record_unpriced", rows = rows.len()))]
