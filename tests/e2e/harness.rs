@@ -6,7 +6,8 @@
 //! nothing).
 //!
 //! Gateways run with a configuration cache TTL of 0, so a test never waits
-//! for a quota change to reach them.
+//! for a quota change to reach them, and a publish timeout of 30 s (the
+//! fault tests of `faults_outage` set a short one).
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -172,6 +173,11 @@ impl Env {
             .env("TOLLGATE_GATEWAY_TOKEN", GATEWAY)
             .env("TOLLGATE_CONFIG_TTL", "0s")
             .env("TOLLGATE_LOG", if testkit::env::test_log() { "info" } else { "warn" })
+            // Tests not about outages wait for the log as long as they did
+            // before the 2 s publish bound: the shared broker on a busy
+            // machine can take longer to acknowledge a batch of 500. A fault
+            // test sets its own (`extra_env` comes after, and wins).
+            .env("TOLLGATE_PUBLISH_TIMEOUT", "30s")
             .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::null());
