@@ -102,9 +102,7 @@ async fn run() -> AnyResult<()> {
         };
         let bytes = schemas::encode_usage(&fact)?;
         pending.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(project.as_str()).payload(&bytes))
-                .map_err(|(e, _)| e)?,
+            producer.send_result(FutureRecord::to(&topic).key(project.as_str()).payload(&bytes)).map_err(|(e, _)| e)?,
         );
         if pending.len() >= 10_000 {
             for d in pending.drain(..) {

@@ -109,8 +109,8 @@ async fn distributed(args: &ReplayArgs) -> anyhow::Result<Outcome> {
     let topic = kafka.usage_topic();
     let schema = args.shadow_schema.clone();
     let swap = async |expected: &BTreeMap<i32, i64>| live.swap_in_pg(&schema, &args.consumer, &topic, expected).await;
-    let outcome = rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap))
-        .await?;
+    let outcome =
+        rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap)).await?;
     if outcome.swapped {
         let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
         let n = view.forget_all().await.context("invalidating the view")?;
@@ -135,8 +135,8 @@ async fn embedded(args: &ReplayArgs, dir: &std::path::Path) -> anyhow::Result<Ou
     let reader = log.reader();
     let swap =
         async |expected: &BTreeMap<i32, i64>| live.swap_in_sqlite(&shadow_path, &args.consumer, &topic, expected).await;
-    let outcome = rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap))
-        .await?;
+    let outcome =
+        rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap)).await?;
     if outcome.swapped {
         println!(
             "the view of a running `tollgate dev` is in its memory: restart it so the view is seeded from the swapped store"
@@ -269,8 +269,7 @@ where
     let keep = config.horizon + config.receipt_disorder;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let store: Arc<dyn meter::Store> = Arc::new(shadow.clone());
-    let mut projector =
-        Projector::new(Bounded::new(reader), store, Arc::new(MemoryView::new()), clock.clone(), config);
+    let mut projector = Projector::new(Bounded::new(reader), store, Arc::new(MemoryView::new()), clock.clone(), config);
     projector.start().await.context("positioning the shadow at offset 0")?;
     let started = Instant::now();
     let mut s = Shadow {

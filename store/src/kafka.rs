@@ -109,7 +109,6 @@ impl std::str::FromStr for Retention {
     }
 }
 
-
 impl KafkaConfig {
     pub fn new(brokers: impl Into<String>, topic_prefix: impl Into<String>) -> Self {
         KafkaConfig {

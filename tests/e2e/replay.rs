@@ -96,9 +96,14 @@ async fn apart(pool: &sqlx::PgPool, table: &str, cols: &str) -> (i64, i64) {
     let count = |a: &str, b: &str| {
         format!("SELECT COUNT(*) FROM (SELECT {cols} FROM {a}.{table} EXCEPT SELECT {cols} FROM {b}.{table}) AS d")
     };
-    let live_only: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count("public", "tollgate_shadow"))).fetch_one(pool).await.expect("diff");
-    let shadow_only: i64 =
-        sqlx::query_scalar(sqlx::AssertSqlSafe(count("tollgate_shadow", "public"))).fetch_one(pool).await.expect("diff");
+    let live_only: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count("public", "tollgate_shadow")))
+        .fetch_one(pool)
+        .await
+        .expect("diff");
+    let shadow_only: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count("tollgate_shadow", "public")))
+        .fetch_one(pool)
+        .await
+        .expect("diff");
     (live_only, shadow_only)
 }
 
@@ -225,12 +230,11 @@ async fn replay_rebuilds_identical_aggregates_while_the_projector_runs_and_swap_
     .await
     .expect("shadow totals");
     assert_eq!((old_calls, cost, priced), (20, 1000 * 2_000_000, 1), "old events in, priced as of receipt");
-    let (letters, published): (i64, i64) = sqlx::query_as(
-        "SELECT COUNT(*), COUNT(*) FILTER (WHERE published) FROM tollgate_shadow.dead_letters",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("shadow dead letters");
+    let (letters, published): (i64, i64) =
+        sqlx::query_as("SELECT COUNT(*), COUNT(*) FILTER (WHERE published) FROM tollgate_shadow.dead_letters")
+            .fetch_one(&pool)
+            .await
+            .expect("shadow dead letters");
     assert_eq!((letters, published), (1, 0), "the shadow keeps its dead letter and publishes nothing");
     let audit = LogAudit::of(&env).await;
     assert_eq!(audit.dlq.len(), 1, "the DLQ holds the bad record once: {:?}", audit.dead_lettered());

@@ -335,7 +335,11 @@ async fn read_state<B: Backend>(c: &mut B::Connection, cut: &Cut) -> PortResult<
     Ok(state)
 }
 
-async fn read_offsets<B: Backend>(c: &mut B::Connection, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
+async fn read_offsets<B: Backend>(
+    c: &mut B::Connection,
+    consumer: &str,
+    topic: &str,
+) -> PortResult<BTreeMap<i32, i64>> {
     let stmt = Stmt::new(format!(
         r#"SELECT CAST("partition" AS BIGINT) AS "partition", next_offset FROM consumer_offsets
            WHERE consumer = $1 AND topic = $2{}"#,
@@ -637,10 +641,8 @@ impl SqlStore<sqlx::Postgres> {
     ) -> PortResult<Swap> {
         valid_schema(shadow_schema)?;
         let mut c = self.pool.acquire().await.map_err(error::<sqlx::Postgres>)?.detach();
-        let live: String = sqlx::query_scalar("SELECT current_schema()")
-            .fetch_one(&mut c)
-            .await
-            .map_err(error::<sqlx::Postgres>)?;
+        let live: String =
+            sqlx::query_scalar("SELECT current_schema()").fetch_one(&mut c).await.map_err(error::<sqlx::Postgres>)?;
         valid_schema(&live)?;
         let (live, shadow) = (format!("\"{live}\""), format!("\"{shadow_schema}\""));
         swap_on::<sqlx::Postgres>(&mut c, "BEGIN", &live, &shadow, consumer, topic, expected).await
