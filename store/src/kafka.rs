@@ -27,7 +27,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
@@ -165,11 +167,30 @@ impl KafkaConfig {
             .collect();
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         let results = admin.create_topics(&topics, &opts).await.map_err(kafka_err)?;
+        let mut existing = Vec::new();
         for r in results {
             match r {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Ok(_) => {}
+                Err((name, RDKafkaErrorCode::TopicAlreadyExists)) => existing.push(name),
                 Err((name, code)) => {
                     return Err(PortError::Transient(format!("creating topic {name}: {code}")));
+                }
+            }
+        }
+        // A topic made before (by an older release, or by hand) keeps its
+        // retention; say so when it is not the one configured.
+        let specs: Vec<ResourceSpecifier<'_>> = existing.iter().map(|n| ResourceSpecifier::Topic(n)).collect();
+        if !specs.is_empty()
+            && let Ok(described) = admin.describe_configs(&specs, &opts).await
+        {
+            for config in described.into_iter().flatten() {
+                let OwnedResourceSpecifier::Topic(name) = &config.specifier else { continue };
+                let want = names.iter().find(|(n, _)| n == name).map(|(_, r)| r.as_str());
+                let have = config.get("retention.ms").and_then(|e| e.value.as_deref());
+                if let (Some(want), Some(have)) = (want, have)
+                    && want != have
+                {
+                    warn!(topic = %name, retention_ms = have, configured = want, "existing topic keeps its retention");
                 }
             }
         }
