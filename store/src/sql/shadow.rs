@@ -614,6 +614,16 @@ impl SqlStore<sqlx::Postgres> {
         valid_schema(schema)?;
         let options: PgConnectOptions = url.parse().map_err(error::<sqlx::Postgres>)?;
         let mut admin = options.connect().await.map_err(error::<sqlx::Postgres>)?;
+        // Never the live schema (or a system one): it is about to be dropped.
+        let live: Option<String> = sqlx::query_scalar("SELECT current_schema()")
+            .fetch_one(&mut admin)
+            .await
+            .map_err(error::<sqlx::Postgres>)?;
+        if live.as_deref() == Some(schema) || schema.starts_with("pg_") || schema == "information_schema" {
+            return Err(PortError::Permanent(format!(
+                "the shadow schema {schema:?} cannot be the live one or a system schema"
+            )));
+        }
         let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
         sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(&mut admin).await.map_err(error::<sqlx::Postgres>)?;
         let create = format!("CREATE SCHEMA \"{schema}\"");
