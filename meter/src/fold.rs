@@ -107,6 +107,9 @@ pub struct FoldReport {
     /// Corrections the fold refused, with why (`corrects: …`): the store
     /// dead-letters their records in the fold's transaction.
     pub refused: Vec<(ProjectId, EventId, String)>,
+    /// Of `totals`, those a correction took usage back from: the view
+    /// lowers them ([`crate::View::lower_totals`]; a fold only raises).
+    pub lowered: Vec<(ProjectId, Counter, Totals)>,
 }
 
 /// A counter's folded totals and when its window resets.
