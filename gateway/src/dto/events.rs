@@ -269,7 +269,26 @@ mod tests {
         e["occurred_at"] = json!("yesterday");
         assert_eq!(field(json!([e])), "events[0].occurred_at");
         let mut e = call(json!(1));
-        e["type"] = json!("correction");
+        e["type"] = json!("refund");
         assert_eq!(field(json!([e])), "events[0].type");
+        // A correction names its original, carries no attribution, and a void no quantity.
+        let mut e = call(json!(1));
+        e["type"] = json!("correction");
+        assert_eq!(field(json!([e])), "events[0].corrects");
+        let correction = |extra: serde_json::Value| {
+            let mut e = json!({"id": "x1", "type": "correction", "project_id": "proj_1",
+                               "occurred_at": "2026-07-07T12:00:00Z", "corrects": "e1"});
+            if let (Some(e), Some(x)) = (e.as_object_mut(), extra.as_object()) {
+                e.extend(x.clone());
+            }
+            json!([e])
+        };
+        assert_eq!(field(correction(json!({"void": true, "rows": 2}))), "events[0].rows");
+        assert_eq!(field(correction(json!({"actor_id": "u1"}))), "events[0].actor_id");
+        assert_eq!(field(correction(json!({"corrects": "a b"}))), "events[0].corrects");
+        assert_eq!(field(correction(json!({"void": "yes"}))), "events[0].void");
+        let ok: EventsBody = serde_json::from_value(json!({"events": correction(json!({"rows": 3}))})).expect("body");
+        let facts = Vec::<UsageFact>::try_from(ok).expect("a valid amend");
+        assert_eq!((facts[0].corrects.as_ref().map(|c| c.as_str()), facts[0].rows, facts[0].void), (Some("e1"), 3, false));
     }
 }
