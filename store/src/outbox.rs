@@ -209,7 +209,8 @@ impl<T: Transport> Shared<T> {
                     }
                     Err(e) => {
                         error!(log = self.transport.name(), error = %e, "record refused by the log for good; dropped");
-                        metrics::counter!("tollgate_publish_dropped_total", "log" => self.transport.name()).increment(1);
+                        metrics::counter!("tollgate_publish_dropped_total", "log" => self.transport.name())
+                            .increment(1);
                         settled += 1;
                         outcome = Err(e);
                     }
