@@ -5,7 +5,8 @@
 //!
 //! - **What the fold writes** is listed once, in [`FOLD_TABLES`]: the
 //!   durable totals, the breakdown by model, the unpriced rows, the storage
-//!   facts, the dedup set, the dead letters, the offsets and the newest
+//!   facts, the dedup set (with what each event counts now, which
+//!   corrections amend), the dead letters, the offsets and the newest
 //!   receipt. Those are compared and swapped; columns that are delivery
 //!   bookkeeping (a dead letter's mark, claim and whether it was published)
 //!   are neither compared nor swapped.
@@ -144,7 +145,8 @@ pub const FOLD_TABLES: &[FoldTable] = &[
     FoldTable {
         name: "processed_events",
         key: &[("project_id", Text), ("event_id", Text)],
-        values: &[("occurred_at", Time)],
+        // `counted`: what the event counts now, which corrections amend.
+        values: &[("occurred_at", Time), ("counted", Text)],
         scope: Scope::Since,
     },
     FoldTable {
