@@ -14,7 +14,10 @@
 //! | `tollgate_check_seconds` | | latency of a check (HTTP or Layer), from the caller named to the verdict |
 //! | `tollgate_checks_total` | `verdict` = admitted, refused, degraded, exempt, unavailable, error | checks by outcome |
 //! | `tollgate_view_unavailable_total` | `policy` = allow, deny, settle | decisions taken while the view was unreachable |
-//! | `tollgate_view_reseeds_total` | | projects re-seeded into the view from the store |
+//! | `tollgate_view_reseeds_total` | | projects re-seeded into the view (durable totals + log tail) |
+//! | `tollgate_view_reseed_tail_events_total` | | facts of the log tail those reseeds read |
+//! | `tollgate_view_stale_forgotten_total` | | projects found under another Redis server's marker (a restored snapshot) and forgotten before their reseed |
+//! | `tollgate_view_update_failures_total`, `tollgate_view_backlog_events`, `tollgate_view_backlog_dropped_total` | | the projector's view updates that failed, the folded events whose pending deltas still wait to be dropped, and those given up (backlog full) |
 //! | `tollgate_events_accepted_total` | | events acknowledged on `/v1/events` |
 //! | `tollgate_publish_failures_total`, `tollgate_publish_queue_depth` | | the log's write side, while it is unreachable |
 //! | `tollgate_projector_events_total` | `result` = folded, duplicate, dead_lettered | what the fold did |

@@ -3,6 +3,7 @@
 
 mod faults_fold;
 mod faults_outage;
+mod faults_view;
 mod harness;
 mod invariants;
 mod model;
