@@ -189,6 +189,28 @@ mod tests {
         assert_eq!(held, ["r2"]);
     }
 
+    /// A reservation outlives the fold of its request event: the recent
+    /// folded records restore it, unless a call (folded or not) settled it;
+    /// a recent fact adds no pending delta (the totals hold it), nor does
+    /// its copy on the tail.
+    #[test]
+    fn recent_folded_records_restore_reservations_only() {
+        let c = day_counter();
+        let recent = vec![
+            request(1, true, vec![c.clone()], Duration::seconds(30)),
+            request(2, true, vec![c.clone()], Duration::seconds(30)),
+            request(3, true, vec![c.clone()], Duration::seconds(30)),
+            call(1, Some(1)),
+        ];
+        let tail = vec![call(2, Some(2)), call(1, Some(1))];
+        let q = quotas(10);
+        let seed = seed_from_tail(Vec::new(), &recent, &tail, Tz::UTC, &PriceBook::default(), &Watched::of(&q), t0());
+        let held: Vec<&str> = seed.holds.iter().map(|h| h.reservation.as_str()).collect();
+        assert_eq!(held, ["r3"]);
+        let events: Vec<&str> = seed.pending.iter().map(|s| s.event.as_str()).collect();
+        assert_eq!(events, ["c2"], "c1 is folded already");
+    }
+
     #[test]
     fn closed_windows_and_unwatched_counters_are_left_out() {
         let q = quotas(10);
