@@ -188,7 +188,7 @@ async fn check(view: &dyn View, p: &ProjectId, plan: &CheckPlan, h: &Hold, at: D
 
 async fn seeded(view: &dyn View, totals: &[(Counter, Totals)]) -> ProjectId {
     let p = project();
-    view.seed(&p, &Seed::of_totals((totals).to_vec()), Utc::now()).await.expect("seed");
+    view.seed(&p, &Seed::of_totals(totals.to_vec()), Utc::now()).await.expect("seed");
     p
 }
 
@@ -461,7 +461,7 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None, "a fold does not mark the project seeded");
     view.seed(
         &p,
-        &Seed::of_totals((&[(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]).to_vec()),
+        &Seed::of_totals(vec![(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]),
         Utc::now(),
     )
     .await
@@ -469,7 +469,7 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() });
     view.seed(
         &p,
-        &Seed::of_totals((&[(c.clone(), Totals { requests: 7, calls: 2, rows: 9, ..Totals::default() })]).to_vec()),
+        &Seed::of_totals(vec![(c.clone(), Totals { requests: 7, calls: 2, rows: 9, ..Totals::default() })]),
         Utc::now(),
     )
     .await
@@ -477,7 +477,7 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 7, calls: 5, rows: 9, ..Totals::default() });
     // Exact beyond 2^53: totals are compared as decimal strings.
     let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10, ..Totals::default() };
-    view.seed(&p, &Seed::of_totals((&[(c.clone(), big)]).to_vec()), Utc::now()).await.expect("seed");
+    view.seed(&p, &Seed::of_totals(vec![(c.clone(), big)]), Utc::now()).await.expect("seed");
     view.seed(
         &p,
         &Seed::of_totals(vec![(
@@ -727,7 +727,7 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     // Stale totals (fewer or as many storage facts) change nothing, by fold or by seed.
     view.apply_fold(&p, &[(fp.clone(), held(900, 4))], &[], Utc::now()).await.expect("stale fold");
     view.apply_fold(&p, &[(fp.clone(), held(2_000, 6))], &[], Utc::now()).await.expect("same-count fold");
-    view.seed(&p, &Seed::of_totals((&[(fp.clone(), held(3_000, 5))]).to_vec()), Utc::now()).await.expect("late seed");
+    view.seed(&p, &Seed::of_totals(vec![(fp.clone(), held(3_000, 5))]), Utc::now()).await.expect("late seed");
     assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(400, 6) });
     // A total with no storage facts says nothing about the footprint.
     view.apply_fold(&p, &[(fp.clone(), Totals::default())], &[], Utc::now()).await.expect("empty fold");
@@ -743,7 +743,7 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     // A view seeded with a footprint for the first time takes it whatever its count.
     let fresh = seeded(view, &[(fp.clone(), held(0, 2))]).await;
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
-    view.seed(&fresh, &Seed::of_totals((&[(fp.clone(), held(70, 2))]).to_vec()), Utc::now()).await.expect("seed");
+    view.seed(&fresh, &Seed::of_totals(vec![(fp.clone(), held(70, 2))]), Utc::now()).await.expect("seed");
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
 }
 

@@ -122,8 +122,7 @@ async fn rush(env: &Env, secret: &str) -> Vec<(String, String)> {
         t.await.expect("client");
     }
     assert_eq!(refused.load(Ordering::SeqCst), 64, "every client ends refused");
-    let out = got.lock().expect("lock").clone();
-    out
+    got.lock().expect("lock").clone()
 }
 
 async fn view_loss(loss: Loss) {
