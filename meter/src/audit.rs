@@ -28,11 +28,18 @@ pub enum AuditAction {
     CreateQuota,
     UpdateQuota,
     DeleteQuota,
+    /// A correction folded: an event amended or voided.
+    CorrectEvent,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 4] =
-        [AuditAction::MonitorBreach, AuditAction::CreateQuota, AuditAction::UpdateQuota, AuditAction::DeleteQuota];
+    pub const ALL: [AuditAction; 5] = [
+        AuditAction::MonitorBreach,
+        AuditAction::CreateQuota,
+        AuditAction::UpdateQuota,
+        AuditAction::DeleteQuota,
+        AuditAction::CorrectEvent,
+    ];
 
     /// The IAM-style action string.
     pub fn as_str(self) -> &'static str {
@@ -41,6 +48,7 @@ impl AuditAction {
             AuditAction::CreateQuota => "quotas:CreateQuota",
             AuditAction::UpdateQuota => "quotas:UpdateQuota",
             AuditAction::DeleteQuota => "quotas:DeleteQuota",
+            AuditAction::CorrectEvent => "events:CorrectEvent",
         }
     }
 }
@@ -76,6 +84,16 @@ pub enum AuditDetail {
     },
     /// A quota created (`before` null), changed, or deleted (`after` null).
     QuotaChange { before: Option<Box<Quota>>, after: Option<Box<Quota>> },
+    /// A correction folded (see [`crate::correction`]): the event it amended
+    /// or voided, and what that event counted before and after.
+    EventCorrection {
+        original_id: String,
+        correction_id: String,
+        original_kind: String,
+        void: bool,
+        before: crate::correction::CorrectedQuantities,
+        after: crate::correction::CorrectedQuantities,
+    },
 }
 
 /// One entry of a project's audit log.
@@ -98,6 +116,10 @@ impl AuditEntry {
         match &self.detail {
             AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
             AuditDetail::QuotaChange { .. } => None,
+            // One entry per correction folded, whatever refolds it.
+            AuditDetail::EventCorrection { correction_id, .. } => {
+                Some(format!("correction/{}/{correction_id}", self.project_id))
+            }
         }
     }
 }

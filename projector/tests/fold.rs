@@ -511,6 +511,9 @@ impl meter::View for FlakyView {
         }
         self.inner.apply_fold(project, totals, events, at).await
     }
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(meter::Counter, meter::Totals)]) -> PortResult<()> {
+        self.inner.lower_totals(project, totals).await
+    }
     async fn usage(
         &self,
         project: &ProjectId,
