@@ -2,8 +2,8 @@
 //! folded live, then rebuilt from offset 0 into a shadow while the live
 //! projector runs, must give byte-identical aggregates — events received
 //! more than 35 days ago by the wall clock, a price put after some tokens
-//! events were received, a record dead-lettered (and dead-lettered once,
-//! never published again) — and a live aggregate tampered with must show as
+//! events were received, corrections, a record dead-lettered (and
+//! dead-lettered once, never published again) — and a live aggregate tampered with must show as
 //! a difference (exit status 1) that `--swap` repairs, after which checks
 //! see the right usage again.
 
@@ -171,6 +171,14 @@ async fn replay_rebuilds_identical_aggregates_while_the_projector_runs_and_swap_
     let (s, b) = post_events(&env.http, env.gw(), calls).await;
     assert_eq!(s, 202, "{b}");
     env.eventually(60, "the live fold", || async { env.durable(&pid, "p", "day").await.1 == 50 }).await;
+    // Corrections amend what the dedup set says two calls count.
+    let amend = |id: &str, of: &str, rows: u64| {
+        json!({"id": id, "type": "correction", "project_id": pid, "corrects": of,
+               "occurred_at": Utc::now().to_rfc3339(), "rows": rows})
+    };
+    let (s, b) = post_events(&env.http, env.gw(), vec![amend("x-0", "c-0", 5), amend("x-1", "c-1", 7)]).await;
+    assert_eq!(s, 202, "{b}");
+    env.eventually(60, "the corrections folded", || async { env.durable(&pid, "p", "day").await.2 == 88 }).await;
 
     // Traffic while the replay runs: the live projector keeps folding.
     let stop = Arc::new(AtomicBool::new(false));

@@ -5,7 +5,8 @@
 //!
 //! - **What the fold writes** is listed once, in [`FOLD_TABLES`]: the
 //!   durable totals, the breakdown by model, the unpriced rows, the storage
-//!   facts, the dedup set, the dead letters, the offsets and the newest
+//!   facts, the dedup set (with what each event counts now, which
+//!   corrections amend), the dead letters, the offsets and the newest
 //!   receipt. Those are compared and swapped; columns that are delivery
 //!   bookkeeping (a dead letter's mark, claim and whether it was published)
 //!   are neither compared nor swapped.
@@ -144,7 +145,8 @@ pub const FOLD_TABLES: &[FoldTable] = &[
     FoldTable {
         name: "processed_events",
         key: &[("project_id", Text), ("event_id", Text)],
-        values: &[("occurred_at", Time)],
+        // `counted`: what the event counts now, which corrections amend.
+        values: &[("occurred_at", Time), ("counted", Text)],
         scope: Scope::Since,
     },
     FoldTable {
@@ -614,6 +616,16 @@ impl SqlStore<sqlx::Postgres> {
         valid_schema(schema)?;
         let options: PgConnectOptions = url.parse().map_err(error::<sqlx::Postgres>)?;
         let mut admin = options.connect().await.map_err(error::<sqlx::Postgres>)?;
+        // Never the live schema (or a system one): it is about to be dropped.
+        let live: Option<String> = sqlx::query_scalar("SELECT current_schema()")
+            .fetch_one(&mut admin)
+            .await
+            .map_err(error::<sqlx::Postgres>)?;
+        if live.as_deref() == Some(schema) || schema.starts_with("pg_") || schema == "information_schema" {
+            return Err(PortError::Permanent(format!(
+                "the shadow schema {schema:?} cannot be the live one or a system schema"
+            )));
+        }
         let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
         sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(&mut admin).await.map_err(error::<sqlx::Postgres>)?;
         let create = format!("CREATE SCHEMA \"{schema}\"");
