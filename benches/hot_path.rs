@@ -283,7 +283,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
     let view_key = ApiKeyId::parse(view_kid)?;
     let quotas = store.quotas(&view_project).await?;
     let totals = store.open_totals(&view_project, chrono::Utc::now()).await?;
-    view.seed(&view_project, &totals).await?;
+    view.seed(&view_project, &meter::Seed::of_totals(totals), chrono::Utc::now()).await?;
     let script = {
         let (view, project, key, quotas) = (view.clone(), view_project.clone(), view_key.clone(), quotas.clone());
         sequential(200, REDIS_N, move || {

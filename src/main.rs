@@ -12,7 +12,7 @@ use gateway::state::SystemClock;
 use gateway::{AppState, Settings, ViewDownPolicy};
 use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
-use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, PublishOptions, RedisView, Retention};
+use store::{KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgStore, PublishOptions, RedisView, Retention};
 use tracing::info;
 
 mod apply;
@@ -183,6 +183,15 @@ struct ServeArgs {
     /// This instance's name on the events it emits.
     #[arg(long, env = "TOLLGATE_INSTANCE")]
     instance: Option<String>,
+    /// The projector's consumer name: a reseed of a lost view reads the
+    /// durable totals at its offsets, then the log past them.
+    #[arg(long, env = "TOLLGATE_CONSUMER", default_value = "tollgate-projector")]
+    consumer: String,
+    /// Before a reseed of a lost view, how long to wait for this gateway's
+    /// queued events to reach the log (a check fails by the view-down
+    /// policy meanwhile).
+    #[arg(long, env = "TOLLGATE_SEED_FLUSH_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    seed_flush_timeout: Duration,
 }
 
 #[derive(Args)]
@@ -277,7 +286,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(i) = args.instance {
         settings.instance = i;
     }
-    let state = AppState::new(Arc::new(store), Arc::new(view), log.clone(), Arc::new(SystemClock), settings);
+    let tail = gateway::seeding::TailSource {
+        tail: Arc::new(KafkaTail::new(&kafka)),
+        consumer: args.consumer,
+        topic: kafka.usage_topic(),
+        flush_timeout: args.seed_flush_timeout,
+        lease_horizon: args.lease + Duration::from_secs(30),
+    };
+    let state = AppState::new(Arc::new(store), Arc::new(view), log.clone(), Arc::new(SystemClock), settings)
+        .with_log_tail(tail);
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");

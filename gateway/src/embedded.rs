@@ -14,6 +14,7 @@ use store::{MemoryView, SqliteLog, SqliteStore};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::seeding::TailSource;
 use crate::state::{AppState, Settings};
 
 /// A running embedded Tollgate: the state to serve or layer, and its projector.
@@ -44,8 +45,17 @@ impl Embedded {
         let reader = log.reader();
         let topic = log.usage_topic().to_owned();
         let store: Arc<dyn Store> = Arc::new(store);
-        let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
-        let projector = Projector::new(reader, store, view, clock, ProjectorConfig::new(topic));
+        let config = ProjectorConfig::new(topic.clone());
+        let tail = TailSource {
+            tail: Arc::new(log.clone()),
+            consumer: config.consumer.clone(),
+            topic,
+            flush_timeout: std::time::Duration::from_secs(5),
+            lease_horizon: settings.lease + std::time::Duration::from_secs(30),
+        };
+        let state =
+            AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings).with_log_tail(tail);
+        let projector = Projector::new(reader, store, view, clock, config);
         let (stop, stopped) = oneshot::channel::<()>();
         let projector = tokio::spawn(projector.run(async move {
             let _ = stopped.await;

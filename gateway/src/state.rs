@@ -273,7 +273,7 @@ impl AppState {
     ) -> Self {
         let stores = Stores::of(store);
         AppState {
-            view: Arc::new(SeedingView::new(view, stores.ledger.clone())),
+            view: Arc::new(SeedingView::new(view, stores.clone(), log.clone(), None)),
             stores,
             log,
             clock,
@@ -281,6 +281,17 @@ impl AppState {
             cache: Arc::default(),
             breaches: Arc::default(),
         }
+    }
+
+    /// Seeds the view from the log's state — the durable totals and the log
+    /// tail past them (see [`crate::seeding`]) — rather than from the
+    /// durable totals alone. Every deployment that can read its log back
+    /// does this; without it a lost view forgets live reservations and
+    /// settled-but-unfolded usage.
+    pub fn with_log_tail(mut self, source: crate::seeding::TailSource) -> Self {
+        let inner = self.view.inner().clone();
+        self.view = Arc::new(SeedingView::new(inner, self.stores.clone(), self.log.clone(), Some(source)));
+        self
     }
 
     /// A cached lookup: the entry if fresh, else `load` (bounded by

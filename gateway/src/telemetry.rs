@@ -17,7 +17,10 @@
 //! | `tollgate_exempt_checks_total` | | checks by exempt callers (admins, exempt roles, break-glass) |
 //! | `tollgate_monitor_breaches_total` | | monitor-mode quotas a check found breached (admitted anyway) |
 //! | `tollgate_view_unavailable_total` | `policy` = allow, deny, settle | decisions taken while the view was unreachable |
-//! | `tollgate_view_reseeds_total` | | projects re-seeded into the view from the store |
+//! | `tollgate_view_reseeds_total` | | projects re-seeded into the view (durable totals + log tail) |
+//! | `tollgate_view_reseed_tail_events_total` | | facts of the log tail those reseeds read |
+//! | `tollgate_view_stale_forgotten_total` | | projects found under another Redis server's marker (a restored snapshot) and forgotten before their reseed |
+//! | `tollgate_view_update_failures_total`, `tollgate_view_backlog_events`, `tollgate_view_backlog_dropped_total` | | the projector's view updates that failed, the folded events whose pending deltas still wait to be dropped, and those given up (backlog full) |
 //! | `tollgate_config_stale_total` | | lookups answered from the configuration cache while the store was down |
 //! | `tollgate_events_accepted_total` | | events acknowledged on `/v1/events` |
 //! | `tollgate_events_unacknowledged_total`, `tollgate_request_events_unacknowledged_total` | | settles and request events the log did not acknowledge in time (kept queued) |

@@ -95,5 +95,5 @@ pub use tenant::{ApiKey, Grants, Project};
 pub use usage::{
     Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,
 };
-pub use view::{CounterUsage, Hold, ProjectDump, Settlement, ViewModel};
+pub use view::{CounterUsage, Hold, ProjectDump, Seed, SeedHold, Settlement, ViewModel, seed_from_tail};
 pub use window::{Window, WindowKind, window_at};

@@ -29,7 +29,7 @@ use crate::report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
 use crate::role::Role;
 use crate::tenant::{ApiKey, Project};
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
-use crate::view::{CounterUsage, Hold, Settlement};
+use crate::view::{CounterUsage, Hold, Seed, Settlement};
 use crate::window::WindowKind;
 
 /// Projects, API keys and roles.
@@ -168,6 +168,18 @@ pub trait Ledger: Send + Sync {
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.
     async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>>;
+    /// [`Ledger::open_totals`] with the offsets of `consumer` on `topic`
+    /// they stand at (per partition, the next record to fold; a partition
+    /// missing has folded nothing), read together in one snapshot: the log
+    /// past those offsets is exactly what the totals do not hold yet. What a
+    /// reseed of the view starts from.
+    async fn seed_totals(
+        &self,
+        project: &ProjectId,
+        consumer: &str,
+        topic: &str,
+        at: DateTime<Utc>,
+    ) -> PortResult<(BTreeMap<i32, i64>, Vec<(Counter, Totals)>)>;
     /// What the dedup set holds of a folded event, for the checks of a
     /// correction at ingest ([`crate::correction`]): `None` when it holds
     /// nothing (unknown, not folded yet, or purged). A store that keeps no
@@ -222,8 +234,20 @@ pub trait View: Send + Sync {
         hold: &Hold,
         at: DateTime<Utc>,
     ) -> PortResult<Option<CheckOutcome>>;
-    /// Loads durable totals into an unseeded project (never lowers a total).
-    async fn seed(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()>;
+    /// Seeds a project in one step (see [`Seed`]): raises its durable totals
+    /// (never lowers one), adds the tail's unfolded facts as a settle adds
+    /// them (not over an event already pending or folded), holds the tail's
+    /// live reservations (leases after `at`), and marks it seeded.
+    async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()>;
+    /// Before a seed: forgets what the view holds of a project under a marker
+    /// it no longer trusts (a Redis restored from a snapshot, whose marker
+    /// was written by another server instance), so the seed starts from
+    /// nothing rather than from the snapshot's old counts. True if it forgot
+    /// something. A view that cannot be restored has nothing to forget.
+    async fn forget_stale(&self, project: &ProjectId) -> PortResult<bool> {
+        let _ = project;
+        Ok(false)
+    }
     /// Records settled facts as pending and releases their reservations.
     /// A fact already pending is not added twice.
     async fn settle(&self, project: &ProjectId, settlements: &[Settlement], at: DateTime<Utc>) -> PortResult<()>;
@@ -231,10 +255,18 @@ pub trait View: Send + Sync {
     async fn unsettle(&self, project: &ProjectId, events: &[EventId]) -> PortResult<()>;
     /// Releases a reservation without settling it.
     async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()>;
-    /// After a durable fold: raises durable totals and drops the pending
-    /// deltas of the folded events.
-    async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId])
-    -> PortResult<()>;
+    /// After a durable fold at `at`: raises durable totals, drops the
+    /// pending deltas of the folded events and leaves a tombstone per event
+    /// (for [`TOMBSTONE_TTL`](crate::view::TOMBSTONE_TTL)) that a late
+    /// settle of it respects. Idempotent: applying it again changes nothing
+    /// but the tombstones' expiry.
+    async fn apply_fold(
+        &self,
+        project: &ProjectId,
+        totals: &[(Counter, Totals)],
+        events: &[EventId],
+        at: DateTime<Utc>,
+    ) -> PortResult<()>;
     /// After a durable fold of corrections that took usage back: lowers
     /// the durable sums of those counters to `totals` where they are above
     /// them (a fold only ever raises them). Counters the view does not
@@ -290,6 +322,28 @@ pub trait Log: Send + Sync {
         let _ = timeout;
         Ok(())
     }
+}
+
+/// A project's records of the usage log past given offsets, up to where the
+/// log ends when asked: the *tail* a reseed of the view reads after the
+/// durable totals ([`Ledger::seed_totals`]), so the seed holds what the
+/// projector has not folded yet (DESIGN §10) — and the records a little
+/// before those offsets, appended since a given instant, for the
+/// reservations still live (their request events are folded at once).
+#[async_trait]
+pub trait LogTail: Send + Sync {
+    /// Every record keyed by `project` at or past `from` (per partition; a
+    /// partition missing from `from` is read from its start) or appended at
+    /// or after `since` (by the log's timestamp), up to the end each
+    /// partition has when the call begins, in offset order per partition.
+    /// A record below its partition's `from` is folded already. Fails
+    /// (transient) rather than answer with less.
+    async fn tail(
+        &self,
+        project: &ProjectId,
+        from: &BTreeMap<i32, i64>,
+        since: DateTime<Utc>,
+    ) -> PortResult<Vec<LogRecord>>;
 }
 
 /// One record read from the log.

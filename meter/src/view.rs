@@ -4,11 +4,13 @@
 //! `MemoryView` runs and `RedisView`'s scripts are checked against.
 
 pub mod model;
+pub mod tail;
 
 pub use model::{
-    COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, Millis, ProjectDump, Values, ViewModel, counter_expiry, event_expiry,
-    hold_expiry,
+    COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, Millis, ProjectDump, TOMBSTONE_TTL, Values, ViewModel, counter_expiry,
+    event_expiry, hold_expiry, tombstone_expiry,
 };
+pub use tail::seed_from_tail;
 
 use chrono::{DateTime, Utc};
 
@@ -29,6 +31,36 @@ pub struct Settlement {
     pub event: EventId,
     pub reservation: Option<ReservationId>,
     pub deltas: Vec<(Counter, Totals)>,
+}
+
+/// What a (re)seed writes into a project's view, in one step: the durable
+/// totals as of some log offsets, and what the log holds past them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Seed {
+    pub totals: Vec<(Counter, Totals)>,
+    /// Facts of the log tail not folded yet, added as a settle adds them
+    /// (no reservation is released by them: the tail's settled
+    /// reservations are left out of `holds` instead).
+    pub pending: Vec<Settlement>,
+    /// Reservations of the tail's admitted request events that no call
+    /// event of the tail settled.
+    pub holds: Vec<SeedHold>,
+}
+
+impl Seed {
+    /// A seed of durable totals alone (nothing unfolded, nothing held).
+    pub fn of_totals(totals: Vec<(Counter, Totals)>) -> Seed {
+        Seed { totals, ..Seed::default() }
+    }
+}
+
+/// A live reservation a seed restores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeedHold {
+    pub reservation: ReservationId,
+    pub lease_until: DateTime<Utc>,
+    /// The counters it holds (its check's reserving counters).
+    pub counters: Vec<Counter>,
 }
 
 /// A counter as the view sees it.

@@ -651,7 +651,7 @@ impl Harness {
     fn new(at: DateTime<Utc>) -> Harness {
         let project = ProjectId::parse("p1").expect("id");
         let mut view = ViewModel::new();
-        view.seed(&project, &[], at);
+        view.seed(&project, &meter::Seed::default(), at);
         Harness {
             view,
             project,

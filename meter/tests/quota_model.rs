@@ -159,7 +159,7 @@ struct Counters {
 impl Default for Counters {
     fn default() -> Self {
         let mut view = ViewModel::new();
-        view.seed(&project(), &[], utc("2026-01-01T00:00:00Z"));
+        view.seed(&project(), &meter::Seed::default(), utc("2026-01-01T00:00:00Z"));
         Counters { totals: BTreeMap::new(), view: RefCell::new(view), checks: Cell::new(0) }
     }
 }

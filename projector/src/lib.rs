@@ -144,6 +144,18 @@ enum Sorted {
     Dead(String),
 }
 
+/// The most folded event ids the view backlog keeps (see
+/// [`Projector::flush_view_backlog`]).
+const MAX_VIEW_BACKLOG_EVENTS: usize = 1_000_000;
+
+/// What a project's view still has to learn of the fold: the newest durable
+/// totals per counter, and the events whose pending deltas to drop.
+#[derive(Debug, Default)]
+struct ViewUpdate {
+    totals: BTreeMap<CounterKey, (Counter, Totals)>,
+    events: BTreeSet<EventId>,
+}
+
 /// Pending dead letters claimed at once.
 const CLAIM: usize = 500;
 /// The longest wait between two attempts to publish dead letters.
@@ -168,6 +180,8 @@ pub struct Projector<R: LogReader> {
     /// some, and after a batch dead-lettered records; else a lease after the
     /// last look, when claims a dead projector held have lapsed.
     letters_check_at: Option<DateTime<Utc>>,
+    /// View updates not applied yet (the view failed), by project.
+    backlog: BTreeMap<ProjectId, ViewUpdate>,
 }
 
 impl<R: LogReader> Projector<R> {
@@ -192,6 +206,7 @@ impl<R: LogReader> Projector<R> {
             refusals: 0,
             last_purge: None,
             letters_check_at: None,
+            backlog: BTreeMap::new(),
         }
     }
 
@@ -258,6 +273,7 @@ impl<R: LogReader> Projector<R> {
         let records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
         let mut report = StepReport { read: records.len(), ..StepReport::default() };
         if records.is_empty() {
+            self.flush_view_backlog().await;
             self.purge().await;
             return Ok(report);
         }
@@ -322,17 +338,13 @@ impl<R: LogReader> Projector<R> {
                 events.entry(p).or_default().push(e);
             }
         }
-        type Folded = (Vec<(Counter, Totals)>, Vec<EventId>);
-        let mut per_project: BTreeMap<ProjectId, Folded> = BTreeMap::new();
-        for ((p, _), ct) in totals {
-            per_project.entry(p).or_default().0.push(ct);
+        for ((p, key), ct) in totals {
+            self.backlog.entry(p).or_default().totals.insert(key, ct);
         }
         for (p, e) in events {
-            per_project.entry(p).or_default().1 = e;
+            self.backlog.entry(p).or_default().events.extend(e);
         }
-        for (project, (totals, events)) in per_project {
-            self.update_view(&project, &totals, &events).await;
-        }
+        self.flush_view_backlog().await;
         for (project, totals) in lowered {
             self.lower_view(&project, &totals).await;
         }
@@ -448,21 +460,59 @@ impl<R: LogReader> Projector<R> {
         }
     }
 
-    async fn update_view(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId]) {
-        let mut delay = Duration::from_millis(50);
-        for attempt in 0..6 {
-            match self.view.apply_fold(project, totals, events).await {
-                Ok(()) => return,
-                Err(e) => {
-                    warn!(error = %e, %project, attempt, "view update failed");
-                    metrics::counter!("tollgate_view_update_failures_total").increment(1);
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
+    /// Brings the view up to date with everything folded so far: each
+    /// project's update of the backlog is tried (up to three times, briefly
+    /// apart); one that still fails stays in the backlog, merged with the
+    /// next batches' (the newest totals per counter, every event id), and
+    /// is tried again at the next step — also when the log is idle. So the
+    /// pending deltas of a folded event are dropped whenever the view is
+    /// back, however many updates failed meanwhile (DESIGN §10).
+    async fn flush_view_backlog(&mut self) {
+        if self.backlog.is_empty() {
+            return;
+        }
+        let at = self.clock.now();
+        let projects: Vec<ProjectId> = self.backlog.keys().cloned().collect();
+        for project in projects {
+            let Some(update) = self.backlog.get(&project) else { continue };
+            let totals: Vec<(Counter, Totals)> = update.totals.values().cloned().collect();
+            let events: Vec<EventId> = update.events.iter().cloned().collect();
+            let mut delay = Duration::from_millis(20);
+            let mut done = false;
+            for attempt in 0..3 {
+                match self.view.apply_fold(&project, &totals, &events, at).await {
+                    Ok(()) => {
+                        done = true;
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(error = %e, %project, attempt, "view update failed; kept for the next step");
+                        metrics::counter!("tollgate_view_update_failures_total").increment(1);
+                        if attempt < 2 {
+                            tokio::time::sleep(delay).await;
+                            delay *= 2;
+                        }
+                    }
                 }
             }
+            if done {
+                self.backlog.remove(&project);
+            } else {
+                // The view is down: the others would fail alike.
+                break;
+            }
         }
-        // The store is right; the view catches up at the next fold of these
-        // counters, or is re-seeded from the store if it was lost.
+        let mut held: usize = self.backlog.values().map(|u| u.events.len()).sum();
+        while held > MAX_VIEW_BACKLOG_EVENTS {
+            // Bounded: the oldest projects' updates go first. Their pending
+            // deltas then over-count until their indexes expire (a view down
+            // this long has usually lost them anyway, and is re-seeded).
+            let Some((project, update)) = self.backlog.pop_first() else { break };
+            warn!(%project, events = update.events.len(), "view backlog full; an update is dropped");
+            metrics::counter!("tollgate_view_backlog_dropped_total").increment(update.events.len() as u64);
+            held -= update.events.len();
+        }
+        metrics::gauge!("tollgate_view_backlog_events").set(held as f64);
     }
 
     /// Lowers the counters corrections took usage back from (after

@@ -469,3 +469,101 @@ async fn the_dedup_set_is_purged_from_the_folds_position_whatever_the_clock() {
     // The clock says 2031; the fold is at 1 June: March is past 35 + 7 days before it, June is not.
     assert_eq!(ids, ["june"]);
 }
+
+/// A view whose fold updates fail while `down` (Redis unreachable).
+struct FlakyView {
+    inner: MemoryView,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait]
+impl meter::View for FlakyView {
+    async fn check(
+        &self,
+        project: &ProjectId,
+        plan: &meter::CheckPlan,
+        hold: &meter::Hold,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<meter::CheckOutcome>> {
+        self.inner.check(project, plan, hold, at).await
+    }
+    async fn seed(&self, project: &ProjectId, seed: &meter::Seed, at: DateTime<Utc>) -> PortResult<()> {
+        self.inner.seed(project, seed, at).await
+    }
+    async fn settle(&self, project: &ProjectId, s: &[meter::Settlement], at: DateTime<Utc>) -> PortResult<()> {
+        self.inner.settle(project, s, at).await
+    }
+    async fn unsettle(&self, project: &ProjectId, events: &[EventId]) -> PortResult<()> {
+        self.inner.unsettle(project, events).await
+    }
+    async fn release(&self, project: &ProjectId, reservation: &meter::ReservationId) -> PortResult<()> {
+        self.inner.release(project, reservation).await
+    }
+    async fn apply_fold(
+        &self,
+        project: &ProjectId,
+        totals: &[(meter::Counter, meter::Totals)],
+        events: &[EventId],
+        at: DateTime<Utc>,
+    ) -> PortResult<()> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(PortError::Transient("the view is down".into()));
+        }
+        self.inner.apply_fold(project, totals, events, at).await
+    }
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(meter::Counter, meter::Totals)]) -> PortResult<()> {
+        self.inner.lower_totals(project, totals).await
+    }
+    async fn usage(
+        &self,
+        project: &ProjectId,
+        counter: &meter::CounterKey,
+        at: DateTime<Utc>,
+    ) -> PortResult<Option<meter::CounterUsage>> {
+        self.inner.usage(project, counter, at).await
+    }
+}
+
+/// A view update that fails (many times) is kept and applied once the view
+/// answers again, also with nothing new on the log: the settled event's
+/// pending delta is dropped, never counted twice (DESIGN §10).
+#[tokio::test]
+async fn a_failed_view_update_is_retried_until_its_pending_deltas_are_dropped() {
+    use meter::View;
+    let rig = Rig::new().await;
+    let at = utc("2031-03-03T03:00:00Z");
+    let fact = call("c1", at, Some(at));
+    let deltas = meter::usage::counters_for(&fact, chrono_tz::Tz::UTC, &meter::PriceBook::default());
+    let day = deltas
+        .iter()
+        .find(|(c, _)| c.key.dimension == meter::Dimension::Project && c.key.window == meter::WindowKind::Day)
+        .map(|(c, _)| c.clone())
+        .expect("the project's day counter");
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let view = Arc::new(FlakyView { inner: rig.view.clone(), down: down.clone() });
+    view.seed(&pid(), &meter::Seed::default(), at).await.expect("seed");
+    let s = meter::Settlement { event: fact.id.clone(), reservation: None, deltas };
+    view.settle(&pid(), std::slice::from_ref(&s), at).await.expect("settle");
+    rig.publish(std::slice::from_ref(&fact)).await;
+
+    let reader = Reader { inner: rig.log.reader(), dlq: rig.dlq.clone() };
+    let mut p =
+        Projector::new(reader, Arc::new(rig.store.clone()), view.clone(), Arc::new(rig.clock.clone()), rig.config());
+    p.start().await.expect("start");
+    let r = p.step().await.expect("step");
+    assert_eq!(r.folded, 1);
+    for _ in 0..7 {
+        p.step().await.expect("an idle step, the view still down");
+    }
+    let read = |v: Arc<FlakyView>, c: meter::CounterKey| async move {
+        let u = v.usage(&pid(), &c, at).await.expect("usage").expect("seeded");
+        (u.durable.calls, u.pending.calls)
+    };
+    assert_eq!(read(view.clone(), day.key.clone()).await, (0, 1), "the view missed the fold");
+    down.store(false, Ordering::SeqCst);
+    p.step().await.expect("an idle step, the view back");
+    assert_eq!(read(view.clone(), day.key.clone()).await, (1, 0), "durable, and the pending delta dropped");
+    // A late settle of the folded event adds nothing (the fold's tombstone).
+    view.settle(&pid(), std::slice::from_ref(&s), at).await.expect("late settle");
+    assert_eq!(read(view, day.key).await, (1, 0));
+}

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
+use meter::{DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact};
 use rdkafka::admin::{
     AdminClient, AdminOptions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
 };
@@ -600,6 +600,124 @@ impl LogReader for KafkaReader {
             .instrument(info_span!("datastore", op = "kafka.dlq_scan"))
             .await
             .map_err(|e| PortError::Transient(format!("reading the DLQ: {e}")))?
+    }
+}
+
+/// Reads a project's tail of the usage topic for a reseed ([`LogTail`]):
+/// one consumer of its own, made at the first reseed and kept (no group
+/// offsets are read or written; each call assigns afresh), reading each
+/// partition from the given offset to the high watermark it had when the
+/// call began, keeping the project's records. Calls take turns.
+#[derive(Clone)]
+pub struct KafkaTail {
+    config: KafkaConfig,
+    consumer: Arc<Mutex<Option<BaseConsumer>>>,
+}
+
+/// How long reading a tail may take before it is a transient failure.
+pub const TAIL_DEADLINE: Duration = Duration::from_secs(30);
+
+impl KafkaTail {
+    pub fn new(config: &KafkaConfig) -> Self {
+        KafkaTail { config: config.clone(), consumer: Arc::new(Mutex::new(None)) }
+    }
+}
+
+#[async_trait]
+impl LogTail for KafkaTail {
+    async fn tail(
+        &self,
+        project: &ProjectId,
+        from: &BTreeMap<i32, i64>,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> PortResult<Vec<LogRecord>> {
+        let (config, slot) = (self.config.clone(), Arc::clone(&self.consumer));
+        let since = since.timestamp_millis();
+        let (topic, key, from) = (self.config.usage_topic(), project.as_str().as_bytes().to_vec(), from.clone());
+        // librdkafka's metadata, watermark and poll calls block.
+        tokio::task::spawn_blocking(move || {
+            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            if slot.is_none() {
+                let consumer: BaseConsumer = config
+                    .client()
+                    .set("group.id", "tollgate-view-seed")
+                    .set("enable.auto.commit", "false")
+                    .set("enable.auto.offset.store", "false")
+                    .set("auto.offset.reset", "earliest")
+                    .set("enable.partition.eof", "false")
+                    .set("fetch.wait.max.ms", "20")
+                    .create()
+                    .map_err(kafka_err)?;
+                *slot = Some(consumer);
+            }
+            let Some(consumer) = slot.as_ref() else {
+                return Err(PortError::Transient("no tail consumer".into()));
+            };
+            let out = tail_of(consumer, &topic, &key, &from, since);
+            // Leave no assignment behind: the next tail assigns afresh.
+            let _ = consumer.unassign();
+            out
+        })
+        .instrument(info_span!("datastore", op = "kafka.tail"))
+        .await
+        .map_err(|e| PortError::Transient(format!("reading the log tail: {e}")))?
+    }
+}
+
+/// The records keyed `key` of `topic` from `from` (or from the first
+/// record timestamped at or after `since`, ms, when that is earlier) to the
+/// ends it has now.
+fn tail_of(
+    reader: &BaseConsumer,
+    topic: &str,
+    key: &[u8],
+    from: &BTreeMap<i32, i64>,
+    since: i64,
+) -> PortResult<Vec<LogRecord>> {
+    let ends = ends(reader, topic)?;
+    let mut by_time = TopicPartitionList::new();
+    for &p in ends.keys() {
+        by_time.add_partition_offset(topic, p, Offset::Offset(since)).map_err(kafka_err)?;
+    }
+    let by_time = reader.offsets_for_times(by_time, Duration::from_secs(10)).map_err(kafka_err)?;
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for (&p, &end) in &ends {
+        // No record that recent: the partition's end.
+        let recent = match by_time.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => end,
+        };
+        let start = from.get(&p).copied().unwrap_or(0).min(recent);
+        if start < end {
+            tpl.add_partition_offset(topic, p, Offset::Offset(start)).map_err(kafka_err)?;
+            next.insert(p, start);
+        }
+    }
+    let mut out = Vec::new();
+    if next.is_empty() {
+        return Ok(out);
+    }
+    reader.assign(&tpl).map_err(kafka_err)?;
+    let started = std::time::Instant::now();
+    loop {
+        if next.iter().all(|(p, o)| *o >= ends[p]) {
+            return Ok(out);
+        }
+        if started.elapsed() > TAIL_DEADLINE {
+            return Err(PortError::Transient(format!("reading the tail of {topic} took over {TAIL_DEADLINE:?}")));
+        }
+        let Some(m) = reader.poll(Duration::from_millis(100)) else { continue };
+        let m = m.map_err(kafka_err)?;
+        // Past the end taken at the start: a later record is the fold's, not the seed's.
+        if m.offset() >= ends.get(&m.partition()).copied().unwrap_or(0) {
+            next.insert(m.partition(), m.offset() + 1);
+            continue;
+        }
+        next.insert(m.partition(), m.offset() + 1);
+        if m.key() == Some(key) {
+            out.push(record_of(&m));
+        }
     }
 }
 

@@ -41,7 +41,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, TimeDelta, Utc};
 use meter::{
     CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Hold, PortResult, ProjectDump, ProjectId,
-    ReservationId, Settlement, Totals, View, ViewModel,
+    ReservationId, Seed, Settlement, Totals, View, ViewModel,
 };
 
 /// How often (in the model's time) expired records are swept from memory.
@@ -121,8 +121,8 @@ impl View for MemoryView {
         self.with(|m| m.check(project, plan, hold, at))
     }
 
-    async fn seed(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
-        self.with(|m| m.seed(project, totals, m.now()));
+    async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()> {
+        self.with(|m| m.seed(project, seed, at));
         Ok(())
     }
 
@@ -146,8 +146,9 @@ impl View for MemoryView {
         project: &ProjectId,
         totals: &[(Counter, Totals)],
         events: &[EventId],
+        at: DateTime<Utc>,
     ) -> PortResult<()> {
-        self.with(|m| m.apply_fold(project, totals, events, m.now()));
+        self.with(|m| m.apply_fold(project, totals, events, at));
         Ok(())
     }
 

@@ -108,6 +108,12 @@ impl Backend for Postgres {
         pool.begin()
     }
 
+    fn begin_snapshot(
+        pool: &Pool<Postgres>,
+    ) -> impl Future<Output = Result<Transaction<'static, Postgres>, sqlx::Error>> + Send {
+        pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+    }
+
     async fn migrate(pool: &Pool<Postgres>) -> Result<(), MigrateError> {
         sqlx::migrate!("../migrations").run(pool).await
     }

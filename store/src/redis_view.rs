@@ -29,12 +29,17 @@
 //! | `P{p}:c:<counter>` | hash | `t_<f>` (durable) and `p_<f>` (pending) for each [`Field`] `f` by its short name ([`Field::as_str`]), a missing field being 0; expires one hour after the window resets |
 //! | `P{p}:r:<counter>` | zset | reservation id → lease expiry (ms) |
 //! | `P{p}:res:<rid>` | set | the counters a reservation holds; expires at lease + [`LEASE_GRACE`] |
-//! | `P{p}:ev:<event>` | hash | counter → the value list (signed decimals in [`Field::ALL`] order, trailing zeros left out) that event added to pending; expires [`EVENT_INDEX_TTL`] after the `at` of its last write |
-//! | `P{p}:loaded` | string | the durable totals were seeded |
+//! | `P{p}:ev:<event>` | hash | counter → the value list (signed decimals in [`Field::ALL`] order, trailing zeros left out) that event added to pending; expires [`EVENT_INDEX_TTL`] after the `at` of its last write; once folded, a tombstone (the one field `~`) until [`TOMBSTONE_TTL`] after the fold |
+//! | `P{p}:loaded` | string | the `run_id` of the server that seeded the project ([`RedisView::run_id`]) |
 //!
 //! `<counter>` is [`CounterKey::encode`]. Without the `loaded` marker a check
-//! answers `None` (the caller seeds from the store and checks again), so a
-//! flushed Redis never admits against zero.
+//! answers `None` (the caller seeds from the store and the log tail, and
+//! checks again), so a flushed Redis never admits against zero; a marker
+//! holding another server's `run_id` (a restart from an older snapshot, a
+//! promoted replica) reads as no marker, so restored old counts are never
+//! trusted: the seeder deletes them ([`View::forget_stale`]) and seeds afresh.
+//! Comparing it costs each check and usage read one `INFO server` inside
+//! its script.
 //!
 //! ## Limits
 //!
@@ -83,13 +88,13 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::view::model::{
     CounterRecord, EventRecord, HoldRecord, LeaseRecord, Values, event_expiry, hold_expiry, merged_deltas, sum_field,
-    validate_plan,
+    tombstone_expiry, validate_plan,
 };
 #[cfg(doc)]
-use meter::view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE};
+use meter::view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, TOMBSTONE_TTL};
 use meter::{
     CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError, PortResult,
-    ProjectDump, ProjectId, ReservationId, Settlement, Totals, View,
+    ProjectDump, ProjectId, ReservationId, Seed, Settlement, Totals, View,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
@@ -99,7 +104,7 @@ const COMMON: &str = include_str!("lua/common.lua");
 
 /// The scripts' bodies, by name (each is prefixed with [`fields_prelude`]
 /// and `common.lua`).
-const BODIES: [(&str, &str); 8] = [
+const BODIES: [(&str, &str); 9] = [
     ("check", include_str!("lua/check.lua")),
     ("settle", include_str!("lua/settle.lua")),
     ("unsettle", include_str!("lua/unsettle.lua")),
@@ -108,6 +113,7 @@ const BODIES: [(&str, &str); 8] = [
     ("lower", include_str!("lua/lower.lua")),
     ("seed", include_str!("lua/seed.lua")),
     ("usage", include_str!("lua/usage.lua")),
+    ("forget", include_str!("lua/forget.lua")),
 ];
 
 /// The Lua every script starts with, generated from [`Field::ALL`] and
@@ -145,6 +151,7 @@ struct Scripts {
     lower: Script,
     seed: Script,
     usage: Script,
+    forget: Script,
 }
 
 impl Scripts {
@@ -162,6 +169,7 @@ impl Scripts {
             lower: s("lower"),
             seed: s("seed"),
             usage: s("usage"),
+            forget: s("forget"),
         }
     }
 }
@@ -257,16 +265,30 @@ impl RedisView {
         }
     }
 
-    /// One project's keys read back into the model's comparable form
-    /// ([`ProjectDump`]), for tests and debugging: a `SCAN` over the
-    /// project's keys, then one `MULTI` per key (its content and
-    /// `PEXPIRETIME`). Not atomic and not cheap: never on the hot path.
-    /// A key that expires meanwhile is left out; a key this view does not
-    /// write is an error.
-    pub async fn dump(&self, project: &ProjectId) -> PortResult<ProjectDump> {
+    /// The `run_id` of the Redis server this view talks to now. A project's
+    /// `loaded` marker holds the `run_id` of the server that seeded it: a
+    /// server restarted (from a snapshot or not) or a promoted replica has
+    /// another, so a marker it restored is not trusted (the scripts compare
+    /// it with `INFO server` themselves, at every check and usage read).
+    pub async fn run_id(&self) -> PortResult<String> {
+        let mut conn = self.conn.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn)
+            .instrument(tracing::debug_span!("datastore", op = "info"))
+            .await
+            .map_err(|e| classify("info", &e))?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("run_id:"))
+            .map(|s| s.trim().to_owned())
+            .ok_or_else(|| PortError::Permanent("redis INFO server has no run_id".into()))
+    }
+
+    /// Every key of one project (a `SCAN`; not atomic, never on the hot path).
+    async fn project_keys(&self, project: &ProjectId) -> PortResult<Vec<String>> {
         let base = self.base(project);
         let mut conn = self.conn.clone();
-        let span = tracing::debug_span!("datastore", op = "dump", project = %project);
+        let span = tracing::debug_span!("datastore", op = "scan", project = %project);
         let mut keys: Vec<String> = Vec::new();
         let mut cursor: u64 = 0;
         loop {
@@ -279,7 +301,7 @@ impl RedisView {
                 .query_async(&mut conn)
                 .instrument(span.clone())
                 .await
-                .map_err(|e| classify("dump", &e))?;
+                .map_err(|e| classify("scan", &e))?;
             keys.extend(batch);
             if next == 0 {
                 break;
@@ -288,6 +310,21 @@ impl RedisView {
         }
         keys.sort();
         keys.dedup();
+        Ok(keys)
+    }
+
+    /// One project's keys read back into the model's comparable form
+    /// ([`ProjectDump`]), for tests and debugging: a `SCAN` over the
+    /// project's keys, then one `MULTI` per key (its content and
+    /// `PEXPIRETIME`). Not atomic and not cheap: never on the hot path.
+    /// A key that expires meanwhile is left out; a key this view does not
+    /// write is an error.
+    pub async fn dump(&self, project: &ProjectId) -> PortResult<ProjectDump> {
+        let base = self.base(project);
+        let mut conn = self.conn.clone();
+        let span = tracing::debug_span!("datastore", op = "dump", project = %project);
+        let keys = self.project_keys(project).await?;
+        let run_id = self.run_id().await?;
         let bad = |key: &str, what: &str| PortError::Permanent(format!("redis dump: {key}: {what}"));
         let mut dump = ProjectDump::default();
         for key in keys {
@@ -304,7 +341,13 @@ impl RedisView {
             // PEXPIRETIME: -2 the key is gone, -1 it never expires.
             let expiry = |t: i64| (t >= 0).then_some(t);
             if rest == "loaded" {
-                dump.loaded = true;
+                let marker: Option<String> = redis::cmd("GET")
+                    .arg(&key)
+                    .query_async(&mut conn)
+                    .instrument(span.clone())
+                    .await
+                    .map_err(|e| classify("dump", &e))?;
+                dump.loaded = marker.as_deref() == Some(run_id.as_str());
             } else if let Some(name) = rest.strip_prefix("c:") {
                 let (fields, t): (Vec<(String, String)>, i64) = read("HGETALL")
                     .query_async(&mut conn)
@@ -371,6 +414,10 @@ impl RedisView {
                 let event = EventId::parse(event).map_err(|e| bad(&key, &e.to_string()))?;
                 let mut rec = EventRecord { expires: expiry(t), ..EventRecord::default() };
                 for (name, list) in fields {
+                    if name == TOMBSTONE {
+                        rec.folded = true;
+                        continue;
+                    }
                     let v = parse_value_list(&list).ok_or_else(|| bad(&key, &format!("value list {list:?}")))?;
                     rec.deltas.insert(name, v);
                 }
@@ -416,6 +463,14 @@ fn classify(op: &str, e: &RedisError) -> PortError {
         || e.code() == Some("BUSY");
     let msg = format!("redis {op}: {e}");
     if transient { PortError::Transient(msg) } else { PortError::Permanent(msg) }
+}
+
+/// The field of an event index that makes it a tombstone (common.lua).
+const TOMBSTONE: &str = "~";
+
+/// [`LEASE_GRACE`](meter::view::LEASE_GRACE) in ms.
+fn grace_ms() -> i64 {
+    i64::try_from(meter::view::LEASE_GRACE.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn ms(at: DateTime<Utc>) -> i64 {
@@ -546,16 +601,47 @@ impl View for RedisView {
         Ok(Some(CheckOutcome { admitted: admitted == "1", used: used.iter().map(|u| parse_used(u)).collect() }))
     }
 
-    async fn seed(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
+    async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()> {
         let base = self.base(project);
         let mut inv = self.scripts.seed.prepare_invoke();
         inv.key(format!("{base}loaded"));
-        for (c, t) in totals {
-            inv.key(format!("{base}c:{}", c.key.encode()));
+        inv.arg(base.as_str()).arg(event_expiry(at).to_string()).arg(ms(at).to_string());
+        inv.arg(seed.totals.len().to_string());
+        for (c, t) in &seed.totals {
+            inv.arg(c.key.encode());
             durable_args(&mut inv, c, t);
+        }
+        inv.arg(seed.pending.len().to_string());
+        for s in &seed.pending {
+            let deltas = merged_deltas(&s.deltas);
+            inv.arg(s.event.as_str()).arg(deltas.len().to_string());
+            for d in deltas {
+                inv.arg(d.name.as_str()).arg(expiry_arg(d.expires)).arg(value_list(&d.values));
+            }
+        }
+        inv.arg(seed.holds.len().to_string());
+        for h in &seed.holds {
+            inv.arg(h.reservation.as_str())
+                .arg(ms(h.lease_until).to_string())
+                .arg(ms(h.lease_until).saturating_add(grace_ms()).to_string())
+                .arg(h.counters.len().to_string());
+            for c in &h.counters {
+                inv.arg(c.key.encode());
+            }
         }
         let _: i64 = self.run("seed", project, &inv).await?;
         Ok(())
+    }
+
+    /// A marker that is not this server's (see [`RedisView::run_id`]): the
+    /// project's keys are what a snapshot held, so they are deleted, with
+    /// the test of the marker, in one script (`forget.lua`).
+    async fn forget_stale(&self, project: &ProjectId) -> PortResult<bool> {
+        let base = self.base(project);
+        let mut inv = self.scripts.forget.prepare_invoke();
+        inv.key(format!("{base}loaded")).arg(format!("{}*", glob_escape(&base)));
+        let forgot: i64 = self.run("forget_stale", project, &inv).await?;
+        Ok(forgot == 1)
     }
 
     async fn settle(&self, project: &ProjectId, settlements: &[Settlement], at: DateTime<Utc>) -> PortResult<()> {
@@ -616,13 +702,14 @@ impl View for RedisView {
         project: &ProjectId,
         totals: &[(Counter, Totals)],
         events: &[EventId],
+        at: DateTime<Utc>,
     ) -> PortResult<()> {
         if totals.is_empty() && events.is_empty() {
             return Ok(());
         }
         let base = self.base(project);
         let mut inv = self.scripts.fold.prepare_invoke();
-        inv.arg(base.as_str()).arg(totals.len().to_string());
+        inv.arg(base.as_str()).arg(tombstone_expiry(at).to_string()).arg(totals.len().to_string());
         for (c, t) in totals {
             inv.key(format!("{base}c:{}", c.key.encode()));
             durable_args(&mut inv, c, t);

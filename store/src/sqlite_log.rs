@@ -83,7 +83,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
+use meter::{DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact};
 use sqlx::Row;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -403,6 +403,38 @@ impl Writer {
             rest = after;
         }
         tx.commit().await.map_err(log_err)
+    }
+}
+
+/// A project's tail of the embedded log, for a reseed of the view.
+#[async_trait]
+impl LogTail for SqliteLog {
+    async fn tail(
+        &self,
+        project: &ProjectId,
+        from: &BTreeMap<i32, i64>,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> PortResult<Vec<LogRecord>> {
+        let start = from.get(&PARTITION).copied().unwrap_or(0);
+        // One statement: the end is where the log stands when it runs. The
+        // append times are RFC 3339 in UTC with milliseconds, so they compare
+        // as text.
+        let rows = sqlx::query(
+            r#"SELECT "offset", key, payload, appended_at FROM log_records
+               WHERE topic = ?1 AND "partition" = ?2 AND key = ?4
+                 AND ("offset" >= ?3 OR appended_at >= ?5)
+               ORDER BY "offset""#,
+        )
+        .bind(&self.appender.topic)
+        .bind(PARTITION)
+        .bind(start)
+        .bind(project.as_str().as_bytes())
+        .bind(since.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .fetch_all(&self.appender.pool)
+        .instrument(info_span!("datastore", op = "sqlite.tail"))
+        .await
+        .map_err(log_err)?;
+        rows.iter().map(|row| record_of(PARTITION, row)).collect()
     }
 }
 

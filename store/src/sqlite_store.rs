@@ -173,6 +173,14 @@ impl Backend for Sqlite {
         pool.begin_with("BEGIN IMMEDIATE")
     }
 
+    fn begin_snapshot(
+        pool: &Pool<Sqlite>,
+    ) -> impl Future<Output = Result<Transaction<'static, Sqlite>, sqlx::Error>> + Send {
+        // A deferred transaction reads one snapshot from its first read on
+        // (WAL), or holds the shared lock that keeps writers out.
+        pool.begin_with("BEGIN")
+    }
+
     async fn migrate(pool: &Pool<Sqlite>) -> Result<(), MigrateError> {
         sqlx::migrate!("../migrations/sqlite").run(pool).await
     }

@@ -23,8 +23,8 @@ use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
     Caller, CheckInput, CheckOutcome, CheckPlan, Counter, CounterKey, Dimension, EventId, Field, Hold, LimitKind,
-    Metric, Mode, PlannedLimit, ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope, Settlement, Totals, View,
-    WindowKind, plan_check, window_at,
+    Metric, Mode, PlannedLimit, ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope, Seed, Settlement, Totals,
+    View, WindowKind, plan_check, window_at,
 };
 use store::{MemoryView, RedisView};
 use uuid::Uuid;
@@ -188,7 +188,7 @@ async fn check(view: &dyn View, p: &ProjectId, plan: &CheckPlan, h: &Hold, at: D
 
 async fn seeded(view: &dyn View, totals: &[(Counter, Totals)]) -> ProjectId {
     let p = project();
-    view.seed(&p, totals).await.expect("seed");
+    view.seed(&p, &Seed::of_totals(totals.to_vec()), Utc::now()).await.expect("seed");
     p
 }
 
@@ -221,7 +221,7 @@ async fn suite_unseeded_project_answers_none_and_changes_nothing(view: &dyn View
     let h = hold(at + Duration::seconds(30));
     assert_eq!(view.check(&p, &pl, &h, at).await.expect("check"), None);
     assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None);
-    view.seed(&p, &[]).await.expect("seed");
+    view.seed(&p, &Seed::default(), Utc::now()).await.expect("seed");
     let u = usage(view, &p, &c, at).await;
     assert_eq!(u, meter::CounterUsage::default(), "the unseeded check counted or reserved something");
 }
@@ -361,21 +361,31 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     // The projector folded the request event and the call event.
     let folded = Totals { requests: 5, calls: 11, rows: 105, ..Totals::default() };
     let events = [h.request_event.clone(), s.event.clone()];
-    view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold");
+    view.apply_fold(&p, &[(c.clone(), folded)], &events, Utc::now()).await.expect("fold");
     let u = usage(view, &p, &c, at).await;
     assert_eq!((u.durable, u.pending), (folded, Totals::default()));
     assert_eq!(probe(view, &p, &c, at).await, before, "usage changed across the fold");
     // The same fold delivered again changes nothing; an older total never lowers.
-    view.apply_fold(&p, &[(c.clone(), folded)], &events).await.expect("fold again");
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })], &[])
-        .await
-        .expect("stale fold");
+    view.apply_fold(&p, &[(c.clone(), folded)], &events, Utc::now()).await.expect("fold again");
+    view.apply_fold(
+        &p,
+        &[(c.clone(), Totals { requests: 1, calls: 1, rows: 1, ..Totals::default() })],
+        &[],
+        Utc::now(),
+    )
+    .await
+    .expect("stale fold");
     let u = usage(view, &p, &c, at).await;
     assert_eq!((u.durable, u.pending), (folded, Totals::default()));
     // A fold of an event the view never saw only raises totals.
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() })], &[event()])
-        .await
-        .expect("fold");
+    view.apply_fold(
+        &p,
+        &[(c.clone(), Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() })],
+        &[event()],
+        Utc::now(),
+    )
+    .await
+    .expect("fold");
     assert_eq!(
         usage(view, &p, &c, at).await.durable,
         Totals { requests: 5, calls: 12, rows: 106, ..Totals::default() }
@@ -399,7 +409,7 @@ async fn suite_a_correction_lowers_durable_sums_and_nothing_else(view: &dyn View
     // A void of a call of 5 rows: 3 calls, 13 rows now; requests stay.
     let lowered = Totals { requests: 4, calls: 3, rows: 13, ..Totals::default() };
     // The fold's raise leaves it as it was …
-    view.apply_fold(&p, &[(c.clone(), lowered)], &[]).await.expect("fold");
+    view.apply_fold(&p, &[(c.clone(), lowered)], &[], Utc::now()).await.expect("fold");
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 4, calls: 4, rows: 18, ..Totals::default() });
     // … the lowering takes it back, and only it.
     view.lower_totals(&p, &[(c.clone(), lowered), (a.clone(), Totals::default()), (fp.clone(), Totals::default())])
@@ -473,20 +483,41 @@ async fn suite_seed_never_lowers_a_total(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
     let p = project();
-    view.apply_fold(&p, &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() })], &[])
-        .await
-        .expect("fold");
+    view.apply_fold(
+        &p,
+        &[(c.clone(), Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() })],
+        &[],
+        Utc::now(),
+    )
+    .await
+    .expect("fold");
     assert_eq!(view.usage(&p, &c.key, at).await.expect("usage"), None, "a fold does not mark the project seeded");
-    view.seed(&p, &[(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]).await.expect("seed");
+    view.seed(
+        &p,
+        &Seed::of_totals(vec![(c.clone(), Totals { requests: 3, calls: 3, rows: 3, ..Totals::default() })]),
+        Utc::now(),
+    )
+    .await
+    .expect("seed");
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 5, calls: 5, rows: 5, ..Totals::default() });
-    view.seed(&p, &[(c.clone(), Totals { requests: 7, calls: 2, rows: 9, ..Totals::default() })]).await.expect("seed");
+    view.seed(
+        &p,
+        &Seed::of_totals(vec![(c.clone(), Totals { requests: 7, calls: 2, rows: 9, ..Totals::default() })]),
+        Utc::now(),
+    )
+    .await
+    .expect("seed");
     assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 7, calls: 5, rows: 9, ..Totals::default() });
     // Exact beyond 2^53: totals are compared as decimal strings.
     let big = Totals { requests: u64::MAX - 1, calls: 9_007_199_254_740_993, rows: 10, ..Totals::default() };
-    view.seed(&p, &[(c.clone(), big)]).await.expect("seed");
+    view.seed(&p, &Seed::of_totals(vec![(c.clone(), big)]), Utc::now()).await.expect("seed");
     view.seed(
         &p,
-        &[(c.clone(), Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9, ..Totals::default() })],
+        &Seed::of_totals(vec![(
+            c.clone(),
+            Totals { requests: u64::MAX - 2, calls: 9_007_199_254_740_992, rows: 9, ..Totals::default() },
+        )]),
+        Utc::now(),
     )
     .await
     .expect("seed");
@@ -712,9 +743,14 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     let p = seeded(view, &[(fp.clone(), Totals { cost_storage: 50, ..held(1_000, 5) })]).await;
     let e = settle_one(view, &p, &fp, held(-600, 1), at).await;
     // The fold of the delete lowers the durable footprint and drops its pending delta.
-    view.apply_fold(&p, &[(fp.clone(), Totals { cost_storage: 40, ..held(400, 6) })], std::slice::from_ref(&e))
-        .await
-        .expect("fold");
+    view.apply_fold(
+        &p,
+        &[(fp.clone(), Totals { cost_storage: 40, ..held(400, 6) })],
+        std::slice::from_ref(&e),
+        Utc::now(),
+    )
+    .await
+    .expect("fold");
     let u = usage(view, &p, &fp, at).await;
     assert_eq!(
         (u.durable, u.pending),
@@ -722,15 +758,15 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
         "sums still never go down"
     );
     // Stale totals (fewer or as many storage facts) change nothing, by fold or by seed.
-    view.apply_fold(&p, &[(fp.clone(), held(900, 4))], &[]).await.expect("stale fold");
-    view.apply_fold(&p, &[(fp.clone(), held(2_000, 6))], &[]).await.expect("same-count fold");
-    view.seed(&p, &[(fp.clone(), held(3_000, 5))]).await.expect("late seed");
+    view.apply_fold(&p, &[(fp.clone(), held(900, 4))], &[], Utc::now()).await.expect("stale fold");
+    view.apply_fold(&p, &[(fp.clone(), held(2_000, 6))], &[], Utc::now()).await.expect("same-count fold");
+    view.seed(&p, &Seed::of_totals(vec![(fp.clone(), held(3_000, 5))]), Utc::now()).await.expect("late seed");
     assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(400, 6) });
     // A total with no storage facts says nothing about the footprint.
-    view.apply_fold(&p, &[(fp.clone(), Totals::default())], &[]).await.expect("empty fold");
+    view.apply_fold(&p, &[(fp.clone(), Totals::default())], &[], Utc::now()).await.expect("empty fold");
     assert_eq!(usage(view, &p, &fp, at).await.durable.storage, 400);
     // A newer footprint may be negative (deltas with no snapshot): kept exactly, read as 0.
-    view.apply_fold(&p, &[(fp.clone(), held(-50, 7))], &[]).await.expect("fold");
+    view.apply_fold(&p, &[(fp.clone(), held(-50, 7))], &[], Utc::now()).await.expect("fold");
     assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(-50, 7) });
     let pl = one_limit(&fp, LimitKind::Cap, &[Field::Storage], 10, 10, true, at);
     assert_eq!(
@@ -740,7 +776,7 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     // A view seeded with a footprint for the first time takes it whatever its count.
     let fresh = seeded(view, &[(fp.clone(), held(0, 2))]).await;
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
-    view.seed(&fresh, &[(fp.clone(), held(70, 2))]).await.expect("seed");
+    view.seed(&fresh, &Seed::of_totals(vec![(fp.clone(), held(70, 2))]), Utc::now()).await.expect("seed");
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
 }
 
@@ -761,7 +797,9 @@ async fn suite_unsettle_of_a_tokens_settlement_takes_back_every_field(view: &dyn
     assert_eq!(usage(view, &p, &wide, at).await.pending, tokens(7, 3, true));
     assert_eq!(usage(view, &p, &tight, at).await.pending, Totals::default());
     // A fold drops every field of the event it folds.
-    view.apply_fold(&p, &[(wide.clone(), tokens(7, 3, true))], std::slice::from_ref(&kept)).await.expect("fold");
+    view.apply_fold(&p, &[(wide.clone(), tokens(7, 3, true))], std::slice::from_ref(&kept), Utc::now())
+        .await
+        .expect("fold");
     let u = usage(view, &p, &wide, at).await;
     assert_eq!((u.durable, u.pending), (tokens(7, 3, true), Totals::default()));
 }

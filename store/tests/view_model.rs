@@ -5,7 +5,9 @@
 //! tokens, cost with its blackout and probes, storage, a monitor quota, and
 //! quotas that share a counter), settle (with and without a reservation, the
 //! same event again), unsettle, release, fold (of events settled, never
-//! settled, or settled after their fold), usage reads, and time moving
+//! settled, or settled after their fold: the tombstone), seeds with a log
+//! tail (pending facts, some already settled or folded, and reservations
+//! held again), usage reads, and time moving
 //! forward past leases and windows — run against [`meter::ViewModel`], a
 //! [`MemoryView`] and a [`RedisView`] (real Redis at
 //! `TOLLGATE_TEST_REDIS_URL`, its own key prefix per case, keys deleted
@@ -21,7 +23,7 @@
 //! `t0` (a window that reset two hours ago, a lease that ended two hours
 //! ago: gone at once in Redis and in the model) or at least an hour after
 //! it (a live window's reset + the grace, a lease + the grace, an event
-//! index's `at` + 7 days). The scripts set expiries with `PEXPIREAT` from
+//! index's `at` + 7 days, a tombstone's fold + an hour). The scripts set expiries with `PEXPIREAT` from
 //! the arguments, as the model computes them, so the two agree exactly —
 //! on expiry and on every recorded expiry time. (Each sequence opens with a
 //! read at `t0`, so the model's clock starts where Redis's is.) Leases, which the scripts
@@ -41,8 +43,8 @@ use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
     ApiKeyId, Caller, CheckInput, Counter, CounterKey, Dimension, EventId, Hold, Metric, Mode, ProjectDump, ProjectId,
-    Quota, QuotaId, QuotaSpec, ReservationId, Scope, Settlement, Totals, View, ViewModel, WindowKind, plan_check,
-    window_at,
+    Quota, QuotaId, QuotaSpec, ReservationId, Scope, Seed, SeedHold, Settlement, Totals, View, ViewModel, WindowKind,
+    plan_check, window_at,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -156,7 +158,10 @@ struct SettleGen {
 enum Op {
     /// Time moves forward (ms).
     Advance(i64),
-    Seed(Vec<(Index, Totals)>),
+    /// Durable totals, the tail's facts (their reservations ignored), and
+    /// reservations of checks so far held again (their lease, on counters
+    /// picked here).
+    Seed(SeedGen),
     Check(CheckGen),
     Settle(Vec<SettleGen>),
     /// Into the call and request events so far.
@@ -164,6 +169,22 @@ enum Op {
     Release(Index),
     Fold(Vec<(Index, Totals)>, Vec<Index>),
     Usage(Index),
+}
+
+#[derive(Debug, Clone)]
+struct SeedGen {
+    totals: Vec<(Index, Totals)>,
+    pending: Vec<SettleGen>,
+    holds: Vec<(Index, Vec<Index>)>,
+}
+
+fn seed_gen(max: usize) -> impl Strategy<Value = SeedGen> {
+    (
+        counter_amounts(max),
+        prop::collection::vec(settle_gen(), 0..3),
+        prop::collection::vec((any::<Index>(), prop::collection::vec(any::<Index>(), 1..3)), 0..3),
+    )
+        .prop_map(|(totals, pending, holds)| SeedGen { totals, pending, holds })
 }
 
 /// Small amounts of every kind (quantities far below 2^53, where the
@@ -228,7 +249,7 @@ fn settle_gen() -> impl Strategy<Value = SettleGen> {
 fn op(advance: BoxedStrategy<i64>) -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => advance.prop_map(Op::Advance),
-        1 => counter_amounts(4).prop_map(Op::Seed),
+        1 => seed_gen(4).prop_map(Op::Seed),
         6 => check_gen().prop_map(Op::Check),
         3 => prop::collection::vec(settle_gen(), 1..3).prop_map(Op::Settle),
         1 => prop::collection::vec(any::<Index>(), 1..3).prop_map(Op::Unsettle),
@@ -241,14 +262,12 @@ fn op(advance: BoxedStrategy<i64>) -> impl Strategy<Value = Op> {
 /// A sequence: most start with a seed (else every check answers `None`
 /// until one comes).
 fn ops(advance: BoxedStrategy<i64>) -> impl Strategy<Value = Vec<Op>> {
-    (prop::option::weighted(0.85, counter_amounts(5)), prop::collection::vec(op(advance), 1..40)).prop_map(
-        |(seed, rest)| {
-            let mut out: Vec<Op> = seed.map(Op::Seed).into_iter().collect();
-            out.extend(rest);
-            out.truncate(40);
-            out
-        },
-    )
+    (prop::option::weighted(0.85, seed_gen(5)), prop::collection::vec(op(advance), 1..40)).prop_map(|(seed, rest)| {
+        let mut out: Vec<Op> = seed.map(Op::Seed).into_iter().collect();
+        out.extend(rest);
+        out.truncate(40);
+        out
+    })
 }
 
 /// Within the three-way runs: 40 moves of at most a minute stay under the
@@ -343,12 +362,36 @@ impl Run<'_> {
         let redis = self.redis;
         match op {
             Op::Advance(ms) => self.now += Duration::milliseconds(*ms),
-            Op::Seed(picks) => {
-                let totals = self.pick(picks);
-                let at = self.model.now();
-                self.model.seed(&p, &totals, at);
-                let m = self.memory.seed(&p, &totals).await;
-                let r = on_redis(redis, |r| r.seed(&p, &totals)).await;
+            Op::Seed(g) => {
+                let seed = Seed {
+                    totals: self.pick(&g.totals),
+                    pending: g
+                        .pending
+                        .iter()
+                        .map(|s| Settlement {
+                            event: call_event(s.event.index(CALL_EVENTS)),
+                            reservation: None,
+                            deltas: self.pick(&s.deltas),
+                        })
+                        .collect(),
+                    holds: g
+                        .holds
+                        .iter()
+                        .filter_map(|(h, counters)| {
+                            let h = self.hold(h)?;
+                            let u = self.counters();
+                            Some(SeedHold {
+                                reservation: h.reservation.clone(),
+                                lease_until: h.lease_until,
+                                counters: counters.iter().map(|i| u[i.index(u.len())].clone()).collect(),
+                            })
+                        })
+                        .collect(),
+                };
+                let at = self.now;
+                self.model.seed(&p, &seed, at);
+                let m = self.memory.seed(&p, &seed, at).await;
+                let r = on_redis(redis, |r| r.seed(&p, &seed, at)).await;
                 succeeded(step, op, m, r)?;
             }
             Op::Check(g) => {
@@ -421,10 +464,10 @@ impl Run<'_> {
                 let totals = self.pick(picks);
                 let all = self.events();
                 let events: Vec<EventId> = event_picks.iter().map(|i| all[i.index(all.len())].clone()).collect();
-                let at = self.model.now();
+                let at = self.now;
                 self.model.apply_fold(&p, &totals, &events, at);
-                let m = self.memory.apply_fold(&p, &totals, &events).await;
-                let r = on_redis(redis, |r| r.apply_fold(&p, &totals, &events)).await;
+                let m = self.memory.apply_fold(&p, &totals, &events, at).await;
+                let r = on_redis(redis, |r| r.apply_fold(&p, &totals, &events, at)).await;
                 succeeded(step, op, m, r)?;
             }
             Op::Usage(i) => {

@@ -4,6 +4,7 @@
 mod corrections;
 mod faults_fold;
 mod faults_outage;
+mod faults_view;
 mod harness;
 mod invariants;
 mod model;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use meter::{
     ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, EventKind, Grants, Hold,
-    PortError, ProjectId, Quota, ReservationId, Role, RoleId, UnpricedException, UsageFact, Verdict,
+    LoggedBreach, PortError, ProjectId, Quota, ReservationId, Role, RoleId, UnpricedException, UsageFact, Verdict,
 };
 use tracing::warn;
 
@@ -259,12 +259,14 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
     };
     let outcome = observe(s, &project, &plan, &hold, now).await?;
+    let verdict = outcome.as_ref().map(|o| meter::decide(&quotas, &plan, o, now));
     // Requests are key-authenticated traffic only: a signed-in user's check
     // is not a counted request.
     if let Subject::Key(key) = &subject {
-        publish_request(s, key, ctx.agent, ctx.actor, &hold, now);
+        let logged = logged_request(&quotas, &plan, outcome.as_ref(), verdict.as_ref(), &hold);
+        publish_request(s, key, ctx.agent, ctx.actor, &hold, logged, now);
     }
-    let Some(outcome) = outcome else {
+    let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
             remaining: Remaining::default(),
@@ -272,7 +274,6 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
             exempt: false,
         });
     };
-    let verdict = meter::decide(&quotas, &plan, &outcome, now);
     if !verdict.monitor_breaches.is_empty() {
         record_monitor_breaches(s, &quotas, &plan, &outcome, now);
     }
@@ -417,6 +418,62 @@ fn record_monitor_breaches(
     }
 }
 
+/// What a check's request event records of its outcome: whether it was
+/// admitted, and if so its lease and the counters its reservation holds (so
+/// a reseed of a lost view can hold it again from the log); and the quotas
+/// it found over their limit. Admitted uncounted (the view down, policy
+/// allow): admitted, holding nothing.
+#[derive(Debug, Clone, Default)]
+struct LoggedRequest {
+    admitted: bool,
+    lease_until: Option<DateTime<Utc>>,
+    held: Vec<meter::Counter>,
+    breaches: Vec<LoggedBreach>,
+}
+
+fn logged_request(
+    quotas: &[Quota],
+    plan: &CheckPlan,
+    outcome: Option<&CheckOutcome>,
+    verdict: Option<&Verdict>,
+    hold: &Hold,
+) -> LoggedRequest {
+    let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
+        return LoggedRequest { admitted: true, ..LoggedRequest::default() };
+    };
+    let mut breaches = Vec::new();
+    if let Some(b) = &verdict.breach {
+        breaches.push(LoggedBreach {
+            quota_id: b.quota_id.clone(),
+            window_key: b.counter.window_key.clone(),
+            limit: b.limit,
+            observed: b.used,
+            enforce: true,
+        });
+    }
+    if !verdict.monitor_breaches.is_empty() {
+        breaches.extend(meter::audit::monitor_breaches(quotas, plan, outcome).into_iter().map(|m| LoggedBreach {
+            quota_id: m.quota_id,
+            window_key: m.window_key,
+            limit: m.limit,
+            observed: m.observed_value,
+            enforce: false,
+        }));
+    }
+    // The view reserves exactly when the plan admits (meter and the script agree).
+    let admitted = outcome.admitted && verdict.admitted();
+    LoggedRequest {
+        admitted,
+        lease_until: admitted.then_some(hold.lease_until),
+        held: if admitted {
+            plan.reserved_counters().into_iter().filter_map(|i| plan.counters.get(i).cloned()).collect()
+        } else {
+            Vec::new()
+        },
+        breaches,
+    }
+}
+
 /// Publishes the check's request event in the background. It is never
 /// taken back: if the log does not acknowledge it, it stays in the log's
 /// retry queue (and its request stays counted in the view); only a full
@@ -429,6 +486,7 @@ fn publish_request(
     agent: Option<String>,
     actor: Option<String>,
     hold: &Hold,
+    logged: LoggedRequest,
     now: DateTime<Utc>,
 ) {
     let fact = UsageFact {
@@ -438,6 +496,10 @@ fn publish_request(
         reservation_id: Some(hold.reservation.clone()),
         gateway: s.settings.instance.clone(),
         received_at: Some(now),
+        admitted: Some(logged.admitted),
+        lease_until: logged.lease_until,
+        held: logged.held,
+        breaches: logged.breaches,
         ..UsageFact::new(hold.request_event.clone(), key.project_id.clone(), EventKind::Request, now)
     };
     let log = s.log.clone();

@@ -21,8 +21,8 @@
 //! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
 //! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
 //! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds | at its lease + [`LEASE_GRACE`] |
-//! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending | [`EVENT_INDEX_TTL`] after the `at` of its last write |
-//! | `loaded` | `loaded` | the durable totals were seeded | never |
+//! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending; or, once folded, a tombstone | [`EVENT_INDEX_TTL`] after the `at` of its last write; a tombstone [`TOMBSTONE_TTL`] after its fold |
+//! | `loaded` | `loaded` | the project was seeded (by this server instance, see below) | never |
 //!
 //! `<counter>` is [`CounterKey::encode`](crate::CounterKey::encode). A
 //! record exists exactly when its Redis key would: a write that stores
@@ -50,6 +50,24 @@
 //! - **Pending is dropped by event id**: unsettle and fold take back exactly
 //!   what the index says the event added, then forget the event; a counter
 //!   that expired meanwhile is left alone, not recreated.
+//! - **A fold leaves a tombstone** per folded event ([`EventRecord::folded`],
+//!   for [`TOMBSTONE_TTL`]): a settle of an event whose fold already reached
+//!   the view (a late settle, a client's resend, a reseed that read the
+//!   event in the log tail while the projector folded it) adds nothing, and
+//!   a check whose request event was folded counts no request again. The
+//!   durable total already holds the event.
+//! - **A seed is the log's state** ([`Seed`]): the durable totals as of
+//!   some log offsets, and the log tail past them — each unfolded fact added
+//!   as a settle adds it (not over an event already indexed or tombstoned),
+//!   and each live reservation of the tail held as a check holds it — then
+//!   the marker, in one step, so no check admits against half a seed.
+//! - **A marker of another server instance is no marker.** Redis's `loaded`
+//!   holds the `run_id` of the server that seeded it; a Redis restarted from
+//!   a snapshot (or a replica promoted) has another `run_id`, so its
+//!   restored marker reads as unseeded: the seeder forgets the project's
+//!   stale keys and seeds afresh, and counters never go back silently to
+//!   what the snapshot held. The model (and `MemoryView`, which cannot be
+//!   restored) has one instance, so this rule never fires there.
 //! - **Durable totals are never lowered** by a seed or a fold (`max`), and
 //!   the footprint (`storage`) is replaced only by a total reflecting more
 //!   storage facts (`storage_events` greater, or none stored yet); a total
@@ -90,7 +108,7 @@ use crate::admission::{CheckOutcome, CheckPlan, LimitKind};
 use crate::error::{PortError, PortResult};
 use crate::ids::{EventId, ProjectId, ReservationId};
 use crate::usage::{Counter, CounterKey, Field, Totals};
-use crate::view::{CounterUsage, Hold, Settlement};
+use crate::view::{CounterUsage, Hold, Seed, Settlement};
 
 /// How long a counter outlives its window's reset (late settles still land).
 pub const COUNTER_GRACE: Duration = Duration::from_secs(3600);
@@ -99,6 +117,11 @@ pub const LEASE_GRACE: Duration = Duration::from_secs(3600);
 /// How long an event's pending index lives after its last write, if the
 /// event is never folded.
 pub const EVENT_INDEX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long the tombstone a fold leaves per event lives: longer than a
+/// settle can arrive after its fold (a gateway's retried settle, a reseed
+/// reading the log tail), short enough that the tombstones of an hour of
+/// events are all the view keeps of folded ones.
+pub const TOMBSTONE_TTL: Duration = Duration::from_secs(3600);
 
 /// Milliseconds since the epoch: the resolution of every time the view keeps.
 pub type Millis = i64;
@@ -131,6 +154,16 @@ pub fn hold_expiry(hold: &Hold) -> Millis {
 /// When an event index last written at `at` may go.
 pub fn event_expiry(at: DateTime<Utc>) -> Millis {
     millis(at).saturating_add(duration_millis(EVENT_INDEX_TTL))
+}
+
+/// When the tombstone of an event folded at `at` may go.
+pub fn tombstone_expiry(at: DateTime<Utc>) -> Millis {
+    millis(at).saturating_add(duration_millis(TOMBSTONE_TTL))
+}
+
+/// When the records of a seeded reservation with this lease may go.
+fn lease_expiry(lease_until: DateTime<Utc>) -> Millis {
+    millis(lease_until).saturating_add(duration_millis(LEASE_GRACE))
 }
 
 /// The `u64` behind a sum field of `t`, or `None` for `storage` (an `i64`).
@@ -258,11 +291,14 @@ pub struct HoldRecord {
     pub expires: Option<Millis>,
 }
 
-/// `ev:<event>`: what an event added to each counter's pending.
+/// `ev:<event>`: what an event added to each counter's pending, or its
+/// tombstone once folded.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventRecord {
-    /// Counter name → the amounts added there.
+    /// Counter name → the amounts added there (none on a tombstone).
     pub deltas: BTreeMap<String, Values>,
+    /// The event's fold reached the view: it adds nothing any more.
+    pub folded: bool,
     pub expires: Option<Millis>,
 }
 
@@ -432,6 +468,73 @@ impl ProjectState {
         }
     }
 
+    /// Drops what an event added, then leaves its tombstone (`fold_event`).
+    fn fold_event(&mut self, event: &EventId, at: DateTime<Utc>, now: Millis) {
+        self.drop_event(event, now);
+        self.events.insert(
+            event.clone(),
+            EventRecord { folded: true, expires: Some(tombstone_expiry(at)), ..EventRecord::default() },
+        );
+        drop_if_expired(&mut self.events, event, now);
+    }
+
+    /// Adds one settled fact's deltas to pending unless the event is already
+    /// indexed (pending, or a tombstone).
+    fn add_pending(&mut self, s: &Settlement, at: DateTime<Utc>, now: Millis) {
+        if live(&mut self.events, &s.event, now).is_some() {
+            return; // already pending or folded: adds nothing
+        }
+        let mut wrote = false;
+        for d in merged_deltas(&s.deltas) {
+            if d.values.iter().all(|v| *v == 0) {
+                continue;
+            }
+            self.write_counter(&d.name, d.expires, now, |rec| add_values(&mut rec.pending, &d.values));
+            live_or_new(&mut self.events, &s.event, now).deltas.insert(d.name, d.values);
+            wrote = true;
+        }
+        if wrote {
+            self.expire_event(&s.event, at, now);
+        }
+    }
+
+    /// Holds a reservation on counters until `lease_until`, as an admitted
+    /// check does.
+    fn hold(&mut self, rid: &ReservationId, names: &[String], lease_until: DateTime<Utc>, now: Millis) {
+        let lease = millis(lease_until);
+        let until = lease_expiry(lease_until);
+        let mut held = false;
+        for name in names {
+            let z = live_or_new(&mut self.leases, name, now);
+            z.leases.insert(rid.clone(), lease);
+            extend(&mut z.expires, until);
+            drop_if_expired(&mut self.leases, name, now);
+            live_or_new(&mut self.holds, rid, now).counters.insert(name.clone());
+            held = true;
+        }
+        if held && let Some(h) = self.holds.get_mut(rid) {
+            extend(&mut h.expires, until);
+            drop_if_expired(&mut self.holds, rid, now);
+        }
+    }
+
+    /// seed.lua: the durable totals, the tail's pending facts and live
+    /// reservations, then the marker.
+    fn seed(&mut self, seed: &Seed, at: DateTime<Utc>, now: Millis) {
+        for (c, t) in &seed.totals {
+            self.raise(c, *t, now);
+        }
+        for s in &seed.pending {
+            self.add_pending(s, at, now);
+        }
+        let at_ms = millis(at);
+        for h in seed.holds.iter().filter(|h| millis(h.lease_until) > at_ms) {
+            let names: Vec<String> = h.counters.iter().map(|c| c.key.encode()).collect();
+            self.hold(&h.reservation, &names, h.lease_until, now);
+        }
+        self.loaded = true;
+    }
+
     /// Frees a reservation on every counter it holds (`release`).
     fn release(&mut self, rid: &ReservationId, now: Millis) {
         let Some(hold) = live(&mut self.holds, rid, now).map(std::mem::take) else { return };
@@ -470,6 +573,9 @@ impl ProjectState {
                 }
             }
             if plan.count_request.contains(&i) {
+                if live_ref(&self.events, &hold.request_event, now).is_some_and(|e| e.folded) {
+                    continue; // folded: its request is in the durable total
+                }
                 let ev = live_or_new(&mut self.events, &hold.request_event, now);
                 if !ev.deltas.contains_key(&names[i]) {
                     ev.deltas.insert(names[i].clone(), one_request());
@@ -513,21 +619,8 @@ impl ProjectState {
         }
 
         if admitted {
-            let lease = millis(hold.lease_until);
-            let until = hold_expiry(hold);
-            let mut held = false;
-            for i in plan.reserved_counters() {
-                let z = live_or_new(&mut self.leases, &names[i], now);
-                z.leases.insert(rid.clone(), lease);
-                extend(&mut z.expires, until);
-                drop_if_expired(&mut self.leases, &names[i], now);
-                live_or_new(&mut self.holds, rid, now).counters.insert(names[i].clone());
-                held = true;
-            }
-            if held && let Some(h) = self.holds.get_mut(rid) {
-                extend(&mut h.expires, until);
-                drop_if_expired(&mut self.holds, rid, now);
-            }
+            let reserved: Vec<String> = plan.reserved_counters().into_iter().map(|i| names[i].clone()).collect();
+            self.hold(rid, &reserved, hold.lease_until, now);
         }
 
         CheckOutcome { admitted, used }
@@ -539,21 +632,7 @@ impl ProjectState {
             if let Some(rid) = &s.reservation {
                 self.release(rid, now);
             }
-            if live(&mut self.events, &s.event, now).is_some() {
-                continue; // already pending: adds nothing
-            }
-            let mut wrote = false;
-            for d in merged_deltas(&s.deltas) {
-                if d.values.iter().all(|v| *v == 0) {
-                    continue;
-                }
-                self.write_counter(&d.name, d.expires, now, |rec| add_values(&mut rec.pending, &d.values));
-                live_or_new(&mut self.events, &s.event, now).deltas.insert(d.name, d.values);
-                wrote = true;
-            }
-            if wrote {
-                self.expire_event(&s.event, at, now);
-            }
+            self.add_pending(s, at, now);
         }
     }
 
@@ -644,15 +723,12 @@ impl ViewModel {
         })
     }
 
-    /// [`View::seed`](crate::View::seed): raises durable totals and marks
-    /// the project seeded.
-    pub fn seed(&mut self, project: &ProjectId, totals: &[(Counter, Totals)], at: DateTime<Utc>) {
+    /// [`View::seed`](crate::View::seed): raises durable totals, adds the
+    /// tail's pending facts (not over an indexed or folded event) and holds
+    /// its live reservations, and marks the project seeded.
+    pub fn seed(&mut self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) {
         let now = self.advance(at);
-        let p = self.projects.entry(project.clone()).or_default();
-        for (c, t) in totals {
-            p.raise(c, *t, now);
-        }
-        p.loaded = true;
+        self.projects.entry(project.clone()).or_default().seed(seed, at, now);
     }
 
     /// [`View::settle`](crate::View::settle).
@@ -683,7 +759,8 @@ impl ViewModel {
     }
 
     /// [`View::apply_fold`](crate::View::apply_fold): raises durable totals,
-    /// then drops the pending deltas of the folded events.
+    /// then drops the pending deltas of the folded events and leaves their
+    /// tombstones.
     pub fn apply_fold(
         &mut self,
         project: &ProjectId,
@@ -700,7 +777,7 @@ impl ViewModel {
             p.raise(c, *t, now);
         }
         for e in events {
-            p.drop_event(e, now);
+            p.fold_event(e, at, now);
         }
     }
 
@@ -803,7 +880,7 @@ mod tests {
         let mut v = ViewModel::new();
         assert_eq!(v.now(), DateTime::<Utc>::MIN_UTC);
         let p = project();
-        v.seed(&p, &[], t0());
+        v.seed(&p, &Seed::default(), t0());
         v.usage(&p, &day_counter(t0()).key, t0() - Span::days(1));
         assert_eq!(v.now(), t0());
     }
@@ -813,7 +890,7 @@ mod tests {
         let mut v = ViewModel::new();
         let p = project();
         let live = day_counter(t0() + Span::days(1));
-        v.seed(&p, &[(live.clone(), Totals::default())], t0());
+        v.seed(&p, &Seed::of_totals(vec![(live.clone(), Totals::default())]), t0());
         assert!(v.dump(&p).counters.is_empty(), "nothing stored, nothing created");
         // A window that reset more than the grace ago: written, then gone at once.
         let closed = day_counter(t0() - Span::hours(2));
@@ -830,7 +907,7 @@ mod tests {
         let mut v = ViewModel::new();
         let p = project();
         let c = day_counter(t0() + Span::days(1));
-        v.seed(&p, &[], t0());
+        v.seed(&p, &Seed::default(), t0());
         let pl = plan(&c, 1);
         let first = hold(1, t0() + Span::seconds(10));
         let o = v.check(&p, &pl, &first, t0()).expect("valid").expect("seeded");
@@ -854,7 +931,7 @@ mod tests {
     fn a_malformed_plan_changes_nothing() {
         let mut v = ViewModel::new();
         let p = project();
-        v.seed(&p, &[], t0());
+        v.seed(&p, &Seed::default(), t0());
         let mut pl = plan(&day_counter(t0() + Span::days(1)), 1);
         pl.limits[1].counter = 1;
         let before = v.dump(&p);
@@ -867,7 +944,7 @@ mod tests {
         let mut v = ViewModel::new();
         let p = project();
         let c = day_counter(t0() + Span::hours(1));
-        v.seed(&p, &[(c.clone(), Totals { rows: 3, ..Totals::default() })], t0());
+        v.seed(&p, &Seed::of_totals(vec![(c.clone(), Totals { rows: 3, ..Totals::default() })]), t0());
         v.check(&p, &plan(&c, 5), &hold(1, t0() + Span::seconds(30)), t0()).expect("valid");
         let s = Settlement {
             event: EventId::parse("e1").expect("id"),
@@ -882,5 +959,112 @@ mod tests {
             assert_eq!(v.dump(&p), before, "at {later}");
         }
         assert_eq!(v.records(), 1, "only the project's loaded marker is left");
+    }
+
+    fn call_settlement(event: &str, c: &Counter, rid: Option<&Hold>) -> Settlement {
+        Settlement {
+            event: EventId::parse(event).expect("id"),
+            reservation: rid.map(|h| h.reservation.clone()),
+            deltas: vec![(c.clone(), Totals { calls: 1, rows: 2, ..Totals::default() })],
+        }
+    }
+
+    fn pending_calls(v: &mut ViewModel, c: &Counter, at: DateTime<Utc>) -> (u64, u64) {
+        let u = v.usage(&project(), &c.key, at).expect("seeded");
+        (u.durable.calls, u.pending.calls)
+    }
+
+    /// A fold leaves a tombstone: a settle of the folded event after it adds
+    /// nothing (the durable total holds it), until the tombstone lapses.
+    #[test]
+    fn a_late_settle_after_its_fold_adds_nothing() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(3));
+        v.seed(&p, &Seed::default(), t0());
+        let e = call_settlement("e1", &c, None);
+        v.settle(&p, std::slice::from_ref(&e), t0());
+        assert_eq!(pending_calls(&mut v, &c, t0()), (0, 1));
+        let folded = [(c.clone(), Totals { calls: 1, rows: 2, ..Totals::default() })];
+        v.apply_fold(&p, &folded, std::slice::from_ref(&e.event), t0());
+        assert_eq!(pending_calls(&mut v, &c, t0()), (1, 0));
+        let tomb = &v.dump(&p).events[&e.event];
+        assert!(tomb.folded && tomb.deltas.is_empty());
+        assert_eq!(tomb.expires, Some(tombstone_expiry(t0())));
+        // The late settle (a resend, a reseed's tail) and a fold again: nothing.
+        v.settle(&p, std::slice::from_ref(&e), t0() + Span::seconds(1));
+        v.apply_fold(&p, &folded, std::slice::from_ref(&e.event), t0() + Span::seconds(2));
+        assert_eq!(pending_calls(&mut v, &c, t0() + Span::seconds(2)), (1, 0));
+        // A fold that reaches the view before the settle: the settle adds nothing either.
+        let early = EventId::parse("e2").expect("id");
+        let two = [(c.clone(), Totals { calls: 2, rows: 4, ..Totals::default() })];
+        v.apply_fold(&p, &two, std::slice::from_ref(&early), t0() + Span::seconds(3));
+        v.settle(&p, &[call_settlement("e2", &c, None)], t0() + Span::seconds(4));
+        assert_eq!(pending_calls(&mut v, &c, t0() + Span::seconds(4)), (2, 0));
+        // Past the tombstone's life the event is unknown again.
+        let later = t0() + Span::seconds(3) + Span::from_std(TOMBSTONE_TTL).expect("ttl");
+        assert!(!v.dump(&p).events.is_empty());
+        v.usage(&p, &c.key, later);
+        assert!(!v.dump(&p).events.contains_key(&early));
+    }
+
+    /// A check whose request event was already folded counts no request again.
+    #[test]
+    fn a_folded_request_event_is_not_counted_again() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        v.seed(&p, &Seed::default(), t0());
+        let h = hold(1, t0() + Span::seconds(30));
+        let requests = [(c.clone(), Totals { requests: 1, ..Totals::default() })];
+        v.apply_fold(&p, &requests, std::slice::from_ref(&h.request_event), t0());
+        let o = v.check(&p, &plan(&c, 5), &h, t0()).expect("valid").expect("seeded");
+        assert_eq!(o.used[0], 1, "the durable request, not counted again");
+    }
+
+    /// A seed adds the tail's facts as settles do (not over an event already
+    /// pending or folded) and holds its live reservations; a hold whose
+    /// lease ended is left out.
+    #[test]
+    fn a_seed_restores_pending_facts_and_live_reservations() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        // Before the seed: one settle reached the flushed view, one fold too.
+        v.settle(&p, &[call_settlement("e1", &c, None)], t0());
+        v.apply_fold(
+            &p,
+            &[(c.clone(), Totals { calls: 1, rows: 2, ..Totals::default() })],
+            &[EventId::parse("e3").expect("id")],
+            t0(),
+        );
+        assert_eq!(v.usage(&p, &c.key, t0()), None, "not seeded yet");
+        let live = crate::view::SeedHold {
+            reservation: ReservationId::parse("r1").expect("id"),
+            lease_until: t0() + Span::seconds(30),
+            counters: vec![c.clone()],
+        };
+        let ended = crate::view::SeedHold {
+            reservation: ReservationId::parse("r2").expect("id"),
+            lease_until: t0(),
+            counters: vec![c.clone()],
+        };
+        let seed = Seed {
+            totals: vec![(c.clone(), Totals::default())],
+            pending: ["e1", "e2", "e3"].iter().map(|e| call_settlement(e, &c, None)).collect(),
+            holds: vec![live, ended],
+        };
+        v.seed(&p, &seed, t0());
+        let u = v.usage(&p, &c.key, t0()).expect("seeded");
+        assert_eq!((u.durable.calls, u.pending.calls, u.reserved_calls), (1, 2, 1));
+        // The restored reservation is settled like any other.
+        let h = Hold {
+            reservation: ReservationId::parse("r1").expect("id"),
+            request_event: EventId::parse("q").expect("id"),
+            lease_until: t0() + Span::seconds(30),
+        };
+        v.settle(&p, &[call_settlement("e4", &c, Some(&h))], t0());
+        let u = v.usage(&p, &c.key, t0()).expect("seeded");
+        assert_eq!((u.pending.calls, u.reserved_calls), (3, 0));
     }
 }

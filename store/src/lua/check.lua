@@ -5,7 +5,7 @@
 -- between, or two gateways could both take the last slot. One script is one
 -- atomic step and one round trip.
 --
--- KEYS[1]        P{p}:loaded
+-- KEYS[1]        P{p}:loaded (seeded only if it holds this server's run_id)
 -- KEYS[2]        P{p}:ev:<request event>
 -- KEYS[3]        P{p}:res:<reservation id>
 -- KEYS[2+2i]     P{p}:c:<n_i>   for counter i = 1..N (the plan's counters, in order)
@@ -39,7 +39,7 @@
 -- Idempotent per request event and reservation id: a retried check neither
 -- counts its request twice nor counts its own earlier reservation.
 
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if not seeded(KEYS[1]) then
   return false
 end
 
@@ -74,9 +74,11 @@ for j = 1, tonumber(ARGV[a]) do
   }
 end
 
--- Purge expired leases; count the request once per event and counter.
+-- Purge expired leases; count the request once per event and counter (and
+-- not at all once the request event is folded: its tombstone).
 local names, reserves = {}, {}
 local counted = false
+local folded = redis.call('HEXISTS', KEYS[2], TOMBSTONE) == 1
 a = 7
 for i = 1, n do
   local ckey, rkey = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
@@ -84,7 +86,7 @@ for i = 1, n do
   local exp, counts = ARGV[a + 1], ARGV[a + 2]
   a = a + 4
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-  if counts == '1' and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
+  if counts == '1' and not folded and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
     redis.call('HINCRBY', ckey, P_FIELDS[REQ], 1)
     expire_at(ckey, exp)
     counted = true

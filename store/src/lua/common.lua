@@ -10,8 +10,11 @@
 --   P{p}:r:<n>        zset  reservation id -> lease expiry (ms)
 --   P{p}:res:<rid>    set   the counter names a reservation holds
 --   P{p}:ev:<event>   hash  counter name -> the value list that event added
---                           to that counter's pending (see below)
---   P{p}:loaded       the project's durable totals were seeded here
+--                           to that counter's pending (see below); once the
+--                           event is folded, a tombstone: the one field '~'
+--   P{p}:loaded       the run_id of the Redis server that seeded the
+--                     project (a marker another server wrote, restored from
+--                     a snapshot, is not trusted: see seeded())
 -- All keys of a project share the hash tag {p}, so keys a script derives at
 -- run time (from `base` = "P{p}:") live in the same cluster slot.
 --
@@ -116,6 +119,23 @@ local function add_pending(key, vals, back)
   end
 end
 
+-- The field of an event index that makes it a tombstone (no counter name
+-- starts with '~').
+local TOMBSTONE = '~'
+
+-- This server's run_id: it changes when Redis restarts (also from a
+-- snapshot) and differs on a promoted replica.
+local function server_id()
+  return string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+end
+
+-- Whether the project's marker was written by this very server: a marker
+-- restored from an older snapshot reads as unseeded, so its old counts are
+-- never trusted.
+local function seeded(loaded_key)
+  return redis.call('GET', loaded_key) == server_id()
+end
+
 -- Takes back every pending contribution an event recorded, then forgets the
 -- event. A counter that already expired is left alone (not recreated).
 local function drop_event(base, evkey)
@@ -123,7 +143,7 @@ local function drop_event(base, evkey)
   for i = 1, #kv, 2 do
     local ckey = base .. 'c:' .. kv[i]
     local vals = split(kv[i + 1])
-    if valid_list(vals) and redis.call('EXISTS', ckey) == 1 then
+    if kv[i] ~= TOMBSTONE and valid_list(vals) and redis.call('EXISTS', ckey) == 1 then
       add_pending(ckey, vals, true)
     end
   end

@@ -4,7 +4,7 @@
 -- read at one instant, in one round trip. It writes nothing (expired leases
 -- are not counted, but are purged only by a check).
 --
--- KEYS[1]   P{p}:loaded
+-- KEYS[1]   P{p}:loaded (seeded only if it holds this server's run_id)
 -- KEYS[2]   P{p}:c:<name>
 -- KEYS[3]   P{p}:r:<name>
 -- ARGV[1]   now (ms)
@@ -12,7 +12,7 @@
 -- strings: the t_<f> in FIELDS order, the p_<f>, then the live reservations
 -- (lease after now).
 
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if not seeded(KEYS[1]) then
   return false
 end
 local h = redis.call('HMGET', KEYS[2], unpack(T_FIELDS))

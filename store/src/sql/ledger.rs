@@ -643,16 +643,7 @@ fn pending<B: Backend>(r: &Rec<'_, B>) -> PortResult<PendingDeadLetter> {
 impl<B: Backend> Ledger for SqlStore<B> {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "offsets"))]
     async fn offsets(&self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
-        let stmt = Stmt::new(
-            r#"SELECT CAST("partition" AS BIGINT) AS "partition", next_offset FROM consumer_offsets
-               WHERE consumer = $1 AND topic = $2"#,
-        )
-        .text(consumer)
-        .text(topic);
-        let rows = each(&self.all(stmt).await?, |r: &Rec<'_, B>| {
-            let p = r.int("partition")?;
-            Ok((i32::try_from(p).map_err(|_| corrupt("partition", &p.to_string()))?, r.int("next_offset")?))
-        })?;
+        let rows = each(&self.all(offsets_stmt(consumer, topic)).await?, offset_row::<B>)?;
         Ok(rows.into_iter().collect())
     }
 
@@ -842,22 +833,57 @@ impl<B: Backend> Ledger for SqlStore<B> {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "open_totals"))]
     async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>> {
-        // `resets_at IS NULL` keeps the windows that never reset: the
-        // storage footprint.
-        let stmt = Stmt::new(format!(
-            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND (resets_at IS NULL OR resets_at > $2) \
-             ORDER BY dimension, window_kind, window_key",
-            *AGGREGATE_COLUMNS
-        ))
-        .text(project.as_str())
-        .time(at);
-        each(&self.all(stmt).await?, counter::<B>)
+        each(&self.all(open_totals_stmt(project, at)).await?, counter::<B>)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "correction_target"))]
     async fn correction_target(&self, project: &ProjectId, event: &EventId) -> PortResult<Option<Target>> {
         target_of(self, project, event).await
     }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "seed_totals"))]
+    async fn seed_totals(
+        &self,
+        project: &ProjectId,
+        consumer: &str,
+        topic: &str,
+        at: DateTime<Utc>,
+    ) -> PortResult<(BTreeMap<i32, i64>, Vec<(Counter, Totals)>)> {
+        // One snapshot for both reads: a fold commits its totals and its
+        // offsets together, so these totals are exactly the log below them.
+        let mut tx = B::begin_snapshot(&self.pool).await.map_err(error::<B>)?;
+        let offsets = each(&B::fetch(&mut *tx, offsets_stmt(consumer, topic)).await?, offset_row::<B>)?;
+        let totals = each(&B::fetch(&mut *tx, open_totals_stmt(project, at)).await?, counter::<B>)?;
+        tx.commit().await.map_err(error::<B>)?;
+        Ok((offsets.into_iter().collect(), totals))
+    }
+}
+
+/// The consumer's next offsets, per partition.
+fn offsets_stmt(consumer: &str, topic: &str) -> Stmt {
+    Stmt::new(
+        r#"SELECT CAST("partition" AS BIGINT) AS "partition", next_offset FROM consumer_offsets
+           WHERE consumer = $1 AND topic = $2"#,
+    )
+    .text(consumer)
+    .text(topic)
+}
+
+fn offset_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<(i32, i64)> {
+    let p = r.int("partition")?;
+    Ok((i32::try_from(p).map_err(|_| corrupt("partition", &p.to_string()))?, r.int("next_offset")?))
+}
+
+/// Every counter of a project whose window is open at `at`. `resets_at IS
+/// NULL` keeps the windows that never reset: the storage footprint.
+fn open_totals_stmt(project: &ProjectId, at: DateTime<Utc>) -> Stmt {
+    Stmt::new(format!(
+        "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND (resets_at IS NULL OR resets_at > $2) \
+         ORDER BY dimension, window_kind, window_key",
+        *AGGREGATE_COLUMNS
+    ))
+    .text(project.as_str())
+    .time(at)
 }
 
 #[async_trait]

@@ -74,6 +74,10 @@ pub trait Backend:
     fn transient(code: &str) -> bool;
     /// Begins a transaction that will write.
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+    /// Begins a read-only transaction whose statements all see one snapshot.
+    fn begin_snapshot(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
     /// Applies this database's migrations (idempotent).
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), MigrateError>> + Send;
     /// Runs a statement, returning its rows.
