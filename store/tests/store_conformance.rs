@@ -2108,7 +2108,9 @@ fn sourced(from: i64, facts: Vec<UsageFact>) -> FoldBatch {
 /// original counts now; a correction folded again adds nothing.
 pub async fn a_correction_amends_or_voids_its_original_as_the_difference(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], recorded()).await.expect("prices");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], recorded())
+        .await
+        .expect("prices");
     let at = "2026-07-07T12:31:10Z";
     let originals = vec![
         call("proj_1", "c1", at, 10),
@@ -2225,7 +2227,8 @@ pub async fn a_refused_correction_is_dead_lettered_with_its_reason_and_forgotten
 
     // No record to dead-letter: the whole batch is refused, nothing moves.
     let offsets = s.offsets("projector", "tollgate.usage").await.expect("offsets");
-    let unsourced = batch(9, 11, vec![call("proj_1", "c6", "2026-07-07T12:31:10Z", 1), correction("proj_1", "x5", "gone")]);
+    let unsourced =
+        batch(9, 11, vec![call("proj_1", "c6", "2026-07-07T12:31:10Z", 1), correction("proj_1", "x5", "gone")]);
     match s.fold_batch(&unsourced).await {
         Err(PortError::Permanent(why)) => assert!(why.contains("no event gone"), "{why}"),
         other => panic!("expected a refusal, got {other:?}"),

@@ -387,13 +387,11 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
 /// deltas, the footprint and counters the view does not hold are left alone.
 async fn suite_a_correction_lowers_durable_sums_and_nothing_else(view: &dyn View) {
     let at = Utc::now();
-    let (c, a, fp) = (project_counter(at), actor_counter(at), Counter { key: CounterKey::footprint(), resets_at: None });
+    let (c, a, fp) =
+        (project_counter(at), actor_counter(at), Counter { key: CounterKey::footprint(), resets_at: None });
     let p = seeded(
         view,
-        &[
-            (c.clone(), Totals { requests: 4, calls: 4, rows: 18, ..Totals::default() }),
-            (fp.clone(), held(500, 3)),
-        ],
+        &[(c.clone(), Totals { requests: 4, calls: 4, rows: 18, ..Totals::default() }), (fp.clone(), held(500, 3))],
     )
     .await;
     let s = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 2))] };

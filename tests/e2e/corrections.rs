@@ -87,9 +87,15 @@ async fn corrections(mode: Mode) {
     // A correction that cannot be right is a 400 naming the field, and writes nothing.
     let bad = [
         (correction("bad1", &pid, "c1", json!({"void": true, "rows": 3})), "events[0].rows"),
-        (json!({"id": "bad2", "type": "correction", "project_id": pid, "occurred_at": Utc::now().to_rfc3339()}), "events[0].corrects"),
+        (
+            json!({"id": "bad2", "type": "correction", "project_id": pid, "occurred_at": Utc::now().to_rfc3339()}),
+            "events[0].corrects",
+        ),
         (correction("bad3", &pid, "c1", json!({"api_key_id": kid, "rows": 1})), "events[0].api_key_id"),
-        (correction("bad4", &pid, "c1", json!({"tokens": [{"provider": "openai", "model": "gpt-4o", "input": 5}]})), "events[0].tokens"),
+        (
+            correction("bad4", &pid, "c1", json!({"tokens": [{"provider": "openai", "model": "gpt-4o", "input": 5}]})),
+            "events[0].tokens",
+        ),
         (correction("bad5", &pid, "bad5", json!({"void": true})), "events[0].corrects"),
     ];
     for (event, field) in bad {
@@ -101,7 +107,8 @@ async fn corrections(mode: Mode) {
 
     // Amend c1 to 3 rows, void c2; the amend sent twice (the same id) counts once.
     let amend = correction("x1", &pid, "c1", json!({"rows": 3}));
-    let (s, b) = post_events(&http, &gw, vec![amend.clone(), correction("x2", &pid, "c2", json!({"void": true}))]).await;
+    let (s, b) =
+        post_events(&http, &gw, vec![amend.clone(), correction("x2", &pid, "c2", json!({"void": true}))]).await;
     assert_eq!((s, b["accepted"].as_u64()), (202, Some(2)), "{b}");
     let (s, b) = post_events(&http, &gw, vec![amend]).await;
     assert_eq!(s, 202, "a resent correction is accepted and folded once: {b}");

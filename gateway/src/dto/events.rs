@@ -289,6 +289,9 @@ mod tests {
         assert_eq!(field(correction(json!({"void": "yes"}))), "events[0].void");
         let ok: EventsBody = serde_json::from_value(json!({"events": correction(json!({"rows": 3}))})).expect("body");
         let facts = Vec::<UsageFact>::try_from(ok).expect("a valid amend");
-        assert_eq!((facts[0].corrects.as_ref().map(|c| c.as_str()), facts[0].rows, facts[0].void), (Some("e1"), 3, false));
+        assert_eq!(
+            (facts[0].corrects.as_ref().map(|c| c.as_str()), facts[0].rows, facts[0].void),
+            (Some("e1"), 3, false)
+        );
     }
 }

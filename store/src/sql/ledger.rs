@@ -675,9 +675,8 @@ impl<B: Backend> Ledger for SqlStore<B> {
         let targets = targets::<B>(&mut *tx, &plan).await?;
         let book = price_book::<B>(&mut *tx, &plan, &targets).await?;
         let horizon = batch.horizon.unwrap_or(meter::usage::DEFAULT_DEDUP_HORIZON);
-        let posting = plan
-            .post_with(&new, &zones, &book, &targets, horizon)
-            .map_err(|e| PortError::Permanent(e.to_string()))?;
+        let posting =
+            plan.post_with(&new, &zones, &book, &targets, horizon).map_err(|e| PortError::Permanent(e.to_string()))?;
         // A refused correction is dead-lettered as its record; a batch
         // that cannot say which record it was is refused whole.
         let mut refused = Vec::new();
