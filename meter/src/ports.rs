@@ -314,6 +314,12 @@ pub trait LogReader: Send {
     async fn seek(&mut self, positions: &BTreeMap<i32, i64>) -> PortResult<()>;
     /// Up to `max` records, waiting at most `wait` for the first.
     async fn poll(&mut self, max: usize, wait: Duration) -> PortResult<Vec<LogRecord>>;
+    /// Where the usage topic ends now (the next offset to be written), per
+    /// partition: what a replay measures its progress against. A log that
+    /// cannot tell answers [`PortError::Permanent`](crate::PortError::Permanent).
+    async fn ends(&mut self) -> PortResult<BTreeMap<i32, i64>> {
+        Err(crate::PortError::Permanent("this log cannot tell where it ends".into()))
+    }
     /// Puts a record that cannot be folded on the dead-letter topic, with
     /// its reason and its source (topic, partition, offset). Once the call
     /// returns the letter is durably there; a failed call may or may not

@@ -69,6 +69,8 @@ use meter::{
 };
 use tracing::{debug, info, warn};
 
+pub mod replay;
+
 /// Tunables of the projector loop.
 #[derive(Debug, Clone)]
 pub struct ProjectorConfig {
@@ -191,6 +193,11 @@ impl<R: LogReader> Projector<R> {
             last_purge: None,
             letters_check_at: None,
         }
+    }
+
+    /// The reader (a replay raises its bound between steps).
+    pub fn reader_mut(&mut self) -> &mut R {
+        &mut self.reader
     }
 
     /// Positions the reader at the offsets the store holds (0 where it holds none).

@@ -219,6 +219,44 @@ impl RedisView {
             .map_err(|e| classify(op, &e))
     }
 
+    /// Deletes every key under this view's prefix, as a `FLUSHDB` would
+    /// for this deployment: every project is unseeded, so the next check
+    /// seeds it again from the store (and the log's tail). What `tollgate
+    /// replay --swap` does after the store's totals changed under the view
+    /// (a seed never lowers a total). Returns how many keys it deleted.
+    pub async fn forget_all(&self) -> PortResult<u64> {
+        let mut conn = self.conn.clone();
+        let span = tracing::debug_span!("datastore", op = "forget_all");
+        let pattern = format!("{}*", glob_escape(&self.prefix));
+        let mut cursor: u64 = 0;
+        let mut deleted = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .instrument(span.clone())
+                .await
+                .map_err(|e| classify("forget_all", &e))?;
+            if !batch.is_empty() {
+                let n: u64 = redis::cmd("UNLINK")
+                    .arg(&batch)
+                    .query_async(&mut conn)
+                    .instrument(span.clone())
+                    .await
+                    .map_err(|e| classify("forget_all", &e))?;
+                deleted = deleted.saturating_add(n);
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+
     /// One project's keys read back into the model's comparable form
     /// ([`ProjectDump`]), for tests and debugging: a `SCAN` over the
     /// project's keys, then one `MULTI` per key (its content and

@@ -7,6 +7,7 @@ mod faults_outage;
 mod harness;
 mod invariants;
 mod model;
+mod replay;
 mod roles;
 
 use std::sync::Arc;
