@@ -144,7 +144,9 @@ pub const FOLD_TABLES: &[FoldTable] = &[
     FoldTable {
         name: "processed_events",
         key: &[("project_id", Text), ("event_id", Text)],
-        values: &[("occurred_at", Time)],
+        // What each call and tokens event counts now (migration 0008): what
+        // a later correction of it reads.
+        values: &[("occurred_at", Time), ("counted", Text)],
         scope: Scope::Since,
     },
     FoldTable {
