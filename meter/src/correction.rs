@@ -107,7 +107,7 @@ impl Counted {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
     /// A call or tokens event, as it counts now.
-    Counted(Counted),
+    Counted(Box<Counted>),
     /// A folded event of another kind (a request, a storage fact, a correction).
     Other,
 }
@@ -115,7 +115,7 @@ pub enum Target {
 impl Target {
     /// The target as the dedup set's stored form says (see [`Counted::encode`]).
     pub fn decode(s: &str) -> Result<Target, String> {
-        Ok(Counted::decode(s)?.map_or(Target::Other, Target::Counted))
+        Ok(Counted::decode(s)?.map_or(Target::Other, |c| Target::Counted(Box::new(c))))
     }
 }
 
@@ -200,7 +200,7 @@ pub fn apply_correction(
             format!("event {original} is older than the dedup horizon of {} days", horizon.num_days()),
         ));
     }
-    let mut next = counted.clone();
+    let mut next = Counted::clone(counted);
     next.corrected_by = Some(correction.id.clone());
     if correction.void {
         next.voided = true;

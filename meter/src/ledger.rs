@@ -50,6 +50,9 @@ use crate::usage::{
 };
 use crate::window::{WindowKind, window_at};
 
+/// A counter's reset and a signed change to it.
+type CounterChange = (Option<DateTime<Utc>>, Delta);
+
 /// The windows the token breakdown by model is kept for.
 pub const MODEL_USAGE_WINDOWS: [WindowKind; 2] = [WindowKind::Day, WindowKind::CalendarMonth];
 
@@ -313,7 +316,7 @@ impl<'a> BatchFold<'a> {
         // Corrections: the originals they name as this batch leaves them.
         let wanted: HashSet<(ProjectId, EventId)> = self.correction_targets().into_iter().collect();
         let mut local: HashMap<(ProjectId, EventId), Target> = HashMap::new();
-        let mut adjustments: BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Delta)> = BTreeMap::new();
+        let mut adjustments: BTreeMap<(ProjectId, CounterKey), CounterChange> = BTreeMap::new();
         let mut model_adjustments: BTreeMap<(ProjectId, CorrectionModelKey), [i64; 3]> = BTreeMap::new();
         let mut recounts: BTreeMap<(ProjectId, EventId), Counted> = BTreeMap::new();
         let mut refusals = Vec::new();
@@ -327,7 +330,8 @@ impl<'a> BatchFold<'a> {
             // Invariant: every fact's zone was checked above.
             let tz = zones.get(&fact.project_id).copied().unwrap_or(Tz::UTC);
             if wanted.contains(&key) {
-                local.insert(key.clone(), Counted::of(fact, tz).map_or(Target::Other, Target::Counted));
+                local
+                    .insert(key.clone(), Counted::of(fact, tz).map_or(Target::Other, |c| Target::Counted(Box::new(c))));
             }
             if fact.kind == EventKind::Correction {
                 let Some(original) = fact.corrects.clone() else {
@@ -369,7 +373,7 @@ impl<'a> BatchFold<'a> {
                             unpriced.insert((fact.project_id.clone(), counter.clone(), k.clone()), r);
                         }
                         audit.push(correction::audit_entry(fact, before, &next));
-                        local.insert(target_key.clone(), Target::Counted(next.clone()));
+                        local.insert(target_key.clone(), Target::Counted(Box::new(next.clone())));
                         recounts.insert(target_key, next);
                         outcomes.push(FactOutcome::Folded);
                     }
@@ -530,7 +534,7 @@ impl Posting<'_> {
     /// project then counter. A store adds each, saturating, and floors the
     /// sums at zero.
     pub fn counter_changes(&self) -> Vec<(ProjectId, Counter, Delta)> {
-        let mut out: BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Delta)> = BTreeMap::new();
+        let mut out: BTreeMap<(ProjectId, CounterKey), CounterChange> = BTreeMap::new();
         for (p, c, t) in &self.sums {
             out.insert((p.clone(), c.key.clone()), (c.resets_at, t.values()));
         }

@@ -370,7 +370,7 @@ fn interleave(chains: &[Chain], order: &[usize]) -> Vec<UsageFact> {
     let mut out = Vec::new();
     for pick in order {
         let n = queues.len();
-        if let Some(q) = (0..n).map(|k| (pick + k) % n).find_map(|k| (!queues[k].is_empty()).then_some(k)) {
+        if let Some(q) = (0..n).map(|k| (pick + k) % n).find(|k| !queues[*k].is_empty()) {
             out.extend(queues[q].pop_front());
         }
     }
@@ -420,16 +420,16 @@ proptest! {
         let amended = amend_rows(chains[0].project, "a", "o0", amend);
         let amended = if chains[0].tokens { amend_tokens(chains[0].project, "a", "o0", amend, 3) } else { amended };
         let voided = void(chains[0].project, "v", "o0");
-        let amend_void = folded(&[&base, &[amended.clone()], &[voided.clone()]]);
-        let just_void = folded(&[&base, &[voided.clone()]]);
+        let amend_void = folded(&[&base, std::slice::from_ref(&amended), std::slice::from_ref(&voided)]);
+        let just_void = folded(&[&base, std::slice::from_ref(&voided)]);
         prop_assert_eq!(amend_void.totals(), just_void.totals());
         prop_assert_eq!(just_void.totals(), folded(&[&base[1..]]).totals());
 
-        let once = folded(&[&base, &[amended.clone()]]);
+        let once = folded(&[&base, std::slice::from_ref(&amended)]);
         let twice = if resend_in_batch {
             folded(&[&base, &[amended.clone(), amended.clone()]])
         } else {
-            folded(&[&base, &[amended.clone()], &[amended.clone()]])
+            folded(&[&base, std::slice::from_ref(&amended), std::slice::from_ref(&amended)])
         };
         prop_assert_eq!(twice.totals(), once.totals());
         prop_assert_eq!(twice.audit.len(), 1);

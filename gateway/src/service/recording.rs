@@ -95,10 +95,13 @@ pub async fn accept(s: &AppState, mut facts: Vec<UsageFact>) -> Result<Accepted>
             if let Some(t) = target {
                 let next = meter::correction::apply_correction(f, Some(&t), s.settings.horizon)
                     .map_err(|e| Error::Invalid(e.under(&p)))?;
-                known.insert(target_key, Target::Counted(next));
+                known.insert(target_key, Target::Counted(Box::new(next)));
             }
         } else if named.contains(&key) && !known.contains_key(&key) {
-            known.insert(key, Counted::of(f, cfg.project.timezone).map_or(Target::Other, Target::Counted));
+            known.insert(
+                key,
+                Counted::of(f, cfg.project.timezone).map_or(Target::Other, |c| Target::Counted(Box::new(c))),
+            );
         }
     }
     let total = facts.len();

@@ -145,7 +145,8 @@ pub const FOLD_TABLES: &[FoldTable] = &[
     FoldTable {
         name: "processed_events",
         key: &[("project_id", Text), ("event_id", Text)],
-        // `counted`: what the event counts now, which corrections amend.
+        // What each call and tokens event counts now (migration 0008): what
+        // a later correction of it reads.
         values: &[("occurred_at", Time), ("counted", Text)],
         scope: Scope::Since,
     },
