@@ -28,11 +28,18 @@ pub enum AuditAction {
     CreateQuota,
     UpdateQuota,
     DeleteQuota,
+    /// A webhook endpoint disabled by delivery (a 410, five days failing).
+    WebhookEndpointDisabled,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 4] =
-        [AuditAction::MonitorBreach, AuditAction::CreateQuota, AuditAction::UpdateQuota, AuditAction::DeleteQuota];
+    pub const ALL: [AuditAction; 5] = [
+        AuditAction::MonitorBreach,
+        AuditAction::CreateQuota,
+        AuditAction::UpdateQuota,
+        AuditAction::DeleteQuota,
+        AuditAction::WebhookEndpointDisabled,
+    ];
 
     /// The IAM-style action string.
     pub fn as_str(self) -> &'static str {
@@ -41,6 +48,7 @@ impl AuditAction {
             AuditAction::CreateQuota => "quotas:CreateQuota",
             AuditAction::UpdateQuota => "quotas:UpdateQuota",
             AuditAction::DeleteQuota => "quotas:DeleteQuota",
+            AuditAction::WebhookEndpointDisabled => "webhook.endpoint_disabled",
         }
     }
 }
@@ -76,6 +84,8 @@ pub enum AuditDetail {
     },
     /// A quota created (`before` null), changed, or deleted (`after` null).
     QuotaChange { before: Option<Box<Quota>>, after: Option<Box<Quota>> },
+    /// A webhook endpoint disabled by delivery.
+    WebhookEndpointDisabled { url: String, reason: String },
 }
 
 /// One entry of a project's audit log.
@@ -97,7 +107,7 @@ impl AuditEntry {
     pub fn once_key(&self) -> Option<String> {
         match &self.detail {
             AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
-            AuditDetail::QuotaChange { .. } => None,
+            AuditDetail::QuotaChange { .. } | AuditDetail::WebhookEndpointDisabled { .. } => None,
         }
     }
 }

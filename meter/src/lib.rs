@@ -68,6 +68,7 @@ pub mod role;
 pub mod tenant;
 pub mod usage;
 pub mod view;
+pub mod webhook;
 pub mod window;
 
 pub use admission::{
@@ -79,7 +80,7 @@ pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use clock::{Clock, ManualClock};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
 pub use fold::{DeadLetter, DlqMark, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
-pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
+pub use ids::{ApiKeyId, AuditId, EventId, IdError, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, Posting, StorageFact, StorageKind, StoredFootprint,
     UnknownProject,
@@ -94,4 +95,5 @@ pub use usage::{
     Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,
 };
 pub use view::{CounterUsage, Hold, ProjectDump, Settlement, ViewModel};
+pub use webhook::{Attempt, DeliveryStatus, DueDelivery, Endpoint, EndpointChange, EventTypes, Next, Notification};
 pub use window::{Window, WindowKind, window_at};

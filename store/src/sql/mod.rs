@@ -30,6 +30,7 @@
 mod config;
 mod ledger;
 mod prices;
+mod webhooks;
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -207,6 +208,8 @@ pub enum Arg {
     Int(i64),
     Bool(bool),
     Time(DateTime<Utc>),
+    OptTime(Option<DateTime<Utc>>),
+    OptInt(Option<i64>),
     Json(serde_json::Value),
     OptJson(Option<serde_json::Value>),
 }
@@ -326,6 +329,14 @@ impl Stmt {
 
     pub fn time(self, v: DateTime<Utc>) -> Stmt {
         self.arg(Arg::Time(v))
+    }
+
+    pub fn opt_time(self, v: Option<DateTime<Utc>>) -> Stmt {
+        self.arg(Arg::OptTime(v))
+    }
+
+    pub fn opt_int(self, v: Option<i64>) -> Stmt {
+        self.arg(Arg::OptInt(v))
     }
 
     pub fn json(self, v: &impl serde::Serialize) -> PortResult<Stmt> {
