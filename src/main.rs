@@ -1,6 +1,6 @@
 //! `tollgate`: the one binary. `serve` runs the HTTP gateway, `project` the
-//! projector, `migrate` the PostgreSQL migrations, `dev` everything in one
-//! process, `apply` a file of quotas.
+//! projector, `notify` the webhook notifier, `migrate` the PostgreSQL
+//! migrations, `dev` everything in one process, `apply` a file of quotas.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +16,7 @@ use tracing::info;
 
 mod apply;
 mod dev;
+mod notify;
 
 #[derive(Parser)]
 #[command(name = "tollgate", version, about = "Usage metering and exact quota enforcement on an event log")]
@@ -35,6 +36,9 @@ enum Command {
     /// Run everything in one process with no external service: an embedded
     /// log and store in one SQLite file, and the in-memory view.
     Dev(dev::DevArgs),
+    /// Run the notifier: deliver the webhook outbox (PostgreSQL) to the
+    /// subscribed endpoints. Any number may run at once.
+    Notify(NotifyCmdArgs),
     /// Make a project's quotas match a file (`-f quotas.yaml`): create,
     /// update and delete them, all or nothing.
     Apply(apply::ApplyArgs),
@@ -161,6 +165,19 @@ struct ServeArgs {
     /// This instance's name on the events it emits.
     #[arg(long, env = "TOLLGATE_INSTANCE")]
     instance: Option<String>,
+    /// Also run a notifier in this process (or run `tollgate notify`).
+    #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
+    notify: bool,
+    #[command(flatten)]
+    notifier: notify::NotifyArgs,
+}
+
+#[derive(Args)]
+struct NotifyCmdArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(flatten)]
+    notify: notify::NotifyArgs,
 }
 
 #[derive(Args)]
@@ -182,6 +199,11 @@ struct ProjectArgs {
     /// `off` serves nothing.
     #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
     metrics_listen: String,
+    /// Also run a notifier in this process (or run `tollgate notify`).
+    #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
+    notify: bool,
+    #[command(flatten)]
+    notifier: notify::NotifyArgs,
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` in the background (the
@@ -255,11 +277,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(i) = args.instance {
         settings.instance = i;
     }
-    let state = AppState::new(Arc::new(store), Arc::new(view), log.clone(), Arc::new(SystemClock), settings);
+    settings.webhook_allow_private = args.notifier.webhook_allow_private;
+    let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let store = Arc::new(store);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let state = AppState::new(store, Arc::new(view), log.clone(), clock, settings);
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    let _ = stop.send(true);
+    if let Some(n) = notifier {
+        n.await.context("notifier task")??;
+    }
     // What the log has not acknowledged yet is still in this process.
     if let Err(e) = log.flush(args.shutdown_flush_timeout).await {
         tracing::warn!(error = %e, "shutting down with events not yet on the log; they are lost with this process");
@@ -279,11 +311,19 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     config.max_batch = args.max_batch;
     config.dead_letter_lease = chrono::Duration::from_std(args.dead_letter_lease).context("--dead-letter-lease")?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
+    let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
+    let store = Arc::new(store);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let projector = Projector::new(reader, store, Arc::new(view), clock, config);
     serve_metrics(&args.metrics_listen).await?;
     info!("tollgate projector running");
-    projector.run(shutdown_signal()).await.context("projector stopped")?;
-    Ok(())
+    let folded = projector.run(shutdown_signal()).await.context("projector stopped");
+    let _ = stop.send(true);
+    if let Some(n) = notifier {
+        n.await.context("notifier task")??;
+    }
+    folded
 }
 
 #[tokio::main]
@@ -300,6 +340,12 @@ async fn main() -> anyhow::Result<()> {
         Command::Project(a) => project(a).await,
         Command::Dev(a) => dev::run(a).await,
         Command::Apply(a) => apply::run(a).await,
+        Command::Notify(a) => {
+            let config = a.notify.config()?;
+            let store = PgStore::connect(&a.db.database_url).await.context("connecting to PostgreSQL")?;
+            store.migrate().await.context("migrating PostgreSQL")?;
+            notify::run(Arc::new(store), Arc::new(SystemClock), config, shutdown_signal()).await
+        }
         Command::Migrate(a) => {
             let store = PgStore::connect(&a.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating")?;

@@ -7,6 +7,7 @@ mod harness;
 mod invariants;
 mod model;
 mod roles;
+mod webhooks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
