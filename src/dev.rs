@@ -108,7 +108,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let notifier_config = projector::notify::NotifierConfig {
         allow_private: args.webhook_allow_private,
         timeout: args.webhook_timeout,
-        lease: chrono::Duration::from_std(args.webhook_timeout + Duration::from_secs(45)).context("--webhook-timeout")?,
+        lease: chrono::Duration::from_std(args.webhook_timeout + Duration::from_secs(45))
+            .context("--webhook-timeout")?,
         ..projector::notify::NotifierConfig::default()
     };
     let notifier = crate::notify::spawn(state.stores.webhooks.clone(), clock.clone(), notifier_config, stopped);

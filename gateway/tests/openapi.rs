@@ -440,8 +440,14 @@ async fn every_answer_matches_the_document() {
     let bad = json!({"url": "https://hooks.example.com/", "event_types": ["quota.exceded"]});
     let (s, e) = call(Method::POST, "/v1/projects/{id}/webhooks", &hooks, adm, Some(bad)).await;
     assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("event_types[0]")));
-    let (s, _) = call(Method::POST, "/v1/projects/{id}/webhooks", "/v1/projects/proj_nope/webhooks", adm,
-        Some(json!({"url": "https://hooks.example.com/", "event_types": ["*"]}))).await;
+    let (s, _) = call(
+        Method::POST,
+        "/v1/projects/{id}/webhooks",
+        "/v1/projects/proj_nope/webhooks",
+        adm,
+        Some(json!({"url": "https://hooks.example.com/", "event_types": ["*"]})),
+    )
+    .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, l) = call(Method::GET, "/v1/projects/{id}/webhooks", &hooks, adm, None).await;
     assert_eq!(s, StatusCode::OK);
@@ -459,7 +465,8 @@ async fn every_answer_matches_the_document() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
     let (s, _) = call(Method::PATCH, "/v1/webhooks/{id}", "/v1/webhooks/wh_nope", adm, Some(json!({}))).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
-    let (s, r) = call(Method::POST, "/v1/webhooks/{id}/rotate-secret", &format!("{one}/rotate-secret"), adm, None).await;
+    let (s, r) =
+        call(Method::POST, "/v1/webhooks/{id}/rotate-secret", &format!("{one}/rotate-secret"), adm, None).await;
     assert_eq!(s, StatusCode::OK);
     assert!(r["previous_secret_expires_at"].is_string() && r["secret"] != w["secret"], "{r}");
     let (s, _) =
@@ -485,13 +492,21 @@ async fn every_answer_matches_the_document() {
     let (s, _) = call(Method::POST, resend, &format!("{one}/deliveries/msg_nope/resend"), adm, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let recover = format!("{one}/recover");
-    let (s, rc) = call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm,
-        Some(json!({"since": "2026-01-01T00:00:00Z"}))).await;
+    let (s, rc) =
+        call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm, Some(json!({"since": "2026-01-01T00:00:00Z"})))
+            .await;
     assert_eq!((s, rc["resent"].as_u64()), (StatusCode::ACCEPTED, Some(0)));
-    let (s, _) = call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm, Some(json!({"since": "yesterday"}))).await;
+    let (s, _) =
+        call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm, Some(json!({"since": "yesterday"}))).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = call(Method::POST, "/v1/webhooks/{id}/recover", "/v1/webhooks/wh_nope/recover", adm,
-        Some(json!({"since": "2026-01-01T00:00:00Z"}))).await;
+    let (s, _) = call(
+        Method::POST,
+        "/v1/webhooks/{id}/recover",
+        "/v1/webhooks/wh_nope/recover",
+        adm,
+        Some(json!({"since": "2026-01-01T00:00:00Z"})),
+    )
+    .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, _) = call(Method::DELETE, "/v1/webhooks/{id}", &one, adm, None).await;
     assert_eq!(s, StatusCode::NO_CONTENT);

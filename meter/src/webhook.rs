@@ -457,7 +457,10 @@ mod tests {
             now,
         );
         let body: Value = serde_json::from_str(&n.body).expect("json");
-        assert_eq!(body, json!({"type": "quota.exceeded", "timestamp": "2026-03-10T00:00:00.000Z", "data": {"quota_id": "quota_1"}}));
+        assert_eq!(
+            body,
+            json!({"type": "quota.exceeded", "timestamp": "2026-03-10T00:00:00.000Z", "data": {"quota_id": "quota_1"}})
+        );
         assert_eq!(n.dedup_key.as_deref(), Some("quota_1/2026-03-10/quota.exceeded/-"));
         let mut e = Endpoint {
             id: WebhookId::parse("wh_1").expect("id"),

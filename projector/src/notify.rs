@@ -225,7 +225,10 @@ impl Notifier {
     /// records every attempt with what follows it.
     pub async fn step(&self) -> PortResult<NotifyReport> {
         let at = self.clock.now();
-        let due = self.webhooks.claim_deliveries(&self.config.claimant, at, at + self.config.lease, self.config.batch).await?;
+        let due = self
+            .webhooks
+            .claim_deliveries(&self.config.claimant, at, at + self.config.lease, self.config.batch)
+            .await?;
         let mut report = NotifyReport::default();
         if due.is_empty() {
             return Ok(report);

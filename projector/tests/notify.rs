@@ -15,8 +15,8 @@ use std::sync::Arc;
 use chrono::{DateTime, Duration, Utc};
 use meter::webhook::{QUOTA_EXCEEDED, dedup_key};
 use meter::{
-    AuditAction, Clock, DeliveryStatus, Endpoint, EventTypes, ManualClock, MessageId, Notification, Project,
-    ProjectId, Store, WebhookId,
+    AuditAction, Clock, DeliveryStatus, Endpoint, EventTypes, ManualClock, MessageId, Notification, Project, ProjectId,
+    Store, WebhookId,
 };
 use projector::notify::{Notifier, NotifierConfig, new_secret};
 use serde_json::json;

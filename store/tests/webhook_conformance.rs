@@ -185,12 +185,26 @@ async fn a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses(s: Arc<d
     assert_eq!(due.len(), 1);
     // n1's late record is refused; n2's is kept.
     let n1 = s
-        .record_attempt("n1", &due[0], &attempt(&due[0], Some(200), later), &Next::Succeeded, &EndpointChange::Healthy, None)
+        .record_attempt(
+            "n1",
+            &due[0],
+            &attempt(&due[0], Some(200), later),
+            &Next::Succeeded,
+            &EndpointChange::Healthy,
+            None,
+        )
         .await
         .expect("record");
     assert_eq!(n1, None, "n1 lost its claim");
     let n2 = s
-        .record_attempt("n2", &due[0], &attempt(&due[0], Some(200), later), &Next::Succeeded, &EndpointChange::Healthy, None)
+        .record_attempt(
+            "n2",
+            &due[0],
+            &attempt(&due[0], Some(200), later),
+            &Next::Succeeded,
+            &EndpointChange::Healthy,
+            None,
+        )
         .await
         .expect("record");
     assert_eq!(n2, Some(false));
@@ -210,25 +224,49 @@ async fn an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next(s: A
     let due = s.claim_deliveries("n1", at, at + lease, 10).await.expect("claim");
     let retry = at + Duration::seconds(5);
     let recorded = s
-        .record_attempt("n1", &due[0], &attempt(&due[0], Some(500), at), &Next::RetryAt(retry), &EndpointChange::Failing(at), None)
+        .record_attempt(
+            "n1",
+            &due[0],
+            &attempt(&due[0], Some(500), at),
+            &Next::RetryAt(retry),
+            &EndpointChange::Failing(at),
+            None,
+        )
         .await
         .expect("record");
     assert_eq!(recorded, Some(false));
     assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, Some(at));
-    assert!(s.claim_deliveries("n1", at + Duration::seconds(4), at + lease, 10).await.expect("claim").is_empty(), "not due yet");
+    assert!(
+        s.claim_deliveries("n1", at + Duration::seconds(4), at + lease, 10).await.expect("claim").is_empty(),
+        "not due yet"
+    );
     let due = s.claim_deliveries("n2", retry, retry + lease, 10).await.expect("claim");
     assert_eq!((due.len(), due[0].tries, due[0].attempts), (1, 1, 1), "claim released, counts kept");
     assert_eq!(due[0].endpoint.failing_since, Some(at));
     // A second failure keeps the first failure's time; a success clears it.
-    s.record_attempt("n2", &due[0], &attempt(&due[0], None, retry), &Next::RetryAt(retry + Duration::minutes(5)), &EndpointChange::Failing(retry), None)
-        .await
-        .expect("record");
+    s.record_attempt(
+        "n2",
+        &due[0],
+        &attempt(&due[0], None, retry),
+        &Next::RetryAt(retry + Duration::minutes(5)),
+        &EndpointChange::Failing(retry),
+        None,
+    )
+    .await
+    .expect("record");
     assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, Some(at));
     let third = retry + Duration::minutes(5);
     let due = s.claim_deliveries("n2", third, third + lease, 10).await.expect("claim");
-    s.record_attempt("n2", &due[0], &attempt(&due[0], Some(204), third), &Next::Succeeded, &EndpointChange::Healthy, None)
-        .await
-        .expect("record");
+    s.record_attempt(
+        "n2",
+        &due[0],
+        &attempt(&due[0], Some(204), third),
+        &Next::Succeeded,
+        &EndpointChange::Healthy,
+        None,
+    )
+    .await
+    .expect("record");
     assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, None);
     let log = s.deliveries(&e.id, None, 10).await.expect("log");
     let numbers: Vec<(u32, Option<u16>)> = log[0].attempts.iter().map(|a| (a.number, a.status_code)).collect();
@@ -286,7 +324,8 @@ async fn the_delivery_log_pages_by_message_and_resend_and_recover_requeue(s: Arc
     s.create_endpoint(&e).await.expect("create");
     let at = utc(T0);
     for i in 0..5 {
-        let n = notification(&format!("msg_{i}"), "proj_1", QUOTA_EXCEEDED, &format!("w{i}"), at + Duration::minutes(i));
+        let n =
+            notification(&format!("msg_{i}"), "proj_1", QUOTA_EXCEEDED, &format!("w{i}"), at + Duration::minutes(i));
         s.enqueue(&n, None).await.expect("enqueue");
     }
     let now = at + Duration::hours(1);
@@ -294,7 +333,9 @@ async fn the_delivery_log_pages_by_message_and_resend_and_recover_requeue(s: Arc
     assert_eq!(due.len(), 5);
     for (i, d) in due.iter().enumerate() {
         let (status, next) = if i < 3 { (Some(500), Next::Failed) } else { (Some(200), Next::Succeeded) };
-        s.record_attempt("n1", d, &attempt(d, status, now), &next, &EndpointChange::Healthy, None).await.expect("record");
+        s.record_attempt("n1", d, &attempt(d, status, now), &next, &EndpointChange::Healthy, None)
+            .await
+            .expect("record");
     }
     let first = s.deliveries(&e.id, None, 2).await.expect("page");
     let ids: Vec<&str> = first.iter().map(|l| l.message.id.as_str()).collect();

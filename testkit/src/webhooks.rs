@@ -143,7 +143,12 @@ impl Receiver {
     }
 }
 
-async fn receive(State(script): State<Arc<Mutex<Script>>>, uri: Uri, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+async fn receive(
+    State(script): State<Arc<Mutex<Script>>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> impl IntoResponse {
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let (status, delay, location) = {
         let mut s = script.lock().unwrap_or_else(|e| e.into_inner());

@@ -60,11 +60,7 @@ async fn webhooks_notifiers_killed_mid_delivery_lose_nothing_and_never_send_twic
     let receiver = Receiver::start(vec![]).await;
     receiver.delay_next(vec![Duration::from_secs(60)]);
     let (_, wh, secret) = subscribe(&env, &receiver.url("/hook")).await;
-    let short = [
-        ("TOLLGATE_WEBHOOK_TIMEOUT", "2s"),
-        ("TOLLGATE_NOTIFY_LEASE", "3s"),
-        ("TOLLGATE_NOTIFY_POLL", "50ms"),
-    ];
+    let short = [("TOLLGATE_WEBHOOK_TIMEOUT", "2s"), ("TOLLGATE_NOTIFY_LEASE", "3s"), ("TOLLGATE_NOTIFY_POLL", "50ms")];
     let first = env.start_notifier_with(&short);
     let (s, t) = env.admin_post(&format!("/v1/webhooks/{wh}/test"), json!({})).await;
     assert_eq!(s, 202, "{t}");

@@ -174,12 +174,7 @@ pub async fn resend(s: &AppState, id: &WebhookId, message: &MessageId) -> Result
 
 /// Resends every message of `[since, until)` that finally failed to reach
 /// the endpoint; how many.
-pub async fn recover(
-    s: &AppState,
-    id: &WebhookId,
-    since: DateTime<Utc>,
-    until: Option<DateTime<Utc>>,
-) -> Result<u64> {
+pub async fn recover(s: &AppState, id: &WebhookId, since: DateTime<Utc>, until: Option<DateTime<Utc>>) -> Result<u64> {
     let now = now_micros(s.clock.as_ref());
     let until = until.unwrap_or(now);
     if until <= since {

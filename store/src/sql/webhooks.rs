@@ -216,14 +216,16 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "endpoint"))]
     async fn endpoint(&self, id: &WebhookId) -> PortResult<Option<Endpoint>> {
-        let stmt = Stmt::new(format!("SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE id = $1")).text(id.as_str());
+        let stmt =
+            Stmt::new(format!("SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE id = $1")).text(id.as_str());
         self.opt(stmt).await?.as_ref().map(|r| endpoint(&Rec::<B>(r))).transpose()
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "endpoints"))]
     async fn endpoints(&self, project: &ProjectId) -> PortResult<Vec<Endpoint>> {
-        let stmt = Stmt::new(format!("SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE project_id = $1 ORDER BY id"))
-            .text(project.as_str());
+        let stmt =
+            Stmt::new(format!("SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE project_id = $1 ORDER BY id"))
+                .text(project.as_str());
         each(&self.all(stmt).await?, endpoint::<B>)
     }
 
@@ -241,7 +243,8 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
         B::execute(&mut *tx, attempts).await?;
         let deliveries = Stmt::new("DELETE FROM webhook_deliveries WHERE endpoint_id = $1").text(id.as_str());
         B::execute(&mut *tx, deliveries).await?;
-        let gone = B::execute(&mut *tx, Stmt::new("DELETE FROM webhook_endpoints WHERE id = $1").text(id.as_str())).await?;
+        let gone =
+            B::execute(&mut *tx, Stmt::new("DELETE FROM webhook_endpoints WHERE id = $1").text(id.as_str())).await?;
         tx.commit().await.map_err(error::<B>)?;
         Ok(gone == 1)
     }
@@ -278,7 +281,12 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
         .time(until)
         .int(limit(max));
         let claimed = each(&self.all(stmt).await?, |r: &Rec<'_, B>| {
-            Ok((r.id::<MessageId>("message_id")?, r.id::<WebhookId>("endpoint_id")?, count_u32(r, "tries")?, count_u32(r, "attempts")?))
+            Ok((
+                r.id::<MessageId>("message_id")?,
+                r.id::<WebhookId>("endpoint_id")?,
+                count_u32(r, "tries")?,
+                count_u32(r, "attempts")?,
+            ))
         })?;
         if claimed.is_empty() {
             return Ok(Vec::new());
@@ -327,12 +335,16 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
             // Dropped without a commit: nothing written.
             return Ok(None);
         }
-        let insert = Stmt::new(format!("INSERT INTO webhook_attempts ({ATTEMPT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"))
-            .text(endpoint)
-            .text(message)
-            .int(i64::from(attempt.number))
-            .time(attempt.at);
-        let insert = insert.opt_int(attempt.status_code.map(i64::from)).int(super::to_i64("latency_ms", attempt.latency_ms)?).text(&attempt.response);
+        let insert =
+            Stmt::new(format!("INSERT INTO webhook_attempts ({ATTEMPT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"))
+                .text(endpoint)
+                .text(message)
+                .int(i64::from(attempt.number))
+                .time(attempt.at);
+        let insert = insert
+            .opt_int(attempt.status_code.map(i64::from))
+            .int(super::to_i64("latency_ms", attempt.latency_ms)?)
+            .text(&attempt.response);
         B::execute(&mut *tx, insert).await?;
         let mut disabled = false;
         match change {
