@@ -1,6 +1,8 @@
 //! `tollgate`: the one binary. `serve` runs the HTTP gateway, `project` the
 //! projector, `notify` the webhook notifier, `migrate` the PostgreSQL
-//! migrations, `dev` everything in one process, `apply` a file of quotas.
+//! migrations, `dev` everything in one process, `apply` a file of quotas,
+//! `replay` a rebuild of every aggregate from the log into a shadow,
+//! compared with the live one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,12 +13,13 @@ use gateway::state::SystemClock;
 use gateway::{AppState, Settings, ViewDownPolicy};
 use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
-use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, PublishOptions, RedisView};
+use store::{KafkaConfig, KafkaLog, KafkaReader, PgStore, PublishOptions, RedisView, Retention};
 use tracing::info;
 
 mod apply;
 mod dev;
 mod notify;
+mod replay;
 
 #[derive(Parser)]
 #[command(name = "tollgate", version, about = "Usage metering and exact quota enforcement on an event log")]
@@ -42,6 +45,12 @@ enum Command {
     /// Make a project's quotas match a file (`-f quotas.yaml`): create,
     /// update and delete them, all or nothing.
     Apply(apply::ApplyArgs),
+    /// Rebuild every aggregate from offset 0 into a shadow (a PostgreSQL
+    /// schema, or a file beside the embedded store) while the live
+    /// projector runs, compare it with the live aggregates row by row and
+    /// print the differences (exit status 1 if any); `--swap` makes the
+    /// shadow live and re-seeds the view.
+    Replay(replay::ReplayArgs),
 }
 
 #[derive(Args, Clone)]
@@ -80,6 +89,17 @@ struct Backends {
     /// bumps (Apache Kafka does; tansu 0.6 does not).
     #[arg(long, env = "TOLLGATE_KAFKA_MESSAGE_TIMEOUT", default_value = "0s", value_parser = humantime::parse_duration)]
     kafka_message_timeout: Duration,
+    /// How long the usage topic keeps records when Tollgate creates it:
+    /// `forever` (the default; a replay rebuilds from offset 0), or a
+    /// duration (`400days`). An existing topic keeps its configuration.
+    #[arg(long, env = "TOLLGATE_USAGE_RETENTION", default_value = "forever")]
+    usage_retention: Retention,
+    /// How long the dead-letter topic keeps records when Tollgate creates it.
+    #[arg(long, env = "TOLLGATE_DLQ_RETENTION", default_value = "forever")]
+    dlq_retention: Retention,
+    /// How long the audit topic keeps records when Tollgate creates it.
+    #[arg(long, env = "TOLLGATE_AUDIT_RETENTION", default_value = "400days")]
+    audit_retention: Retention,
 }
 
 impl Backends {
@@ -88,6 +108,9 @@ impl Backends {
         k.partitions = self.topic_partitions;
         k.replication = self.topic_replication;
         k.message_timeout = self.kafka_message_timeout;
+        k.usage_retention = self.usage_retention;
+        k.dlq_retention = self.dlq_retention;
+        k.audit_retention = self.audit_retention;
         k
     }
 
@@ -345,6 +368,13 @@ async fn main() -> anyhow::Result<()> {
             let store = PgStore::connect(&a.db.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating PostgreSQL")?;
             notify::run(Arc::new(store), Arc::new(SystemClock), config, shutdown_signal()).await
+        }
+        Command::Replay(a) => {
+            if !replay::run(a).await? {
+                // The differences are printed; the status says there were some.
+                std::process::exit(1);
+            }
+            Ok(())
         }
         Command::Migrate(a) => {
             let store = PgStore::connect(&a.database_url).await.context("connecting to PostgreSQL")?;

@@ -99,6 +99,10 @@ impl View for SeedingView {
         self.inner.apply_fold(project, totals, events).await
     }
 
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
+        self.inner.lower_totals(project, totals).await
+    }
+
     /// A counter's state; an unseeded project is seeded and read again
     /// (`Ok(None)` only if it is still unseeded after that).
     async fn usage(

@@ -13,13 +13,26 @@
 //! |---|---|---|
 //! | `tollgate_check_seconds` | | latency of a check (HTTP or Layer), from the caller named to the verdict |
 //! | `tollgate_checks_total` | `verdict` = admitted, refused, degraded, exempt, unavailable, error | checks by outcome |
+//! | `tollgate_check_refusals_total` | `metric` | refused checks by the metric that refused them |
+//! | `tollgate_exempt_checks_total` | | checks by exempt callers (admins, exempt roles, break-glass) |
+//! | `tollgate_monitor_breaches_total` | | monitor-mode quotas a check found breached (admitted anyway) |
 //! | `tollgate_view_unavailable_total` | `policy` = allow, deny, settle | decisions taken while the view was unreachable |
 //! | `tollgate_view_reseeds_total` | | projects re-seeded into the view from the store |
+//! | `tollgate_config_stale_total` | | lookups answered from the configuration cache while the store was down |
 //! | `tollgate_events_accepted_total` | | events acknowledged on `/v1/events` |
-//! | `tollgate_publish_failures_total`, `tollgate_publish_queue_depth` | | the log's write side, while it is unreachable |
-//! | `tollgate_projector_events_total` | `result` = folded, duplicate, dead_lettered | what the fold did |
+//! | `tollgate_events_unacknowledged_total`, `tollgate_request_events_unacknowledged_total` | | settles and request events the log did not acknowledge in time (kept queued) |
+//! | `tollgate_unpriced_rows_deferred_total` | | unpriced rows left to the fold because the store was down |
+//! | `tollgate_publish_queue_depth` | `log` = kafka, sqlite | records awaiting the log (gauge) |
+//! | `tollgate_publish_failures_total` | `log` | records whose publish attempt failed and were queued again |
+//! | `tollgate_publish_queue_full_total` | `log` | publishes refused because the queue was full |
+//! | `tollgate_publish_dropped_total` | `log` | records the log refused for good |
+//! | `tollgate_layer_record_failures_total`, `tollgate_layer_bad_rows_total` | | the tower Layer's settles that failed, rows counts it could not read |
+//! | `tollgate_projector_events_total` | `result` = folded, duplicate, dead_lettered | what the fold did (its rate is the fold rate) |
 //! | `tollgate_projector_lag_seconds` | | receipt-to-fold time of the oldest fact of each batch |
+//! | `tollgate_projector_store_refusals_total` | | batches the store refused for good (then bisected) |
+//! | `tollgate_view_update_failures_total` | | view updates after a fold that failed |
 //! | `tollgate_dead_letters_total` | `reason` = malformed, invalid, out_of_range, store | dead letters by cause |
+//! | `tollgate_dead_letters_published_total`, `tollgate_dead_letter_publish_failures_total` | | the DLQ outbox's publishes |
 
 use std::sync::OnceLock;
 use std::time::Duration;

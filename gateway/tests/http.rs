@@ -58,7 +58,7 @@ async fn app(dir: &std::path::Path) -> axum::Router {
         topic: "tollgate.usage".into(),
         offsets: vec![OffsetMove { partition: 0, from: 0, to: 1 }],
         facts: vec![fact],
-        dead_letters: Vec::new(),
+        ..FoldBatch::default()
     };
     store.fold_batch(&batch).await.expect("fold");
     let log = SqliteLog::new(store.pool().clone(), "tollgate.");

@@ -28,16 +28,19 @@ pub enum AuditAction {
     CreateQuota,
     UpdateQuota,
     DeleteQuota,
+    /// A correction folded: an event amended or voided.
+    CorrectEvent,
     /// A webhook endpoint disabled by delivery (a 410, five days failing).
     WebhookEndpointDisabled,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 5] = [
+    pub const ALL: [AuditAction; 6] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
         AuditAction::DeleteQuota,
+        AuditAction::CorrectEvent,
         AuditAction::WebhookEndpointDisabled,
     ];
 
@@ -48,6 +51,7 @@ impl AuditAction {
             AuditAction::CreateQuota => "quotas:CreateQuota",
             AuditAction::UpdateQuota => "quotas:UpdateQuota",
             AuditAction::DeleteQuota => "quotas:DeleteQuota",
+            AuditAction::CorrectEvent => "events:CorrectEvent",
             AuditAction::WebhookEndpointDisabled => "webhook.endpoint_disabled",
         }
     }
@@ -84,6 +88,16 @@ pub enum AuditDetail {
     },
     /// A quota created (`before` null), changed, or deleted (`after` null).
     QuotaChange { before: Option<Box<Quota>>, after: Option<Box<Quota>> },
+    /// A correction folded (see [`crate::correction`]): the event it amended
+    /// or voided, and what that event counted before and after.
+    EventCorrection {
+        original_id: String,
+        correction_id: String,
+        original_kind: String,
+        void: bool,
+        before: crate::correction::CorrectedQuantities,
+        after: crate::correction::CorrectedQuantities,
+    },
     /// A webhook endpoint disabled by delivery.
     WebhookEndpointDisabled { url: String, reason: String },
 }
@@ -108,6 +122,10 @@ impl AuditEntry {
         match &self.detail {
             AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
             AuditDetail::QuotaChange { .. } | AuditDetail::WebhookEndpointDisabled { .. } => None,
+            // One entry per correction folded, whatever refolds it.
+            AuditDetail::EventCorrection { correction_id, .. } => {
+                Some(format!("correction/{}/{correction_id}", self.project_id))
+            }
         }
     }
 }

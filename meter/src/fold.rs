@@ -38,6 +38,24 @@ pub struct FoldBatch {
     pub offsets: Vec<OffsetMove>,
     pub facts: Vec<UsageFact>,
     pub dead_letters: Vec<DeadLetter>,
+    /// Where facts came from on the log, by their index in `facts`: the
+    /// record a refused correction is dead-lettered as. A store refuses the
+    /// batch ([`crate::PortError::Permanent`]) for a refused correction
+    /// with no source here.
+    pub sources: BTreeMap<usize, FactSource>,
+    /// The dedup horizon (`None`: [`crate::usage::DEFAULT_DEDUP_HORIZON`]):
+    /// an original a correction names must be within it at the
+    /// correction's receipt.
+    pub horizon: Option<chrono::Duration>,
+}
+
+/// A record of the log a fact was read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FactSource {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
 }
 
 impl FoldBatch {
@@ -86,6 +104,12 @@ pub struct FoldReport {
     pub duplicates: Vec<(ProjectId, EventId)>,
     /// The new durable totals of every counter the batch touched.
     pub totals: Vec<(ProjectId, Counter, Totals)>,
+    /// Corrections the fold refused, with why (`corrects: …`): the store
+    /// dead-letters their records in the fold's transaction.
+    pub refused: Vec<(ProjectId, EventId, String)>,
+    /// Of `totals`, those a correction took usage back from: the view
+    /// lowers them ([`crate::View::lower_totals`]; a fold only raises).
+    pub lowered: Vec<(ProjectId, Counter, Totals)>,
 }
 
 /// A counter's folded totals and when its window resets.

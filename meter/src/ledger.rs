@@ -38,7 +38,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use chrono::{DateTime, SubsecRound, TimeDelta, Utc};
 use chrono_tz::Tz;
 
-use crate::error::named;
+use crate::audit::AuditEntry;
+use crate::correction::{self, Counted, Delta, ModelKey as CorrectionModelKey, Target};
+use crate::error::{FieldError, named};
 use crate::fold::{Fold, FoldReport};
 use crate::ids::{EventId, ProjectId};
 use crate::price::{MeterType, PriceBook, PriceKey, Usd};
@@ -59,6 +61,10 @@ pub enum FactOutcome {
     /// Its id was folded before, in an earlier batch or earlier in this
     /// one: it adds nothing.
     Duplicate,
+    /// A correction the fold refuses (see [`crate::correction`]): it adds
+    /// nothing, its id is forgotten, and its record is dead-lettered with
+    /// the reason [`Posting::refusals`] gives.
+    Refused,
 }
 
 /// A fact of a project the store does not know: a bug upstream (the
@@ -234,9 +240,34 @@ impl<'a> BatchFold<'a> {
     /// when no candidate is a tokens event.
     pub fn price_keys(&self) -> BTreeSet<(&'a str, &'a str)> {
         self.firsts()
-            .filter(|f| f.kind == EventKind::Tokens)
+            .filter(|f| matches!(f.kind, EventKind::Tokens | EventKind::Correction))
             .flat_map(|f| f.tokens.iter().map(|t| (t.provider.as_str(), t.model.as_str())))
             .collect()
+    }
+
+    /// [`BatchFold::price_keys`] and those of the corrected originals'
+    /// tokens (`targets`, as the store read them): a correction reprices
+    /// what the original counts.
+    pub fn price_keys_with(&self, targets: &HashMap<(ProjectId, EventId), Target>) -> BTreeSet<(String, String)> {
+        let mut keys: BTreeSet<(String, String)> =
+            self.price_keys().into_iter().map(|(p, m)| (p.to_owned(), m.to_owned())).collect();
+        for t in targets.values() {
+            if let Target::Counted(c) = t {
+                keys.extend(c.fact.tokens.iter().map(|t| (t.provider.clone(), t.model.clone())));
+            }
+        }
+        keys
+    }
+
+    /// The events the candidate corrections name, distinct and in order:
+    /// what a store reads of its dedup set ([`Target`]) before it posts.
+    pub fn correction_targets(&self) -> Vec<(ProjectId, EventId)> {
+        let set: BTreeSet<(ProjectId, EventId)> = self
+            .firsts()
+            .filter(|f| f.kind == EventKind::Correction)
+            .filter_map(|f| f.corrects.as_ref().map(|o| (f.project_id.clone(), o.clone())))
+            .collect();
+        set.into_iter().collect()
     }
 
     /// Folds the facts whose ids are `new` (the first occurrence of each):
@@ -250,6 +281,24 @@ impl<'a> BatchFold<'a> {
         zones: &HashMap<ProjectId, Tz>,
         book: &PriceBook,
     ) -> Result<Posting<'a>, UnknownProject> {
+        self.post_with(new, zones, book, &HashMap::new(), crate::usage::DEFAULT_DEDUP_HORIZON)
+    }
+
+    /// [`BatchFold::post`] with corrections: `targets` is what the store's
+    /// dedup set holds of the events the batch's corrections name
+    /// ([`BatchFold::correction_targets`]; an event missing there is not
+    /// folded, or is past the horizon), `horizon` the dedup horizon. The
+    /// corrections are applied in the batch's order, an original folded
+    /// earlier in the batch included (one later in it is not folded yet:
+    /// its correction is refused).
+    pub fn post_with(
+        &self,
+        new: &HashSet<(ProjectId, EventId)>,
+        zones: &HashMap<ProjectId, Tz>,
+        book: &PriceBook,
+        targets: &HashMap<(ProjectId, EventId), Target>,
+        horizon: chrono::Duration,
+    ) -> Result<Posting<'a>, UnknownProject> {
         if let Some(f) = self.facts.iter().find(|f| !zones.contains_key(&f.project_id)) {
             return Err(UnknownProject { project_id: f.project_id.clone(), event_id: f.id.clone() });
         }
@@ -261,14 +310,74 @@ impl<'a> BatchFold<'a> {
         let mut models: BTreeMap<ModelKey, (u64, u64, Usd)> = BTreeMap::new();
         let mut storage = Vec::new();
         let mut cuts: BTreeMap<ProjectId, Option<DateTime<Utc>>> = BTreeMap::new();
-        for (fact, first) in self.facts.iter().zip(&self.first) {
-            if !*first || !new.contains(&(fact.project_id.clone(), fact.id.clone())) {
+        // Corrections: the originals they name as this batch leaves them.
+        let wanted: HashSet<(ProjectId, EventId)> = self.correction_targets().into_iter().collect();
+        let mut local: HashMap<(ProjectId, EventId), Target> = HashMap::new();
+        let mut adjustments: BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Delta)> = BTreeMap::new();
+        let mut model_adjustments: BTreeMap<(ProjectId, CorrectionModelKey), [i64; 3]> = BTreeMap::new();
+        let mut recounts: BTreeMap<(ProjectId, EventId), Counted> = BTreeMap::new();
+        let mut refusals = Vec::new();
+        let mut audit = Vec::new();
+        for (i, (fact, first)) in self.facts.iter().zip(&self.first).enumerate() {
+            let key = (fact.project_id.clone(), fact.id.clone());
+            if !*first || !new.contains(&key) {
                 outcomes.push(FactOutcome::Duplicate);
                 continue;
             }
-            outcomes.push(FactOutcome::Folded);
             // Invariant: every fact's zone was checked above.
             let tz = zones.get(&fact.project_id).copied().unwrap_or(Tz::UTC);
+            if wanted.contains(&key) {
+                local.insert(key.clone(), Counted::of(fact, tz).map_or(Target::Other, Target::Counted));
+            }
+            if fact.kind == EventKind::Correction {
+                let Some(original) = fact.corrects.clone() else {
+                    refusals.push((i, FieldError::new("corrects", "a correction names the event it corrects")));
+                    outcomes.push(FactOutcome::Refused);
+                    continue;
+                };
+                let target_key = (fact.project_id.clone(), original);
+                let target = match local.get(&target_key) {
+                    Some(t) => Some(t),
+                    // New in this batch but not yet met: later on the log.
+                    None if new.contains(&target_key) => None,
+                    None => targets.get(&target_key),
+                };
+                match correction::apply_correction(fact, target, horizon) {
+                    Err(e) => {
+                        refusals.push((i, e));
+                        outcomes.push(FactOutcome::Refused);
+                    }
+                    Ok(next) => {
+                        let Some(Target::Counted(before)) = target else {
+                            unreachable!("apply_correction accepts only a counted target")
+                        };
+                        let after = correction::contribution(&next, book);
+                        let diff = correction::difference(&correction::contribution(before, book), &after);
+                        for (counter, (resets_at, d)) in diff.counters {
+                            let e =
+                                adjustments.entry((fact.project_id.clone(), counter)).or_insert((resets_at, [0; 13]));
+                            correction::add_delta(&mut e.1, &d);
+                        }
+                        for (k, d) in diff.models {
+                            correction::add_delta(
+                                model_adjustments.entry((fact.project_id.clone(), k)).or_default(),
+                                &d,
+                            );
+                        }
+                        for (counter, k) in &diff.unpriced {
+                            let r = after.counters.get(counter).and_then(|(r, _)| *r);
+                            unpriced.insert((fact.project_id.clone(), counter.clone(), k.clone()), r);
+                        }
+                        audit.push(correction::audit_entry(fact, before, &next));
+                        local.insert(target_key.clone(), Target::Counted(next.clone()));
+                        recounts.insert(target_key, next);
+                        outcomes.push(FactOutcome::Folded);
+                    }
+                }
+                fold.apply(fact, tz, book);
+                continue;
+            }
+            outcomes.push(FactOutcome::Folded);
             fold.apply(fact, tz, book);
             if let Some(s) = StorageFact::of(fact) {
                 let cut = cuts.entry(s.project_id.clone()).or_default();
@@ -335,8 +444,31 @@ impl<'a> BatchFold<'a> {
                 .collect(),
             storage,
             footprint_reads: cuts.into_iter().map(|(project_id, cut)| FootprintRead { project_id, cut }).collect(),
+            adjustments: adjustments
+                .into_iter()
+                .map(|((p, key), (resets_at, d))| (p, Counter { key, resets_at }, d))
+                .collect(),
+            model_adjustments: model_adjustments.into_iter().collect(),
+            recounts: recounts.into_iter().map(|((p, e), c)| (p, e, c)).collect(),
+            refusals,
+            audit,
         })
     }
+}
+
+/// One row of the breakdown by model to change, signed (a correction can
+/// take usage back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelUsageChange {
+    pub project_id: ProjectId,
+    pub window: WindowKind,
+    pub window_key: String,
+    pub key: PriceKey,
+    pub meter: MeterType,
+    pub embedding: bool,
+    pub priced_quantity: i64,
+    pub unpriced_quantity: i64,
+    pub cost_picos: i64,
 }
 
 /// Everything a store writes for one batch, computed. Every list is in key
@@ -358,6 +490,17 @@ pub struct Posting<'a> {
     pub storage: Vec<StorageFact>,
     /// Per project with new storage facts: what to read of its footprint.
     pub footprint_reads: Vec<FootprintRead>,
+    /// What the corrections change on each counter (signed, in
+    /// [`crate::Field::ALL`] order), by project then counter.
+    pub adjustments: Vec<(ProjectId, Counter, Delta)>,
+    /// What they change in the breakdown by model (priced, unpriced, cost).
+    pub model_adjustments: Vec<((ProjectId, CorrectionModelKey), [i64; 3])>,
+    /// The corrected originals as they count now, to keep in the dedup set.
+    pub recounts: Vec<(ProjectId, EventId, Counted)>,
+    /// The refused corrections (by index in the batch) and why.
+    pub refusals: Vec<(usize, FieldError)>,
+    /// One audit entry per correction folded.
+    pub audit: Vec<AuditEntry>,
 }
 
 impl Posting<'_> {
@@ -370,9 +513,65 @@ impl Posting<'_> {
             match outcome {
                 FactOutcome::Folded => report.folded.push(id),
                 FactOutcome::Duplicate => report.duplicates.push(id),
+                FactOutcome::Refused => {}
             }
         }
+        report.refused = self.refused().map(|(f, e)| (f.project_id.clone(), f.id.clone(), e.to_string())).collect();
         report
+    }
+
+    /// The refused corrections and why, in the batch's order.
+    pub fn refused(&self) -> impl Iterator<Item = (&UsageFact, &FieldError)> + '_ {
+        self.refusals.iter().filter_map(|(i, e)| self.facts.get(*i).map(|f| (f, e)))
+    }
+
+    /// What to add to each counter, new facts and corrections together
+    /// (signed, in [`crate::Field::ALL`] order): one row per counter, by
+    /// project then counter. A store adds each, saturating, and floors the
+    /// sums at zero.
+    pub fn counter_changes(&self) -> Vec<(ProjectId, Counter, Delta)> {
+        let mut out: BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Delta)> = BTreeMap::new();
+        for (p, c, t) in &self.sums {
+            out.insert((p.clone(), c.key.clone()), (c.resets_at, t.values()));
+        }
+        for (p, c, d) in &self.adjustments {
+            let e = out.entry((p.clone(), c.key.clone())).or_insert((c.resets_at, [0; 13]));
+            correction::add_delta(&mut e.1, d);
+        }
+        out.into_iter().map(|((p, key), (resets_at, d))| (p, Counter { key, resets_at }, d)).collect()
+    }
+
+    /// What to add to the breakdown by model, new facts and corrections
+    /// together, one row per key, in key order.
+    pub fn model_changes(&self) -> Vec<ModelUsageChange> {
+        let mut out: BTreeMap<(ProjectId, CorrectionModelKey), [i64; 3]> = BTreeMap::new();
+        for m in &self.model_usage {
+            let key = (
+                m.project_id.clone(),
+                (m.window, m.window_key.clone(), m.row.key.clone(), m.row.meter, m.row.embedding),
+            );
+            let q = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            let e = out.entry(key).or_default();
+            correction::add_delta(e, &[q(m.row.priced_quantity), q(m.row.unpriced_quantity), m.row.cost.picos()]);
+        }
+        for (key, d) in &self.model_adjustments {
+            correction::add_delta(out.entry(key.clone()).or_default(), d);
+        }
+        out.into_iter()
+            .map(|((project_id, (window, window_key, key, meter, embedding)), [priced, unpriced, cost])| {
+                ModelUsageChange {
+                    project_id,
+                    window,
+                    window_key,
+                    key,
+                    meter,
+                    embedding,
+                    priced_quantity: priced,
+                    unpriced_quantity: unpriced,
+                    cost_picos: cost,
+                }
+            })
+            .collect()
     }
 
     /// The new footprint of every project of [`Posting::footprint_reads`]:

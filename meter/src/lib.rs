@@ -56,6 +56,7 @@ pub mod admission;
 pub mod apply;
 pub mod audit;
 pub mod clock;
+pub mod correction;
 pub mod error;
 pub mod fold;
 pub mod ids;
@@ -78,12 +79,13 @@ pub use admission::{
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
 pub use clock::{Clock, ManualClock};
+pub use correction::{Counted, Target};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
-pub use fold::{DeadLetter, DlqMark, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
+pub use fold::{DeadLetter, DlqMark, FactSource, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
 pub use ids::{ApiKeyId, AuditId, EventId, IdError, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
 pub use ledger::{
-    BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, Posting, StorageFact, StorageKind, StoredFootprint,
-    UnknownProject,
+    BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, ModelUsageChange, Posting, StorageFact, StorageKind,
+    StoredFootprint, UnknownProject,
 };
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};

@@ -170,6 +170,17 @@ pub trait Ledger: Send + Sync {
     async fn totals(&self, project: &ProjectId, counters: &[CounterKey]) -> PortResult<Vec<(CounterKey, Totals)>>;
     /// Durable totals of every counter of a project whose window is open at `at`.
     async fn open_totals(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<Vec<(Counter, Totals)>>;
+    /// What the dedup set holds of a folded event, for the checks of a
+    /// correction at ingest ([`crate::correction`]): `None` when it holds
+    /// nothing (unknown, not folded yet, or purged). A store that keeps no
+    /// such thing answers `None`, and the fold judges.
+    async fn correction_target(
+        &self,
+        _project: &ProjectId,
+        _event: &crate::ids::EventId,
+    ) -> PortResult<Option<crate::correction::Target>> {
+        Ok(None)
+    }
 }
 
 /// Usage reports over what was folded.
@@ -304,6 +315,11 @@ pub trait View: Send + Sync {
     /// deltas of the folded events.
     async fn apply_fold(&self, project: &ProjectId, totals: &[(Counter, Totals)], events: &[EventId])
     -> PortResult<()>;
+    /// After a durable fold of corrections that took usage back: lowers
+    /// the durable sums of those counters to `totals` where they are above
+    /// them (a fold only ever raises them). Counters the view does not
+    /// hold are left alone; the footprint is never touched.
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()>;
     /// A counter's state, or `None` if the project is not seeded.
     async fn usage(
         &self,
@@ -378,6 +394,12 @@ pub trait LogReader: Send {
     async fn seek(&mut self, positions: &BTreeMap<i32, i64>) -> PortResult<()>;
     /// Up to `max` records, waiting at most `wait` for the first.
     async fn poll(&mut self, max: usize, wait: Duration) -> PortResult<Vec<LogRecord>>;
+    /// Where the usage topic ends now (the next offset to be written), per
+    /// partition: what a replay measures its progress against. A log that
+    /// cannot tell answers [`PortError::Permanent`](crate::PortError::Permanent).
+    async fn ends(&mut self) -> PortResult<BTreeMap<i32, i64>> {
+        Err(crate::PortError::Permanent("this log cannot tell where it ends".into()))
+    }
     /// Puts a record that cannot be folded on the dead-letter topic, with
     /// its reason and its source (topic, partition, offset). Once the call
     /// returns the letter is durably there; a failed call may or may not

@@ -47,11 +47,10 @@ impl EventKind {
             EventKind::Correction => "correction",
         }
     }
-    /// Whether this release folds this kind. `correction` is part of the
-    /// schema but not folded yet; such an event is refused at the API and
-    /// dead-lettered by the projector rather than silently ignored.
+    /// Whether this release folds this kind: every kind (a `correction`
+    /// since corrections are folded, see [`crate::correction`]).
     pub fn is_folded(self) -> bool {
-        self != EventKind::Correction
+        true
     }
 }
 
@@ -258,11 +257,14 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
         check_instant("lease_until", t)?;
     }
     let k = fact.kind;
-    if k != EventKind::Call && fact.rows != 0 {
+    if k == EventKind::Correction {
+        crate::correction::check_correction_fact(fact)?;
+    }
+    if !matches!(k, EventKind::Call | EventKind::Correction) && fact.rows != 0 {
         return Err(FieldError::new("rows", format!("a {k} event carries no rows")));
     }
     bounded("rows", fact.rows)?;
-    if k == EventKind::Tokens {
+    if k == EventKind::Tokens || (k == EventKind::Correction && !fact.tokens.is_empty()) {
         if fact.tokens.is_empty() {
             return Err(FieldError::new("tokens", "a tokens event needs at least one entry"));
         }

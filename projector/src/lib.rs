@@ -66,10 +66,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use meter::{
-    Clock, Counter, CounterKey, DeadLetter, DlqMark, EventId, FoldBatch, FoldReport, LogReader, LogRecord, OffsetMove,
-    PortError, PortResult, ProjectId, Store, Totals, UsageFact, View,
+    Clock, Counter, CounterKey, DeadLetter, DlqMark, EventId, EventKind, FactSource, FoldBatch, FoldReport, LogReader,
+    LogRecord, OffsetMove, PortError, PortResult, ProjectId, Store, Totals, UsageFact, View,
 };
 use tracing::{debug, info, warn};
+
+pub mod replay;
 
 /// Tunables of the projector loop.
 #[derive(Debug, Clone)]
@@ -195,6 +197,11 @@ impl<R: LogReader> Projector<R> {
         }
     }
 
+    /// The reader (a replay raises its bound between steps).
+    pub fn reader_mut(&mut self) -> &mut R {
+        &mut self.reader
+    }
+
     /// Positions the reader at the offsets the store holds (0 where it holds none).
     pub async fn start(&mut self) -> PortResult<()> {
         let stored = self.store.offsets(&self.config.consumer, &self.config.topic).await?;
@@ -262,6 +269,13 @@ impl<R: LogReader> Projector<R> {
             sorted.push(self.sort(rec).await?);
         }
         let folds = self.commit(&records, &mut sorted, &mut report).await?;
+        // Corrections the fold refused: dead-lettered in its transaction.
+        for (project, event, reason) in folds.iter().flat_map(|f| &f.refused) {
+            debug!(%project, %event, %reason, "correction refused");
+            report.dead_lettered += 1;
+            self.letters_check_at = None;
+            metrics::counter!("tollgate_dead_letters_total", "reason" => "invalid").increment(1);
+        }
         for s in &sorted {
             if let Sorted::Dead(reason) = s {
                 debug!(%reason, "dead-lettered");
@@ -298,7 +312,11 @@ impl<R: LogReader> Projector<R> {
         // contain (folded or duplicate alike).
         let mut totals: BTreeMap<(ProjectId, CounterKey), (Counter, Totals)> = BTreeMap::new();
         let mut events: BTreeMap<ProjectId, Vec<EventId>> = BTreeMap::new();
+        let mut lowered: BTreeMap<ProjectId, Vec<(Counter, Totals)>> = BTreeMap::new();
         for fold in folds {
+            for (p, c, t) in fold.lowered {
+                lowered.entry(p).or_default().push((c, t));
+            }
             for (p, c, t) in fold.totals {
                 totals.insert((p, c.key.clone()), (c, t));
             }
@@ -316,6 +334,9 @@ impl<R: LogReader> Projector<R> {
         }
         for (project, (totals, events)) in per_project {
             self.update_view(&project, &totals, &events).await;
+        }
+        for (project, totals) in lowered {
+            self.lower_view(&project, &totals).await;
         }
         self.purge().await;
         Ok(report)
@@ -388,12 +409,27 @@ impl<R: LogReader> Projector<R> {
         let mut moves: BTreeMap<i32, OffsetMove> = BTreeMap::new();
         let mut facts = Vec::new();
         let mut dead_letters = Vec::new();
+        let mut sources = BTreeMap::new();
         for (rec, s) in records.iter().zip(sorted) {
             let from = self.positions.get(&rec.partition).copied().unwrap_or(0);
             let m = moves.entry(rec.partition).or_insert(OffsetMove { partition: rec.partition, from, to: from });
             m.to = m.to.max(rec.offset + 1);
             match s {
-                Sorted::Fold(f) => facts.push(UsageFact::clone(f)),
+                Sorted::Fold(f) => {
+                    // A correction the fold may refuse is dead-lettered as its record.
+                    if f.kind == EventKind::Correction {
+                        sources.insert(
+                            facts.len(),
+                            FactSource {
+                                partition: rec.partition,
+                                offset: rec.offset,
+                                key: rec.key.clone(),
+                                payload: rec.payload.clone(),
+                            },
+                        );
+                    }
+                    facts.push(UsageFact::clone(f));
+                }
                 Sorted::Dead(reason) => dead_letters.push(DeadLetter {
                     partition: rec.partition,
                     offset: rec.offset,
@@ -409,6 +445,8 @@ impl<R: LogReader> Projector<R> {
             offsets: moves.into_values().collect(),
             facts,
             dead_letters,
+            sources,
+            horizon: Some(self.config.horizon),
         }
     }
 
@@ -427,6 +465,24 @@ impl<R: LogReader> Projector<R> {
         }
         // The store is right; the view catches up at the next fold of these
         // counters, or is re-seeded from the store if it was lost.
+    }
+
+    /// Lowers the counters corrections took usage back from (after
+    /// [`Projector::update_view`], which only raises), retried like it.
+    async fn lower_view(&self, project: &ProjectId, totals: &[(Counter, Totals)]) {
+        let mut delay = Duration::from_millis(50);
+        for attempt in 0..6 {
+            match self.view.lower_totals(project, totals).await {
+                Ok(()) => return,
+                Err(e) => {
+                    warn!(error = %e, %project, attempt, "view update (lowering) failed");
+                    metrics::counter!("tollgate_view_update_failures_total").increment(1);
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+        }
+        // The view over-counts (the safe direction) until it is re-seeded.
     }
 
     /// Decodes and validates one record: a fact to fold, or why not.

@@ -27,7 +27,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use meter::{DlqMark, Log, LogReader, LogRecord, PortError, PortResult, UsageFact};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
@@ -65,6 +67,48 @@ pub struct KafkaConfig {
     pub message_timeout: Duration,
     /// How [`KafkaLog`] publishes wait and queue.
     pub publish: PublishOptions,
+    /// How long the usage topic keeps records, when Tollgate creates it:
+    /// forever by default, since a replay rebuilds from offset 0.
+    pub usage_retention: Retention,
+    /// How long the dead-letter topic keeps records (forever by default:
+    /// each is an acknowledged event the fold could not take).
+    pub dlq_retention: Retention,
+    /// How long the audit topic keeps records (400 days by default).
+    pub audit_retention: Retention,
+}
+
+/// How long a topic keeps its records (`retention.ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Never deleted (`retention.ms=-1`).
+    Forever,
+    /// Deleted once older than this.
+    For(Duration),
+}
+
+impl Retention {
+    /// The topic's `retention.ms`: `-1` for forever; at least 1 ms.
+    pub fn retention_ms(&self) -> String {
+        match self {
+            Retention::Forever => "-1".to_owned(),
+            Retention::For(d) => d.as_millis().clamp(1, i64::MAX as u128).to_string(),
+        }
+    }
+}
+
+impl std::str::FromStr for Retention {
+    type Err = String;
+
+    /// `forever`, or a duration as humantime reads it (`90days`, `400d`, `12h`).
+    fn from_str(s: &str) -> Result<Retention, String> {
+        if s.trim().eq_ignore_ascii_case("forever") {
+            return Ok(Retention::Forever);
+        }
+        match humantime::parse_duration(s.trim()) {
+            Ok(d) if !d.is_zero() => Ok(Retention::For(d)),
+            _ => Err(format!("{s:?} is neither `forever` nor a positive duration such as `90days`")),
+        }
+    }
 }
 
 impl KafkaConfig {
@@ -76,6 +120,9 @@ impl KafkaConfig {
             replication: 1,
             message_timeout: Duration::ZERO,
             publish: PublishOptions::default(),
+            usage_retention: Retention::Forever,
+            dlq_retention: Retention::Forever,
+            audit_retention: Retention::For(Duration::from_secs(400 * 86_400)),
         }
     }
     pub fn usage_topic(&self) -> String {
@@ -96,21 +143,54 @@ impl KafkaConfig {
         c
     }
 
-    /// Creates the usage, audit and dead-letter topics if they are missing.
+    /// Creates the usage, audit and dead-letter topics if they are missing,
+    /// each with its explicit retention (`retention.ms`; the broker's
+    /// default, often 7 days, would leave a replay nothing older). Only
+    /// `retention.ms` is set, not `cleanup.policy` (Kafka's default is
+    /// `delete`): tansu 0.6 deletes only from topics that name
+    /// `cleanup.policy=delete`, and it reads `retention.ms=-1` as "older
+    /// than 0 s", so naming the policy there would delete the whole log. A
+    /// topic that exists already keeps the configuration it has.
     pub async fn ensure_topics(&self) -> PortResult<()> {
         let admin: AdminClient<DefaultClientContext> = self.client().create().map_err(kafka_err)?;
-        let names = [self.usage_topic(), self.audit_topic(), self.dlq_topic()];
+        let names = [
+            (self.usage_topic(), self.usage_retention.retention_ms()),
+            (self.audit_topic(), self.audit_retention.retention_ms()),
+            (self.dlq_topic(), self.dlq_retention.retention_ms()),
+        ];
         let topics: Vec<NewTopic<'_>> = names
             .iter()
-            .map(|n| NewTopic::new(n, self.partitions, TopicReplication::Fixed(self.replication)))
+            .map(|(n, retention)| {
+                NewTopic::new(n, self.partitions, TopicReplication::Fixed(self.replication))
+                    .set("retention.ms", retention)
+            })
             .collect();
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         let results = admin.create_topics(&topics, &opts).await.map_err(kafka_err)?;
+        let mut existing = Vec::new();
         for r in results {
             match r {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Ok(_) => {}
+                Err((name, RDKafkaErrorCode::TopicAlreadyExists)) => existing.push(name),
                 Err((name, code)) => {
                     return Err(PortError::Transient(format!("creating topic {name}: {code}")));
+                }
+            }
+        }
+        // A topic made before (by an older release, or by hand) keeps its
+        // retention; say so when it is not the one configured.
+        let specs: Vec<ResourceSpecifier<'_>> = existing.iter().map(|n| ResourceSpecifier::Topic(n)).collect();
+        if !specs.is_empty()
+            && let Ok(described) = admin.describe_configs(&specs, &opts).await
+        {
+            for config in described.into_iter().flatten() {
+                let OwnedResourceSpecifier::Topic(name) = &config.specifier else { continue };
+                let want = names.iter().find(|(n, _)| n == name).map(|(_, r)| r.as_str());
+                let have = config.get("retention.ms").and_then(|e| e.value.as_deref());
+                if let (Some(want), Some(have)) = (want, have)
+                    && want != have
+                {
+                    warn!(topic = %name, retention_ms = have, configured = want, "existing topic keeps its retention");
                 }
             }
         }
@@ -442,6 +522,14 @@ impl KafkaReader {
 
 #[async_trait]
 impl LogReader for KafkaReader {
+    async fn ends(&mut self) -> PortResult<BTreeMap<i32, i64>> {
+        let (reader, topic) = (Arc::clone(&self.dlq_reader), self.topic.clone());
+        // librdkafka's metadata and watermark calls block.
+        tokio::task::spawn_blocking(move || ends(&reader, &topic))
+            .await
+            .map_err(|e| PortError::Transient(format!("reading the usage topic's end: {e}")))?
+    }
+
     async fn partitions(&mut self) -> PortResult<Vec<i32>> {
         // A short blocking call, made at start-up only.
         let md = self.consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(10)).map_err(kafka_err)?;

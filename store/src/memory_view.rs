@@ -151,6 +151,11 @@ impl View for MemoryView {
         Ok(())
     }
 
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
+        self.with(|m| m.lower_totals(project, totals, m.now()));
+        Ok(())
+    }
+
     async fn usage(
         &self,
         project: &ProjectId,

@@ -49,9 +49,11 @@
 //! acknowledged); whatever the caller wrote ahead of them (a pending delta in
 //! the view) over-counts until it expires — never under-counts.
 //!
-//! Telemetry: `tollgate_log_queued_records` (gauge),
-//! `tollgate_log_retries_total`, `tollgate_log_queue_full_total`,
-//! `tollgate_log_dropped_total`, each labelled with the log (`kafka`, `sqlite`).
+//! Telemetry: `tollgate_publish_queue_depth` (gauge: records awaiting the
+//! log), `tollgate_publish_failures_total` (records whose attempt failed and
+//! were queued again), `tollgate_publish_queue_full_total` (publishes refused
+//! because the queue was full), `tollgate_publish_dropped_total` (records the
+//! log refused for good), each labelled with the log (`kafka`, `sqlite`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -155,7 +157,7 @@ impl<T: Transport> Shared<T> {
     }
 
     fn gauge(&self, records: usize) {
-        metrics::gauge!("tollgate_log_queued_records", "log" => self.transport.name()).set(records as f64);
+        metrics::gauge!("tollgate_publish_queue_depth", "log" => self.transport.name()).set(records as f64);
     }
 
     /// Forgets `n` records that were acknowledged or dropped.
@@ -207,7 +209,8 @@ impl<T: Transport> Shared<T> {
                     }
                     Err(e) => {
                         error!(log = self.transport.name(), error = %e, "record refused by the log for good; dropped");
-                        metrics::counter!("tollgate_log_dropped_total", "log" => self.transport.name()).increment(1);
+                        metrics::counter!("tollgate_publish_dropped_total", "log" => self.transport.name())
+                            .increment(1);
                         settled += 1;
                         outcome = Err(e);
                     }
@@ -221,7 +224,7 @@ impl<T: Transport> Shared<T> {
                 break;
             }
             self.set_failing(why);
-            metrics::counter!("tollgate_log_retries_total", "log" => self.transport.name())
+            metrics::counter!("tollgate_publish_failures_total", "log" => self.transport.name())
                 .increment(retry.len() as u64);
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(RETRY_MAX);
@@ -337,7 +340,7 @@ impl<T: Transport> Outbox<T> {
         }
         let capacity = self.shared.options.queue;
         if q.records + mine.len() > capacity {
-            metrics::counter!("tollgate_log_queue_full_total", "log" => name).increment(1);
+            metrics::counter!("tollgate_publish_queue_full_total", "log" => name).increment(1);
             return Err(PortError::Transient(format!(
                 "the publish queue is full ({} of {capacity} records await the log); nothing was queued: publish again",
                 q.records

@@ -93,6 +93,10 @@ fn query(stmt: Stmt) -> Query<'static, Postgres, PgArguments> {
 impl Backend for Postgres {
     const SPAN_DB: &'static str = "postgres";
     const LOCK_PROJECT: &'static str = " FOR NO KEY UPDATE";
+    const SNAPSHOT_BEGIN: &'static str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+    const LOCK_ROWS: &'static str = " FOR UPDATE";
+    const LIST_TABLES: &'static str = "SELECT CAST(table_name AS text) AS name FROM information_schema.tables \
+                                       WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'";
 
     fn transient(code: &str) -> bool {
         // Connection exceptions, insufficient resources, operator

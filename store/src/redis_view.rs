@@ -99,12 +99,13 @@ const COMMON: &str = include_str!("lua/common.lua");
 
 /// The scripts' bodies, by name (each is prefixed with [`fields_prelude`]
 /// and `common.lua`).
-const BODIES: [(&str, &str); 7] = [
+const BODIES: [(&str, &str); 8] = [
     ("check", include_str!("lua/check.lua")),
     ("settle", include_str!("lua/settle.lua")),
     ("unsettle", include_str!("lua/unsettle.lua")),
     ("release", include_str!("lua/release.lua")),
     ("fold", include_str!("lua/fold.lua")),
+    ("lower", include_str!("lua/lower.lua")),
     ("seed", include_str!("lua/seed.lua")),
     ("usage", include_str!("lua/usage.lua")),
 ];
@@ -141,6 +142,7 @@ struct Scripts {
     unsettle: Script,
     release: Script,
     fold: Script,
+    lower: Script,
     seed: Script,
     usage: Script,
 }
@@ -157,6 +159,7 @@ impl Scripts {
             unsettle: s("unsettle"),
             release: s("release"),
             fold: s("fold"),
+            lower: s("lower"),
             seed: s("seed"),
             usage: s("usage"),
         }
@@ -214,6 +217,44 @@ impl RedisView {
             .instrument(tracing::debug_span!("datastore", op, project = %project))
             .await
             .map_err(|e| classify(op, &e))
+    }
+
+    /// Deletes every key under this view's prefix, as a `FLUSHDB` would
+    /// for this deployment: every project is unseeded, so the next check
+    /// seeds it again from the store (and the log's tail). What `tollgate
+    /// replay --swap` does after the store's totals changed under the view
+    /// (a seed never lowers a total). Returns how many keys it deleted.
+    pub async fn forget_all(&self) -> PortResult<u64> {
+        let mut conn = self.conn.clone();
+        let span = tracing::debug_span!("datastore", op = "forget_all");
+        let pattern = format!("{}*", glob_escape(&self.prefix));
+        let mut cursor: u64 = 0;
+        let mut deleted = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .instrument(span.clone())
+                .await
+                .map_err(|e| classify("forget_all", &e))?;
+            if !batch.is_empty() {
+                let n: u64 = redis::cmd("UNLINK")
+                    .arg(&batch)
+                    .query_async(&mut conn)
+                    .instrument(span.clone())
+                    .await
+                    .map_err(|e| classify("forget_all", &e))?;
+                deleted = deleted.saturating_add(n);
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
     }
 
     /// One project's keys read back into the model's comparable form
@@ -590,6 +631,21 @@ impl View for RedisView {
             inv.key(format!("{base}ev:{e}"));
         }
         let _: i64 = self.run("apply_fold", project, &inv).await?;
+        Ok(())
+    }
+
+    async fn lower_totals(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
+        if totals.is_empty() {
+            return Ok(());
+        }
+        let base = self.base(project);
+        let mut inv = self.scripts.lower.prepare_invoke();
+        inv.arg(base.as_str()).arg(totals.len().to_string());
+        for (c, t) in totals {
+            inv.key(format!("{base}c:{}", c.key.encode()));
+            durable_args(&mut inv, c, t);
+        }
+        let _: i64 = self.run("lower_totals", project, &inv).await?;
         Ok(())
     }
 

@@ -457,6 +457,19 @@ impl LogReader for SqliteLogReader {
         Ok(vec![PARTITION])
     }
 
+    async fn ends(&mut self) -> PortResult<BTreeMap<i32, i64>> {
+        // Offsets are row ids, not contiguous: the end is past the last one.
+        let next: i64 = sqlx::query_scalar(
+            r#"SELECT COALESCE(MAX("offset"), -1) + 1 FROM log_records WHERE topic = ?1 AND "partition" = ?2"#,
+        )
+        .bind(&self.topic)
+        .bind(PARTITION)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(log_err)?;
+        Ok(BTreeMap::from([(PARTITION, next)]))
+    }
+
     async fn seek(&mut self, positions: &BTreeMap<i32, i64>) -> PortResult<()> {
         self.positions = positions.clone();
         Ok(())

@@ -161,6 +161,10 @@ impl Backend for Sqlite {
     const SPAN_DB: &'static str = "sqlite";
     // BEGIN IMMEDIATE already holds the file's write lock.
     const LOCK_PROJECT: &'static str = "";
+    // A read transaction of a WAL file reads one snapshot from its first read.
+    const SNAPSHOT_BEGIN: &'static str = "BEGIN DEFERRED";
+    const LOCK_ROWS: &'static str = "";
+    const LIST_TABLES: &'static str = "SELECT name FROM sqlite_master WHERE type = 'table'";
 
     fn transient(code: &str) -> bool {
         code.parse::<i32>()

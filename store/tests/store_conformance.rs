@@ -68,6 +68,9 @@ macro_rules! conformance {
             a_price_is_applied_only_to_what_was_received_after_it_was_put,
             dead_letters_are_kept_with_the_fold_and_published_once,
             the_dedup_set_is_purged_by_the_fold_position_not_the_clock,
+            a_correction_amends_or_voids_its_original_as_the_difference,
+            a_refused_correction_is_dead_lettered_with_its_reason_and_forgotten,
+            a_tokens_amend_is_priced_as_of_the_originals_receipt,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -259,6 +262,8 @@ fn batch(from: i64, to: i64, facts: Vec<UsageFact>) -> FoldBatch {
         offsets: vec![OffsetMove { partition: 0, from, to }],
         facts,
         dead_letters: Vec::new(),
+        sources: BTreeMap::new(),
+        horizon: None,
     }
 }
 
@@ -2065,4 +2070,202 @@ pub async fn the_dedup_set_is_purged_by_the_fold_position_not_the_clock(s: &dyn 
     assert_eq!(report.duplicates, vec![e("mid"), e("new"), e("late")]);
     // Another consumer's position is its own.
     assert_eq!(s.purge_processed("other", t, keep, now).await.expect("purge"), 0);
+}
+
+fn eid(s: &str) -> EventId {
+    EventId::parse(s).expect("event id")
+}
+
+/// A correction of `of`, received the next day.
+fn correction(project: &str, id: &str, of: &str) -> UsageFact {
+    UsageFact {
+        corrects: Some(eid(of)),
+        received_at: Some(utc("2026-07-08T09:00:00Z")),
+        ..fact(project, id, EventKind::Correction, "2026-07-08T09:00:00Z")
+    }
+}
+
+/// A batch whose facts each came from the record at their offset.
+fn sourced(from: i64, facts: Vec<UsageFact>) -> FoldBatch {
+    let n = facts.len() as i64;
+    let sources = (0..facts.len())
+        .map(|i| {
+            let source = meter::FactSource {
+                partition: 0,
+                offset: from + i as i64,
+                key: Some(b"proj_1".to_vec()),
+                payload: vec![0xc3, 0x01, i as u8],
+            };
+            (i, source)
+        })
+        .collect();
+    FoldBatch { sources, ..batch(from, from + n, facts) }
+}
+
+/// An amend replaces the original's quantities on every counter it landed
+/// in, a void takes it all back (the breakdown by model too), both are in
+/// the audit log naming both ids, and the dedup set keeps what each
+/// original counts now; a correction folded again adds nothing.
+pub async fn a_correction_amends_or_voids_its_original_as_the_difference(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], recorded()).await.expect("prices");
+    let at = "2026-07-07T12:31:10Z";
+    let originals = vec![
+        call("proj_1", "c1", at, 10),
+        call("proj_1", "c2", at, 5),
+        tokens("proj_1", "t1", at, vec![usage("gpt-4o", 100, 0, 0)]),
+    ];
+    s.fold_batch(&sourced(0, originals)).await.expect("fold originals");
+    let day = key(Dimension::Project, WindowKind::Day, "2026-07-07");
+    let actor = key(Dimension::Actor("user_1".into()), WindowKind::CalendarMonth, "2026-07");
+    let before = total(s, "proj_1", day.clone()).await;
+    assert_eq!((before.calls, before.rows, before.tokens, before.cost_llm_tokens), (2, 15, 100, 500));
+
+    let amend = UsageFact { rows: 3, ..correction("proj_1", "x1", "c1") };
+    let void = UsageFact { void: true, ..correction("proj_1", "x2", "t1") };
+    let report = s.fold_batch(&sourced(3, vec![amend.clone(), void.clone()])).await.expect("fold corrections");
+    assert_eq!(report.folded, vec![(pid("proj_1"), eid("x1")), (pid("proj_1"), eid("x2"))]);
+    assert!(report.refused.is_empty());
+    let after = total(s, "proj_1", day.clone()).await;
+    assert_eq!((after.calls, after.rows, after.tokens, after.cost_llm_tokens), (2, 8, 0, 0));
+    assert_eq!((after.llm_events, after.llm_priced), (0, 0), "the void takes the tokens event back");
+    let a = total(s, "proj_1", actor).await;
+    assert_eq!((a.calls, a.rows, a.tokens), (2, 8, 0));
+    // What the fold reports: the lowered counters' new totals, for the view.
+    assert!(report.lowered.iter().any(|(_, c, t)| c.key == day && t.rows == 8));
+    assert!(report.totals.iter().any(|(_, c, t)| c.key == day && t.rows == 8));
+    // The breakdown by model is back to nothing.
+    let rows = breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await;
+    assert!(rows.iter().all(|r| r.priced_quantity == 0 && r.unpriced_quantity == 0 && r.cost == Usd(0)), "{rows:?}");
+
+    // What the dedup set holds of each original now.
+    match s.correction_target(&pid("proj_1"), &eid("c1")).await.expect("target") {
+        Some(meter::Target::Counted(c)) => {
+            assert_eq!((c.fact.rows, c.voided, c.corrected_by.as_ref()), (3, false, Some(&eid("x1"))))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.correction_target(&pid("proj_1"), &eid("t1")).await.expect("target"),
+        Some(meter::Target::Counted(c)) if c.voided
+    ));
+    assert_eq!(s.correction_target(&pid("proj_1"), &eid("x1")).await.expect("target"), Some(meter::Target::Other));
+    assert_eq!(s.correction_target(&pid("proj_1"), &eid("nope")).await.expect("target"), None);
+
+    // One audit entry per correction, naming both ids.
+    let audit = s.audit(&pid("proj_1"), None, 10).await.expect("audit");
+    let named: Vec<_> = audit
+        .iter()
+        .filter_map(|e| match &e.detail {
+            AuditDetail::EventCorrection { original_id, correction_id, void, .. } => {
+                Some((e.action.as_str(), original_id.as_str(), correction_id.as_str(), *void))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut named = named;
+    named.sort();
+    let action = AuditAction::CorrectEvent.as_str();
+    assert_eq!(named, vec![(action, "c1", "x1", false), (action, "t1", "x2", true)]);
+
+    // The same corrections again (a resend): duplicates, nothing changes.
+    let again = s.fold_batch(&sourced(5, vec![amend, void])).await.expect("refold");
+    assert_eq!(again.duplicates.len(), 2);
+    assert_eq!(total(s, "proj_1", day).await, after);
+    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("audit").len(), audit.len());
+}
+
+/// A correction of an unknown event, of another project's, of a voided one,
+/// or before its original, is dead-lettered in the fold's transaction with
+/// its reason, changes nothing, and its id is forgotten (so it can come
+/// again once its original is folded). Without the record to dead-letter,
+/// the batch is refused whole.
+pub async fn a_refused_correction_is_dead_lettered_with_its_reason_and_forgotten(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    let at = "2026-07-07T12:31:10Z";
+    s.fold_batch(&sourced(0, vec![call("proj_1", "c1", at, 10), call("proj_2", "c9", at, 1)])).await.expect("fold");
+    s.fold_batch(&sourced(2, vec![UsageFact { void: true, ..correction("proj_1", "v1", "c1") }])).await.expect("void");
+    let day = key(Dimension::Project, WindowKind::Day, "2026-07-07");
+    let before = total(s, "proj_1", day.clone()).await;
+    assert_eq!((before.calls, before.rows), (0, 0));
+
+    let bad = vec![
+        UsageFact { rows: 1, ..correction("proj_1", "x1", "nope") },
+        UsageFact { rows: 1, ..correction("proj_1", "x2", "c9") },
+        UsageFact { rows: 1, ..correction("proj_1", "x3", "c1") },
+        UsageFact { rows: 1, ..correction("proj_1", "x4", "c5") },
+        call("proj_1", "c5", at, 2),
+    ];
+    let report = s.fold_batch(&sourced(3, bad)).await.expect("fold");
+    let refused: Vec<(&str, &str)> = report.refused.iter().map(|(_, e, r)| (e.as_str(), r.as_str())).collect();
+    assert_eq!(refused.len(), 4, "{refused:?}");
+    assert!(refused[0].1.contains("no event nope of project proj_1 is folded"), "{refused:?}");
+    assert!(refused[1].1.contains("no event c9 of project proj_1"), "another project's: {refused:?}");
+    assert!(refused[2].1.contains("already voided"), "{refused:?}");
+    assert!(refused[3].1.contains("no event c5"), "before its original: {refused:?}");
+    assert_eq!(report.folded, vec![(pid("proj_1"), eid("c5"))]);
+    assert_eq!(total(s, "proj_1", day.clone()).await.rows, 2, "only c5 counted");
+
+    // Dead-lettered with the fold, as their records, with their reasons.
+    let at = utc("2026-07-08T10:00:00Z");
+    let letters = s
+        .claim_dead_letters("projector", "tollgate.usage", "a", at, at + Duration::seconds(30), 10)
+        .await
+        .expect("claim");
+    let got: Vec<(i64, bool)> =
+        letters.iter().map(|l| (l.letter.offset, l.letter.reason.starts_with("invalid: corrects: "))).collect();
+    assert_eq!(got, vec![(3, true), (4, true), (5, true), (6, true)]);
+    assert_eq!(letters[0].letter.payload, vec![0xc3, 0x01, 0]);
+
+    // Forgotten: x4 again, now that c5 is folded, amends it.
+    let report = s.fold_batch(&sourced(8, vec![UsageFact { rows: 7, ..correction("proj_1", "x4", "c5") }])).await;
+    assert_eq!(report.expect("fold").folded, vec![(pid("proj_1"), eid("x4"))]);
+    assert_eq!(total(s, "proj_1", day.clone()).await.rows, 7);
+
+    // No record to dead-letter: the whole batch is refused, nothing moves.
+    let offsets = s.offsets("projector", "tollgate.usage").await.expect("offsets");
+    let unsourced = batch(9, 11, vec![call("proj_1", "c6", "2026-07-07T12:31:10Z", 1), correction("proj_1", "x5", "gone")]);
+    match s.fold_batch(&unsourced).await {
+        Err(PortError::Permanent(why)) => assert!(why.contains("no event gone"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(s.offsets("projector", "tollgate.usage").await.expect("offsets"), offsets);
+    assert_eq!(total(s, "proj_1", day).await.rows, 7);
+}
+
+/// An amend of a tokens event is priced as the original was: by the price
+/// book as of the original's receipt, whatever was put since.
+pub async fn a_tokens_amend_is_priced_as_of_the_originals_receipt(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], utc("2026-07-07T00:00:00Z"))
+        .await
+        .expect("prices");
+    let original = UsageFact {
+        received_at: Some(utc("2026-07-07T12:31:11Z")),
+        ..tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 100, 10, 0)])
+    };
+    s.fold_batch(&sourced(0, vec![original])).await.expect("fold");
+    // After the original was received: a new input price, an output price,
+    // both effective since January.
+    s.put_prices(
+        &[
+            price("gpt-4o", Component::InputTokens, 1000, "2026-01-01T00:00:00Z"),
+            price("gpt-4o", Component::OutputTokens, 1000, "2026-01-01T00:00:00Z"),
+        ],
+        utc("2026-07-07T18:00:00Z"),
+    )
+    .await
+    .expect("later prices");
+    let amend = UsageFact { tokens: vec![usage("gpt-4o", 40, 20, 0)], ..correction("proj_1", "x1", "t1") };
+    s.fold_batch(&sourced(1, vec![amend])).await.expect("amend");
+    let day = total(s, "proj_1", key(Dimension::Project, WindowKind::Day, "2026-07-07")).await;
+    assert_eq!(day.tokens, 60);
+    assert_eq!(day.cost_llm_tokens, 40 * 5, "input at the old price; output unpriced, as at the original's receipt");
+    assert_eq!((day.llm_events, day.llm_priced, day.llm_unpriced), (1, 1, 1));
+    let rows = breakdown(s, "proj_1", WindowKind::Day, "2026-07-07").await;
+    let input = rows.iter().find(|r| r.key.component == Component::InputTokens).expect("input");
+    let output = rows.iter().find(|r| r.key.component == Component::OutputTokens).expect("output");
+    assert_eq!((input.priced_quantity, input.cost), (40, Usd(200)));
+    assert_eq!((output.priced_quantity, output.unpriced_quantity), (0, 20));
 }

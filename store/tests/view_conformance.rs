@@ -382,6 +382,41 @@ async fn suite_fold_moves_pending_into_durable_without_double_counting(view: &dy
     );
 }
 
+/// After a fold of corrections that took usage back, the durable sums are
+/// lowered to the new totals (a fold alone only raises them); pending
+/// deltas, the footprint and counters the view does not hold are left alone.
+async fn suite_a_correction_lowers_durable_sums_and_nothing_else(view: &dyn View) {
+    let at = Utc::now();
+    let (c, a, fp) = (project_counter(at), actor_counter(at), Counter { key: CounterKey::footprint(), resets_at: None });
+    let p = seeded(
+        view,
+        &[
+            (c.clone(), Totals { requests: 4, calls: 4, rows: 18, ..Totals::default() }),
+            (fp.clone(), held(500, 3)),
+        ],
+    )
+    .await;
+    let s = Settlement { event: event(), reservation: None, deltas: vec![(c.clone(), calls(1, 2))] };
+    view.settle(&p, std::slice::from_ref(&s), at).await.expect("settle");
+    // A void of a call of 5 rows: 3 calls, 13 rows now; requests stay.
+    let lowered = Totals { requests: 4, calls: 3, rows: 13, ..Totals::default() };
+    // The fold's raise leaves it as it was …
+    view.apply_fold(&p, &[(c.clone(), lowered)], &[]).await.expect("fold");
+    assert_eq!(usage(view, &p, &c, at).await.durable, Totals { requests: 4, calls: 4, rows: 18, ..Totals::default() });
+    // … the lowering takes it back, and only it.
+    view.lower_totals(&p, &[(c.clone(), lowered), (a.clone(), Totals::default()), (fp.clone(), Totals::default())])
+        .await
+        .expect("lower");
+    let u = usage(view, &p, &c, at).await;
+    assert_eq!((u.durable, u.pending), (lowered, calls(1, 2)));
+    assert_eq!(probe(view, &p, &c, at).await, vec![4, 15], "durable + pending");
+    assert_eq!(usage(view, &p, &a, at).await.durable, Totals::default(), "not created");
+    assert_eq!(usage(view, &p, &fp, at).await.durable, held(500, 3), "the footprint is not a sum");
+    // Lowering never raises.
+    view.lower_totals(&p, &[(c.clone(), Totals { calls: 9, rows: 99, ..lowered })]).await.expect("lower");
+    assert_eq!(usage(view, &p, &c, at).await.durable, lowered);
+}
+
 async fn suite_expired_leases_free_the_slot(view: &dyn View) {
     let at = Utc::now();
     let c = project_counter(at);
@@ -785,6 +820,7 @@ macro_rules! conformance {
             suite_a_storage_cap_refuses_past_the_exact_byte,
             suite_the_footprint_moves_only_with_more_storage_facts,
             suite_unsettle_of_a_tokens_settlement_takes_back_every_field,
+            suite_a_correction_lowers_durable_sums_and_nothing_else,
         );
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

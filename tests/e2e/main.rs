@@ -1,11 +1,13 @@
 //! End-to-end tests of the whole system on real services: PostgreSQL, Redis
 //! and a Kafka-protocol broker (see `scripts/test`).
 
+mod corrections;
 mod faults_fold;
 mod faults_outage;
 mod harness;
 mod invariants;
 mod model;
+mod replay;
 mod roles;
 mod webhooks;
 

@@ -64,8 +64,8 @@ pub struct EventBody {
     /// The event's id: the same id sent again is counted once.
     #[schema(value_type = String)]
     pub id: Option<Text>,
-    /// `call`, `tokens`, `storage_delta` or `storage_snapshot` (`request`
-    /// and `correction` are not metered by this release).
+    /// `call`, `tokens`, `storage_delta`, `storage_snapshot` or
+    /// `correction` (`request` events are the check's own).
     #[serde(rename = "type")]
     #[schema(value_type = String)]
     pub kind: Option<Text>,
@@ -103,6 +103,15 @@ pub struct EventBody {
     /// `llm_tokens`, `compute_execution`, `api_request` or `storage`.
     #[schema(value_type = Option<String>)]
     pub meter_type: Option<Text>,
+    /// On a `correction`: the id of the earlier `call` or `tokens` event
+    /// of the same project it amends (with its corrected `rows` or
+    /// `tokens`: the new truth) or voids.
+    #[schema(value_type = Option<String>)]
+    pub corrects: Option<Text>,
+    /// On a `correction`: void the event (it counts for nothing) instead of
+    /// amending it.
+    #[schema(value_type = Option<bool>)]
+    pub void: Option<Flag>,
 }
 
 impl TryFrom<EventBody> for UsageFact {
@@ -114,9 +123,6 @@ impl TryFrom<EventBody> for UsageFact {
         let kind = required(e.kind, "type")?.0.parse::<EventKind>().map_err(|_| {
             FieldError::new("type", "must be one of request, call, tokens, storage_delta, storage_snapshot, correction")
         })?;
-        if !kind.is_folded() {
-            return Err(FieldError::new("type", format!("{kind} events are not metered by this release")));
-        }
         let project_id = ProjectId::parse(required(e.project_id, "project_id")?.0)
             .map_err(|err| FieldError::new("project_id", err.to_string()))?;
         let api_key_id = opt_id(e.api_key_id, "api_key_id")?
@@ -139,6 +145,9 @@ impl TryFrom<EventBody> for UsageFact {
                 FieldError::new("meter_type", "must be one of llm_tokens, compute_execution, api_request, storage")
             })?),
         };
+        let corrects = opt_id(e.corrects, "corrects")?
+            .map(|c| EventId::parse(c).map_err(|err| FieldError::new("corrects", err.to_string())))
+            .transpose()?;
         let agent_id = opt_id(e.agent_id, "agent_id")?;
         let actor_id = opt_id(e.actor_id, "actor_id")?;
         let tokens = match e.tokens {
@@ -162,6 +171,8 @@ impl TryFrom<EventBody> for UsageFact {
             storage_bytes: e.storage_bytes.map(|Whole(b)| b),
             meter_type,
             reservation_id,
+            corrects,
+            void: e.void.is_some_and(|Flag(v)| v),
             // The service stamps the instance and the receipt time.
             ..UsageFact::new(id, project_id, kind, occurred_at)
         };
@@ -258,7 +269,26 @@ mod tests {
         e["occurred_at"] = json!("yesterday");
         assert_eq!(field(json!([e])), "events[0].occurred_at");
         let mut e = call(json!(1));
-        e["type"] = json!("correction");
+        e["type"] = json!("refund");
         assert_eq!(field(json!([e])), "events[0].type");
+        // A correction names its original, carries no attribution, and a void no quantity.
+        let mut e = call(json!(1));
+        e["type"] = json!("correction");
+        assert_eq!(field(json!([e])), "events[0].corrects");
+        let correction = |extra: serde_json::Value| {
+            let mut e = json!({"id": "x1", "type": "correction", "project_id": "proj_1",
+                               "occurred_at": "2026-07-07T12:00:00Z", "corrects": "e1"});
+            if let (Some(e), Some(x)) = (e.as_object_mut(), extra.as_object()) {
+                e.extend(x.clone());
+            }
+            json!([e])
+        };
+        assert_eq!(field(correction(json!({"void": true, "rows": 2}))), "events[0].rows");
+        assert_eq!(field(correction(json!({"actor_id": "u1"}))), "events[0].actor_id");
+        assert_eq!(field(correction(json!({"corrects": "a b"}))), "events[0].corrects");
+        assert_eq!(field(correction(json!({"void": "yes"}))), "events[0].void");
+        let ok: EventsBody = serde_json::from_value(json!({"events": correction(json!({"rows": 3}))})).expect("body");
+        let facts = Vec::<UsageFact>::try_from(ok).expect("a valid amend");
+        assert_eq!((facts[0].corrects.as_ref().map(|c| c.as_str()), facts[0].rows, facts[0].void), (Some("e1"), 3, false));
     }
 }

@@ -28,9 +28,10 @@
 //! clock and the store first); [`record`] is what both it and the tower
 //! Layer run.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use meter::{EventKind, PortError, ProjectId, Settlement, UnpricedRow, UsageFact, View};
+use meter::correction::{Counted, Target};
+use meter::{EventId, EventKind, PortError, ProjectId, Settlement, UnpricedRow, UsageFact, View};
 use tracing::warn;
 
 use super::{Error, Result};
@@ -54,14 +55,26 @@ pub struct Accepted {
 /// and writes nothing. The same id twice in one request counts once.
 /// Every fact is stamped with this instance's name and its receipt time
 /// (`received_at`: what its lateness is judged by, on the log and in a replay).
+///
+/// A correction is checked against what the store holds of its original
+/// and what the request did to it before ([`meter::correction`]): one of
+/// an event already voided, of a request or storage event, past the
+/// horizon, or with quantities of the wrong kind is refused naming the
+/// field. One whose original the store does not hold (not folded yet, or
+/// unknown) is accepted and judged by the fold, which dead-letters it if
+/// the original is not folded before it.
 pub async fn accept(s: &AppState, mut facts: Vec<UsageFact>) -> Result<Accepted> {
     let now = s.clock.now();
+    // The originals the request's corrections name, as the request leaves them.
+    let named: HashSet<(ProjectId, EventId)> =
+        facts.iter().filter_map(|f| f.corrects.clone().map(|o| (f.project_id.clone(), o))).collect();
+    let mut known: HashMap<(ProjectId, EventId), Target> = HashMap::new();
     for (i, f) in facts.iter_mut().enumerate() {
         let p = format!("events[{i}].");
         meter::usage::check_fact_time(f.occurred_at, now, s.settings.horizon).map_err(|e| e.under(&p))?;
-        if s.project_config(&f.project_id).await?.is_none() {
+        let Some(cfg) = s.project_config(&f.project_id).await? else {
             return Err(Error::invalid(format!("{p}project_id"), format!("project {} does not exist", f.project_id)));
-        }
+        };
         if let Some(kid) = &f.api_key_id
             && s.key_by_id(kid).await?.is_none_or(|key| key.project_id != f.project_id)
         {
@@ -72,6 +85,21 @@ pub async fn accept(s: &AppState, mut facts: Vec<UsageFact>) -> Result<Accepted>
         }
         f.gateway.clone_from(&s.settings.instance);
         f.received_at = Some(now);
+        let key = (f.project_id.clone(), f.id.clone());
+        if let Some(original) = f.corrects.clone() {
+            let target_key = (f.project_id.clone(), original);
+            let target = match known.get(&target_key) {
+                Some(t) => Some(t.clone()),
+                None => stored_target(s, &target_key.0, &target_key.1).await,
+            };
+            if let Some(t) = target {
+                let next = meter::correction::apply_correction(f, Some(&t), s.settings.horizon)
+                    .map_err(|e| Error::Invalid(e.under(&p)))?;
+                known.insert(target_key, Target::Counted(next));
+            }
+        } else if named.contains(&key) && !known.contains_key(&key) {
+            known.insert(key, Counted::of(f, cfg.project.timezone).map_or(Target::Other, Target::Counted));
+        }
     }
     let total = facts.len();
     let mut seen = HashSet::with_capacity(total);
@@ -143,6 +171,26 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
                 PortError::Transient(_) => Err(Error::LogUnavailable),
                 e => Err(Error::Backend(e)),
             }
+        }
+    }
+}
+
+/// What the store holds of a correction's original, best effort: `None`
+/// (the fold judges) while the store is down or slow, or when it holds
+/// nothing.
+async fn stored_target(s: &AppState, project: &ProjectId, event: &EventId) -> Option<Target> {
+    if s.store_down() {
+        return None;
+    }
+    match tokio::time::timeout(s.settings.store_timeout, s.stores.ledger.correction_target(project, event)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            warn!(error = %e, %project, %event, "correction's original not looked up; the fold judges it");
+            None
+        }
+        Err(_) => {
+            warn!(%project, %event, "correction's original not looked up in time; the fold judges it");
+            None
         }
     }
 }

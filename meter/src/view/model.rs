@@ -404,6 +404,22 @@ impl ProjectState {
         });
     }
 
+    /// Lowers a counter's durable sums to `t` where they are above it
+    /// (`lower.lua`): after a correction took usage back. A counter the view
+    /// does not hold is left alone; the footprint is never touched.
+    fn lower(&mut self, c: &Counter, t: Totals) {
+        let name = c.key.encode();
+        let Some(rec) = self.counters.get_mut(name.as_str()) else { return };
+        let mut new = t;
+        for f in Field::ALL {
+            if f != Field::StorageEvents
+                && let (Some(d), Some(n)) = (sum_field(&mut rec.durable, f), sum_field(&mut new, f))
+            {
+                *d = (*d).min(*n);
+            }
+        }
+    }
+
     /// Takes back what an event added to pending, then forgets the event
     /// (`drop_event`). A counter that already expired is left alone.
     fn drop_event(&mut self, event: &EventId, now: Millis) {
@@ -685,6 +701,17 @@ impl ViewModel {
         }
         for e in events {
             p.drop_event(e, now);
+        }
+    }
+
+    /// [`View::lower_totals`](crate::View::lower_totals).
+    pub fn lower_totals(&mut self, project: &ProjectId, totals: &[(Counter, Totals)], at: DateTime<Utc>) {
+        let now = self.advance(at);
+        let Some(p) = self.projects.get_mut(project) else { return };
+        for (c, t) in totals {
+            if live(&mut p.counters, c.key.encode().as_str(), now).is_some() {
+                p.lower(c, *t);
+            }
         }
     }
 

@@ -101,7 +101,7 @@ fn audit<B: Backend>(r: &Rec<'_, B>) -> PortResult<AuditEntry> {
 }
 
 /// Inserting an entry; one whose once-key is already there is skipped.
-pub(super) fn insert_audit(entry: &AuditEntry) -> PortResult<Stmt> {
+pub(crate) fn insert_audit(entry: &AuditEntry) -> PortResult<Stmt> {
     Ok(Stmt::new(format!(
         "INSERT INTO audit_log ({AUDIT_COLUMNS}, once_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
          ON CONFLICT (once_key) DO NOTHING"

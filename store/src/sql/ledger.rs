@@ -48,10 +48,11 @@ use std::sync::LazyLock;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
+use meter::correction::Delta;
 use meter::{
-    BatchFold, Counter, CounterKey, DeadLetter, Dimension, DlqMark, EventId, Field, FoldBatch, FoldReport, Ledger,
-    ModelUsageAdd, ModelUsageRow, PendingDeadLetter, Population, PortError, PortResult, Posting, PriceBook, ProjectId,
-    ReportStore, StoredFootprint, Totals, Usd, WindowKind,
+    BatchFold, Counted, Counter, CounterKey, DeadLetter, Dimension, DlqMark, EventId, Field, FoldBatch, FoldReport,
+    Ledger, ModelUsageChange, ModelUsageRow, PendingDeadLetter, Population, PortError, PortResult, Posting, PriceBook,
+    ProjectId, ReportStore, StoredFootprint, Target, Totals, Usd, WindowKind,
 };
 
 use super::prices::{PRICE_COLUMNS, insert_unpriced, price, price_key};
@@ -186,22 +187,109 @@ async fn zones<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortR
 
 /// (3) The dedup set: the candidates' ids it did not know yet, which it now
 /// does (RETURNING reports only the rows actually inserted).
-async fn dedup<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortResult<HashSet<(ProjectId, EventId)>> {
+///
+/// Each id is kept with what its event counts ([`Counted`]: a call or
+/// tokens event, which a correction may amend or void; `''` for the rest).
+async fn dedup<B: Backend>(
+    c: &mut B::Connection,
+    plan: &BatchFold<'_>,
+    zones: &HashMap<ProjectId, Tz>,
+) -> PortResult<HashSet<(ProjectId, EventId)>> {
     let candidates = plan.candidates();
     if candidates.is_empty() {
         return Ok(HashSet::new());
     }
+    let counted = candidates.iter().map(|f| {
+        let tz = zones.get(&f.project_id).copied().unwrap_or(Tz::UTC);
+        Counted::encode(Counted::of(f, tz).as_ref())
+    });
     let rows = Rows::new()
         .text("project_id", candidates.iter().map(|f| f.project_id.as_str()))
         .text("event_id", candidates.iter().map(|f| f.id.as_str()))
-        .time("occurred_at", candidates.iter().map(|f| f.occurred_at));
+        .time("occurred_at", candidates.iter().map(|f| f.occurred_at))
+        .text("counted", counted);
     // `WHERE true` keeps SQLite from reading ON CONFLICT as a join's ON.
     let stmt = Stmt::new(
-        "INSERT INTO processed_events (project_id, event_id, occurred_at) \
+        "INSERT INTO processed_events (project_id, event_id, occurred_at, counted) \
          SELECT * FROM {rows} AS t WHERE true ON CONFLICT DO NOTHING RETURNING project_id, event_id",
     )
     .rows(rows);
     Ok(each(&B::fetch(c, stmt).await?, ids::<B>)?.into_iter().collect())
+}
+
+/// (3b) What the dedup set holds of the events the batch's corrections
+/// name (none: no statement).
+async fn targets<B: Backend>(
+    c: &mut B::Connection,
+    plan: &BatchFold<'_>,
+) -> PortResult<HashMap<(ProjectId, EventId), Target>> {
+    let wanted = plan.correction_targets();
+    if wanted.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = Rows::new()
+        .text("project_id", wanted.iter().map(|(p, _)| p.as_str()))
+        .text("event_id", wanted.iter().map(|(_, e)| e.as_str()));
+    let stmt = Stmt::new(
+        "SELECT project_id, event_id, counted FROM processed_events \
+         WHERE (project_id, event_id) IN (SELECT project_id, event_id FROM {rows} AS t)",
+    )
+    .rows(rows);
+    let found = each(&B::fetch(c, stmt).await?, |r: &Rec<'_, B>| {
+        let counted = r.text("counted")?;
+        Ok((ids::<B>(r)?, Target::decode(&counted).map_err(|e| corrupt("counted", &e))?))
+    })?;
+    Ok(found.into_iter().collect())
+}
+
+/// What the dedup set holds of one event, if it holds it (for the gateway's
+/// checks of a correction at ingest).
+pub(crate) async fn target_of<B: Backend>(
+    store: &SqlStore<B>,
+    project: &ProjectId,
+    event: &EventId,
+) -> PortResult<Option<Target>> {
+    let stmt = Stmt::new("SELECT counted FROM processed_events WHERE project_id = $1 AND event_id = $2")
+        .text(project.as_str())
+        .text(event.as_str());
+    let Some(row) = store.opt(stmt).await? else { return Ok(None) };
+    let counted = Rec::<B>(&row).text("counted")?;
+    Target::decode(&counted).map(Some).map_err(|e| corrupt("counted", &e))
+}
+
+/// (8b) The corrected originals as they count now, and the refused
+/// corrections forgotten (so they can be sent again once their original
+/// is folded).
+fn recount(posting: &Posting<'_>) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    let r = &posting.recounts;
+    if !r.is_empty() {
+        let rows = Rows::new()
+            .text("project_id", r.iter().map(|(p, _, _)| p.as_str()))
+            .text("event_id", r.iter().map(|(_, e, _)| e.as_str()))
+            .text("counted", r.iter().map(|(_, _, c)| Counted::encode(Some(c))));
+        out.push(
+            Stmt::new(
+                "UPDATE processed_events AS d SET counted = t.counted FROM {rows} AS t \
+                 WHERE d.project_id = t.project_id AND d.event_id = t.event_id",
+            )
+            .rows(rows),
+        );
+    }
+    let refused: Vec<_> = posting.refused().map(|(f, _)| f).collect();
+    if !refused.is_empty() {
+        let rows = Rows::new()
+            .text("project_id", refused.iter().map(|f| f.project_id.as_str()))
+            .text("event_id", refused.iter().map(|f| f.id.as_str()));
+        out.push(
+            Stmt::new(
+                "DELETE FROM processed_events WHERE (project_id, event_id) IN \
+                 (SELECT project_id, event_id FROM {rows} AS t)",
+            )
+            .rows(rows),
+        );
+    }
+    out
 }
 
 fn ids<B: Backend>(r: &Rec<'_, B>) -> PortResult<(ProjectId, EventId)> {
@@ -211,12 +299,18 @@ fn ids<B: Backend>(r: &Rec<'_, B>) -> PortResult<(ProjectId, EventId)> {
 /// (4) The part of the price book that can price the batch: the rows of
 /// the (provider, model) pairs its token entries name, as this transaction
 /// reads them. Empty (no statement) when no fact is a tokens event.
-async fn price_book<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortResult<PriceBook> {
-    let keys = plan.price_keys();
+async fn price_book<B: Backend>(
+    c: &mut B::Connection,
+    plan: &BatchFold<'_>,
+    targets: &HashMap<(ProjectId, EventId), Target>,
+) -> PortResult<PriceBook> {
+    let keys = plan.price_keys_with(targets);
     if keys.is_empty() {
         return Ok(PriceBook::default());
     }
-    let rows = Rows::new().text("provider", keys.iter().map(|k| k.0)).text("model", keys.iter().map(|k| k.1));
+    let rows = Rows::new()
+        .text("provider", keys.iter().map(|k| k.0.as_str()))
+        .text("model", keys.iter().map(|k| k.1.as_str()));
     let stmt = Stmt::new(format!(
         "SELECT {PRICE_COLUMNS} FROM prices WHERE (provider, model) IN (SELECT provider, model FROM {{rows}} AS t)"
     ))
@@ -238,14 +332,78 @@ fn saturating_add(old: &str, add: &str) -> String {
     )
 }
 
+/// `old + add` for a sum, which is never negative: saturating at
+/// `i64::MAX`, floored at zero (a correction takes back at most what a
+/// counter holds). `add` is never `i64::MIN` (meter keeps deltas above it).
+fn floored_add(old: &str, add: &str) -> String {
+    format!(
+        "CASE WHEN {add} < 0 THEN CASE WHEN {old} < -({add}) THEN 0 ELSE {old} + {add} END ELSE {} END",
+        saturating_add(old, add)
+    )
+}
+
 /// A quantity as a 64-bit integer column, saturating.
 fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// Whether a change takes something back (a correction's): it then goes
+/// through an UPDATE of the row the original was folded into, never an insert.
+fn takes_back(d: &[i64]) -> bool {
+    d.iter().any(|v| *v < 0)
+}
+
+/// (5b) The changes that take something back, in one UPDATE (floored at
+/// zero), which returns the new absolute totals of every counter it touched.
+fn adjust_sums(changes: &[&(ProjectId, Counter, Delta)]) -> Stmt {
+    // The batch's columns are named apart from the table's, so that
+    // RETURNING names the table's unqualified (SQLite allows nothing else).
+    let mut rows = Rows::new()
+        .text("d_project", changes.iter().map(|(p, _, _)| p.as_str()))
+        .text("d_dimension", changes.iter().map(|(_, c, _)| c.key.dimension.encode()))
+        .text("d_window_kind", changes.iter().map(|(_, c, _)| c.key.window.as_str()))
+        .text("d_window_key", changes.iter().map(|(_, c, _)| c.key.window_key.as_str()));
+    for f in Field::ALL {
+        rows = rows.int(delta_column(f), changes.iter().map(|(_, _, d)| d[f.index()]));
+    }
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        let set = Field::ALL.into_iter().filter(|f| *f != Field::Storage).map(|f| {
+            let c = column(f);
+            format!("\"{c}\" = {}", floored_add(&format!("a.\"{c}\""), &format!("t.{}", delta_column(f))))
+        });
+        format!(
+            "UPDATE usage_aggregates AS a SET {} FROM {{rows}} AS t \
+             WHERE a.project_id = t.d_project AND a.dimension = t.d_dimension AND a.window_kind = t.d_window_kind \
+             AND a.window_key = t.d_window_key RETURNING {}",
+            set.collect::<Vec<_>>().join(", "),
+            *AGGREGATE_COLUMNS
+        )
+    });
+    Stmt::new(SQL.as_str()).rows(rows)
+}
+
+/// The batch column of a field's change in [`adjust_sums`].
+fn delta_column(f: Field) -> &'static str {
+    match f {
+        Field::Requests => "d_requests",
+        Field::Calls => "d_calls",
+        Field::Rows => "d_rows",
+        Field::Tokens => "d_tokens",
+        Field::CostLlmTokens => "d_cost_llm_tokens",
+        Field::CostComputeExecution => "d_cost_compute_execution",
+        Field::CostApiRequest => "d_cost_api_request",
+        Field::CostStorage => "d_cost_storage",
+        Field::LlmEvents => "d_llm_events",
+        Field::LlmPriced => "d_llm_priced",
+        Field::LlmUnpriced => "d_llm_unpriced",
+        Field::StorageEvents => "d_storage_events",
+        Field::Storage => "d_storage",
+    }
+}
+
 /// (5) Adding the sums in one upsert, which returns the new absolute totals
 /// of every counter it touched.
-fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
+fn add_sums(sums: &[&(ProjectId, Counter, Delta)]) -> Stmt {
     let mut rows = Rows::new()
         .text("project_id", sums.iter().map(|(p, _, _)| p.as_str()))
         .text("dimension", sums.iter().map(|(_, c, _)| c.key.dimension.encode()))
@@ -253,7 +411,7 @@ fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
         .text("window_key", sums.iter().map(|(_, c, _)| c.key.window_key.as_str()))
         .opt_time("resets_at", sums.iter().map(|(_, c, _)| c.resets_at));
     for f in Field::ALL {
-        rows = rows.int(column(f), sums.iter().map(|(_, _, t)| t.get(f)));
+        rows = rows.int(column(f), sums.iter().map(|(_, _, d)| d[f.index()]));
     }
     static SQL: LazyLock<String> = LazyLock::new(|| {
         let add = Field::ALL.map(|f| {
@@ -270,20 +428,41 @@ fn add_sums(sums: &[(ProjectId, Counter, Totals)]) -> Stmt {
     Stmt::new(SQL.as_str()).rows(rows)
 }
 
-/// (7) Adding the breakdown by model in one upsert, saturating.
-fn add_model_usage(adds: &[ModelUsageAdd]) -> Stmt {
-    let rows = Rows::new()
+fn model_rows(adds: &[&ModelUsageChange]) -> Rows {
+    Rows::new()
         .text("project_id", adds.iter().map(|m| m.project_id.as_str()))
         .text("window_kind", adds.iter().map(|m| m.window.as_str()))
         .text("window_key", adds.iter().map(|m| m.window_key.as_str()))
-        .text("provider", adds.iter().map(|m| m.row.key.provider.as_str()))
-        .text("model", adds.iter().map(|m| m.row.key.model.as_str()))
-        .text("component", adds.iter().map(|m| m.row.key.component.as_str()))
-        .text("meter_type", adds.iter().map(|m| m.row.meter.as_str()))
-        .flag("embedding", adds.iter().map(|m| m.row.embedding))
-        .int("priced_quantity", adds.iter().map(|m| clamp(m.row.priced_quantity)))
-        .int("unpriced_quantity", adds.iter().map(|m| clamp(m.row.unpriced_quantity)))
-        .int("cost_picos", adds.iter().map(|m| m.row.cost.picos()));
+        .text("provider", adds.iter().map(|m| m.key.provider.as_str()))
+        .text("model", adds.iter().map(|m| m.key.model.as_str()))
+        .text("component", adds.iter().map(|m| m.key.component.as_str()))
+        .text("meter_type", adds.iter().map(|m| m.meter.as_str()))
+        .flag("embedding", adds.iter().map(|m| m.embedding))
+        .int("priced_quantity", adds.iter().map(|m| m.priced_quantity))
+        .int("unpriced_quantity", adds.iter().map(|m| m.unpriced_quantity))
+        .int("cost_picos", adds.iter().map(|m| m.cost_picos))
+}
+
+/// (7b) The changes to the breakdown by model that take something back, in
+/// one UPDATE, floored at zero.
+fn adjust_model_usage(changes: &[&ModelUsageChange]) -> Stmt {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        let set = ["priced_quantity", "unpriced_quantity", "cost_picos"]
+            .map(|c| format!("{c} = {}", floored_add(&format!("m.{c}"), &format!("t.{c}"))));
+        format!(
+            "UPDATE model_usage AS m SET {} FROM {{rows}} AS t \
+             WHERE m.project_id = t.project_id AND m.window_kind = t.window_kind AND m.window_key = t.window_key \
+             AND m.provider = t.provider AND m.model = t.model AND m.component = t.component \
+             AND m.meter_type = t.meter_type AND m.embedding = t.embedding",
+            set.join(", ")
+        )
+    });
+    Stmt::new(SQL.as_str()).rows(model_rows(changes))
+}
+
+/// (7) Adding the breakdown by model in one upsert, saturating.
+fn add_model_usage(adds: &[&ModelUsageChange]) -> Stmt {
+    let rows = model_rows(adds);
     static SQL: LazyLock<String> = LazyLock::new(|| {
         let add = ["priced_quantity", "unpriced_quantity", "cost_picos"]
             .map(|c| format!("{c} = {}", saturating_add(&format!("m.{c}"), &format!("excluded.{c}"))));
@@ -402,8 +581,8 @@ async fn set_footprints<B: Backend>(
 
 /// (9) The batch's dead letters, kept as pending (the fence makes each
 /// position folded once, so a letter is never kept twice).
-fn keep_dead_letters(batch: &FoldBatch) -> Option<Stmt> {
-    let d = &batch.dead_letters;
+fn keep_dead_letters(batch: &FoldBatch, refused: &[DeadLetter]) -> Option<Stmt> {
+    let d: Vec<&DeadLetter> = batch.dead_letters.iter().chain(refused).collect();
     if d.is_empty() {
         return None;
     }
@@ -492,23 +671,60 @@ impl<B: Backend> Ledger for SqlStore<B> {
         fence::<B>(&mut *tx, batch).await?;
         let plan = BatchFold::new(&batch.facts);
         let zones = zones::<B>(&mut *tx, &plan).await?;
-        let new = dedup::<B>(&mut *tx, &plan).await?;
-        let book = price_book::<B>(&mut *tx, &plan).await?;
-        let posting = plan.post(&new, &zones, &book).map_err(|e| PortError::Permanent(e.to_string()))?;
+        let new = dedup::<B>(&mut *tx, &plan, &zones).await?;
+        let targets = targets::<B>(&mut *tx, &plan).await?;
+        let book = price_book::<B>(&mut *tx, &plan, &targets).await?;
+        let horizon = batch.horizon.unwrap_or(meter::usage::DEFAULT_DEDUP_HORIZON);
+        let posting = plan
+            .post_with(&new, &zones, &book, &targets, horizon)
+            .map_err(|e| PortError::Permanent(e.to_string()))?;
+        // A refused correction is dead-lettered as its record; a batch
+        // that cannot say which record it was is refused whole.
+        let mut refused = Vec::new();
+        for (i, why) in &posting.refusals {
+            let Some(src) = batch.sources.get(i) else {
+                return Err(PortError::Permanent(format!("invalid: {why}")));
+            };
+            refused.push(DeadLetter {
+                partition: src.partition,
+                offset: src.offset,
+                key: src.key.clone(),
+                payload: src.payload.clone(),
+                reason: format!("invalid: {why}"),
+            });
+        }
 
         let mut report = posting.report();
-        if !posting.sums.is_empty() {
-            report.totals = each(&B::fetch(&mut *tx, add_sums(&posting.sums)).await?, aggregate::<B>)?;
+        let changes = posting.counter_changes();
+        let (back, add): (Vec<_>, Vec<_>) = changes.iter().partition(|(_, _, d)| takes_back(d));
+        if !add.is_empty() {
+            report.totals = each(&B::fetch(&mut *tx, add_sums(&add)).await?, aggregate::<B>)?;
+        }
+        if !back.is_empty() {
+            report.lowered = each(&B::fetch(&mut *tx, adjust_sums(&back)).await?, aggregate::<B>)?;
+            report.totals.extend(report.lowered.iter().cloned());
         }
         if let Some(stmt) = insert_unpriced(posting.unpriced.iter().map(|(p, r)| (p, r))) {
             B::execute(&mut *tx, stmt).await?;
         }
-        if !posting.model_usage.is_empty() {
-            B::execute(&mut *tx, add_model_usage(&posting.model_usage)).await?;
+        let models = posting.model_changes();
+        let (back, add): (Vec<_>, Vec<_>) =
+            models.iter().partition(|m| takes_back(&[m.priced_quantity, m.unpriced_quantity, m.cost_picos]));
+        if !add.is_empty() {
+            B::execute(&mut *tx, add_model_usage(&add)).await?;
+        }
+        if !back.is_empty() {
+            B::execute(&mut *tx, adjust_model_usage(&back)).await?;
         }
         report.totals.extend(set_footprints::<B>(&mut *tx, &posting).await?);
         report.totals.sort_by(|a, b| (&a.0, &a.1.key).cmp(&(&b.0, &b.1.key)));
-        for stmt in [keep_dead_letters(batch), note_receipt(batch)].into_iter().flatten() {
+        for stmt in recount(&posting) {
+            B::execute(&mut *tx, stmt).await?;
+        }
+        for entry in &posting.audit {
+            B::execute(&mut *tx, super::config::insert_audit(entry)?).await?;
+        }
+        for stmt in [keep_dead_letters(batch, &refused), note_receipt(batch)].into_iter().flatten() {
             B::execute(&mut *tx, stmt).await?;
         }
 
@@ -637,6 +853,11 @@ impl<B: Backend> Ledger for SqlStore<B> {
         .text(project.as_str())
         .time(at);
         each(&self.all(stmt).await?, counter::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "correction_target"))]
+    async fn correction_target(&self, project: &ProjectId, event: &EventId) -> PortResult<Option<Target>> {
+        target_of(self, project, event).await
     }
 }
 

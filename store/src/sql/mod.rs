@@ -30,6 +30,7 @@
 mod config;
 mod ledger;
 mod prices;
+pub mod shadow;
 mod webhooks;
 
 use std::borrow::Cow;
@@ -61,6 +62,14 @@ pub trait Backend:
     /// What follows `SELECT … FROM projects WHERE id = $1` to hold the
     /// project's quotas still until the transaction ends.
     const LOCK_PROJECT: &'static str;
+
+    /// What begins a read-only transaction that reads one snapshot.
+    const SNAPSHOT_BEGIN: &'static str;
+    /// What follows a `SELECT` of rows to hold them still until the
+    /// transaction ends (SQLite: nothing; its write lock holds everything).
+    const LOCK_ROWS: &'static str;
+    /// A query of the names (`name`) of the store's tables.
+    const LIST_TABLES: &'static str;
 
     /// Whether a database error code is worth retrying.
     fn transient(code: &str) -> bool;
