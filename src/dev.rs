@@ -1,4 +1,4 @@
-//! `tollgate dev`: gateway and projector in one process, with no external
+//! `tollgate dev`: gateway, projector and notifier in one process, with no external
 //! service. The log and the store live in one SQLite file under the data
 //! directory, the view in memory; the fold, the verdict and the API are the
 //! same code as the distributed deployment. State survives a restart: the
@@ -42,6 +42,13 @@ pub struct DevArgs {
     /// How long quota and key configuration is cached.
     #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
     config_ttl: Duration,
+    /// Deliver webhooks to private and loopback addresses (a receiver on
+    /// this machine); on by default in `dev`.
+    #[arg(long, env = "TOLLGATE_WEBHOOK_ALLOW_PRIVATE", default_value_t = true, action = clap::ArgAction::Set)]
+    webhook_allow_private: bool,
+    /// How long one webhook delivery attempt may take.
+    #[arg(long, env = "TOLLGATE_WEBHOOK_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
+    webhook_timeout: Duration,
 }
 
 /// Tokens kept across restarts so curl lines keep working.
@@ -91,10 +98,21 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     settings.lease = args.lease;
     settings.config_ttl = args.config_ttl;
     settings.instance = "dev".into();
+    settings.webhook_allow_private = args.webhook_allow_private;
     let db = args.data_dir.join("tollgate.db");
     let embedded =
         Embedded::open(&db, settings, clock.clone()).await.with_context(|| format!("opening {}", db.display()))?;
     let state = embedded.state.clone();
+    // The notifier, beside the gateway and the projector, on the same file.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let notifier_config = projector::notify::NotifierConfig {
+        allow_private: args.webhook_allow_private,
+        timeout: args.webhook_timeout,
+        lease: chrono::Duration::from_std(args.webhook_timeout + Duration::from_secs(45))
+            .context("--webhook-timeout")?,
+        ..projector::notify::NotifierConfig::default()
+    };
+    let notifier = crate::notify::spawn(state.stores.webhooks.clone(), clock.clone(), notifier_config, stopped);
     let demo = if args.no_demo { None } else { Some(demo(&state, &args.data_dir).await?) };
 
     let listener =
@@ -103,12 +121,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     print_banner(&url, &admin, &gateway_token, &args.data_dir, demo.as_ref());
     info!(%url, "tollgate dev listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(crate::shutdown_signal()).await?;
+    let _ = stop.send(true);
+    notifier.await.context("notifier task")??;
     embedded.shutdown().await.context("projector")?;
     Ok(())
 }
 
 fn print_banner(url: &str, admin: &str, gateway: &str, dir: &Path, demo: Option<&(String, String, String)>) {
-    println!("tollgate dev — gateway and projector in one process, state in {}", dir.display());
+    println!("tollgate dev — gateway, projector and notifier in one process, state in {}", dir.display());
     println!();
     println!("  URL            {url}");
     println!("  admin token    {admin}");

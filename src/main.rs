@@ -1,7 +1,8 @@
 //! `tollgate`: the one binary. `serve` runs the HTTP gateway, `project` the
-//! projector, `migrate` the PostgreSQL migrations, `dev` everything in one
-//! process, `apply` a file of quotas, `replay` a rebuild of every aggregate
-//! from the log into a shadow, compared with the live one.
+//! projector, `notify` the webhook notifier, `migrate` the PostgreSQL
+//! migrations, `dev` everything in one process, `apply` a file of quotas,
+//! `replay` a rebuild of every aggregate from the log into a shadow,
+//! compared with the live one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use tracing::info;
 
 mod apply;
 mod dev;
+mod notify;
 mod replay;
 
 #[derive(Parser)]
@@ -37,6 +39,9 @@ enum Command {
     /// Run everything in one process with no external service: an embedded
     /// log and store in one SQLite file, and the in-memory view.
     Dev(dev::DevArgs),
+    /// Run the notifier: deliver the webhook outbox (PostgreSQL) to the
+    /// subscribed endpoints. Any number may run at once.
+    Notify(NotifyCmdArgs),
     /// Make a project's quotas match a file (`-f quotas.yaml`): create,
     /// update and delete them, all or nothing.
     Apply(apply::ApplyArgs),
@@ -192,6 +197,19 @@ struct ServeArgs {
     /// policy meanwhile).
     #[arg(long, env = "TOLLGATE_SEED_FLUSH_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     seed_flush_timeout: Duration,
+    /// Also run a notifier in this process (or run `tollgate notify`).
+    #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
+    notify: bool,
+    #[command(flatten)]
+    notifier: notify::NotifyArgs,
+}
+
+#[derive(Args)]
+struct NotifyCmdArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(flatten)]
+    notify: notify::NotifyArgs,
 }
 
 #[derive(Args)]
@@ -213,6 +231,11 @@ struct ProjectArgs {
     /// `off` serves nothing.
     #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
     metrics_listen: String,
+    /// Also run a notifier in this process (or run `tollgate notify`).
+    #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
+    notify: bool,
+    #[command(flatten)]
+    notifier: notify::NotifyArgs,
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` in the background (the
@@ -286,6 +309,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(i) = args.instance {
         settings.instance = i;
     }
+    settings.webhook_allow_private = args.notifier.webhook_allow_private;
+    let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
     let tail = gateway::seeding::TailSource {
         tail: Arc::new(KafkaTail::new(&kafka)),
         consumer: args.consumer,
@@ -293,12 +318,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         flush_timeout: args.seed_flush_timeout,
         lease_horizon: args.lease + Duration::from_secs(30),
     };
-    let state = AppState::new(Arc::new(store), Arc::new(view), log.clone(), Arc::new(SystemClock), settings)
-        .with_log_tail(tail);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let store = Arc::new(store);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let state = AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail);
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    let _ = stop.send(true);
+    if let Some(n) = notifier {
+        n.await.context("notifier task")??;
+    }
     // What the log has not acknowledged yet is still in this process.
     if let Err(e) = log.flush(args.shutdown_flush_timeout).await {
         tracing::warn!(error = %e, "shutting down with events not yet on the log; they are lost with this process");
@@ -318,11 +350,19 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     config.max_batch = args.max_batch;
     config.dead_letter_lease = chrono::Duration::from_std(args.dead_letter_lease).context("--dead-letter-lease")?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let projector = Projector::new(reader, Arc::new(store), Arc::new(view), clock, config);
+    let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
+    let store = Arc::new(store);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let projector = Projector::new(reader, store, Arc::new(view), clock, config);
     serve_metrics(&args.metrics_listen).await?;
     info!("tollgate projector running");
-    projector.run(shutdown_signal()).await.context("projector stopped")?;
-    Ok(())
+    let folded = projector.run(shutdown_signal()).await.context("projector stopped");
+    let _ = stop.send(true);
+    if let Some(n) = notifier {
+        n.await.context("notifier task")??;
+    }
+    folded
 }
 
 #[tokio::main]
@@ -339,6 +379,12 @@ async fn main() -> anyhow::Result<()> {
         Command::Project(a) => project(a).await,
         Command::Dev(a) => dev::run(a).await,
         Command::Apply(a) => apply::run(a).await,
+        Command::Notify(a) => {
+            let config = a.notify.config()?;
+            let store = PgStore::connect(&a.db.database_url).await.context("connecting to PostgreSQL")?;
+            store.migrate().await.context("migrating PostgreSQL")?;
+            notify::run(Arc::new(store), Arc::new(SystemClock), config, shutdown_signal()).await
+        }
         Command::Replay(a) => {
             if !replay::run(a).await? {
                 // The differences are printed; the status says there were some.

@@ -29,6 +29,7 @@ use std::time::Duration;
 use meter::{
     ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PortError, PortResult, PriceBook, PriceStore,
     Project, ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId, Store, TenantStore, View,
+    WebhookStore,
 };
 use rand::Rng;
 use rand::distr::Alphanumeric;
@@ -66,6 +67,9 @@ pub struct Settings {
     pub view_down: ViewDownPolicy,
     /// This instance's name, written on every event it emits.
     pub instance: String,
+    /// Accept webhook endpoints on private, loopback and link-local
+    /// addresses (`TOLLGATE_WEBHOOK_ALLOW_PRIVATE`; off by default: SSRF).
+    pub webhook_allow_private: bool,
 }
 
 impl std::fmt::Debug for Settings {
@@ -79,6 +83,7 @@ impl std::fmt::Debug for Settings {
             .field("store_timeout", &self.store_timeout)
             .field("view_down", &self.view_down)
             .field("instance", &self.instance)
+            .field("webhook_allow_private", &self.webhook_allow_private)
             .finish()
     }
 }
@@ -95,6 +100,7 @@ impl Settings {
             horizon: meter::usage::DEFAULT_DEDUP_HORIZON,
             view_down: ViewDownPolicy::Deny,
             instance: format!("gw-{}", random_token(6)),
+            webhook_allow_private: false,
         }
     }
 }
@@ -217,7 +223,7 @@ impl BreachMemo {
     }
 }
 
-/// The durable store as the six focused ports it implements. Built from one
+/// The durable store as the seven focused ports it implements. Built from one
 /// [`Store`] (PostgreSQL, or the embedded SQLite file); cheap to clone.
 #[derive(Clone)]
 pub struct Stores {
@@ -227,6 +233,7 @@ pub struct Stores {
     pub prices: Arc<dyn PriceStore>,
     pub ledger: Arc<dyn Ledger>,
     pub reports: Arc<dyn ReportStore>,
+    pub webhooks: Arc<dyn WebhookStore>,
 }
 
 impl Stores {
@@ -238,7 +245,8 @@ impl Stores {
             audit: store.clone(),
             prices: store.clone(),
             ledger: store.clone(),
-            reports: store,
+            reports: store.clone(),
+            webhooks: store,
         }
     }
 }
@@ -453,6 +461,16 @@ pub fn new_api_key_id() -> ApiKeyId {
 /// A new role id (same invariant as [`new_quota_id`]).
 pub fn new_role_id() -> RoleId {
     RoleId::parse(new_id("role")).expect("a new id is in the id alphabet")
+}
+
+/// A new webhook endpoint id (same invariant as [`new_quota_id`]).
+pub fn new_webhook_id() -> meter::WebhookId {
+    meter::WebhookId::parse(new_id("wh")).expect("a new id is in the id alphabet")
+}
+
+/// A new notification message id (same invariant as [`new_quota_id`]).
+pub fn new_message_id() -> meter::MessageId {
+    meter::MessageId::parse(new_id("msg")).expect("a new id is in the id alphabet")
 }
 
 /// A new reservation id (same invariant as [`new_quota_id`]).

@@ -426,6 +426,93 @@ async fn every_answer_matches_the_document() {
     let (s, _) = call(Method::GET, "/v1/audit", "/v1/audit?project_id=proj_nope", adm, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
 
+    // Webhooks: an endpoint (a public URL: this state refuses private ones),
+    // its secret once, a test fire, the delivery log, resend, recover, rotation.
+    let hooks = format!("/v1/projects/{pid}/webhooks");
+    let body = json!({"url": "https://hooks.example.com/tollgate", "event_types": ["quota.*", "webhook.test"]});
+    let (s, w) = call(Method::POST, "/v1/projects/{id}/webhooks", &hooks, adm, Some(body)).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(w["secret"].as_str().is_some_and(|s| s.starts_with("whsec_")), "{w}");
+    let wid = w["id"].as_str().expect("webhook id").to_owned();
+    let private = json!({"url": "http://127.0.0.1:9000/hook", "event_types": ["*"]});
+    let (s, e) = call(Method::POST, "/v1/projects/{id}/webhooks", &hooks, adm, Some(private)).await;
+    assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("url")));
+    let bad = json!({"url": "https://hooks.example.com/", "event_types": ["quota.exceded"]});
+    let (s, e) = call(Method::POST, "/v1/projects/{id}/webhooks", &hooks, adm, Some(bad)).await;
+    assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("event_types[0]")));
+    let (s, _) = call(
+        Method::POST,
+        "/v1/projects/{id}/webhooks",
+        "/v1/projects/proj_nope/webhooks",
+        adm,
+        Some(json!({"url": "https://hooks.example.com/", "event_types": ["*"]})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, l) = call(Method::GET, "/v1/projects/{id}/webhooks", &hooks, adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(l["data"][0].get("secret").is_none(), "never shown again");
+    let (s, _) = call(Method::GET, "/v1/projects/{id}/webhooks", "/v1/projects/proj_nope/webhooks", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let one = format!("/v1/webhooks/{wid}");
+    let (s, _) = call(Method::GET, "/v1/webhooks/{id}", &one, adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = call(Method::GET, "/v1/webhooks/{id}", "/v1/webhooks/wh_nope", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, p2) = call(Method::PATCH, "/v1/webhooks/{id}", &one, adm, Some(json!({"description": "on-call"}))).await;
+    assert_eq!((s, p2["description"].as_str()), (StatusCode::OK, Some("on-call")));
+    let (s, _) = call(Method::PATCH, "/v1/webhooks/{id}", &one, adm, Some(json!({"url": "ftp://x/"}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = call(Method::PATCH, "/v1/webhooks/{id}", "/v1/webhooks/wh_nope", adm, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, r) =
+        call(Method::POST, "/v1/webhooks/{id}/rotate-secret", &format!("{one}/rotate-secret"), adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(r["previous_secret_expires_at"].is_string() && r["secret"] != w["secret"], "{r}");
+    let (s, _) =
+        call(Method::POST, "/v1/webhooks/{id}/rotate-secret", "/v1/webhooks/wh_nope/rotate-secret", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, t) = call(Method::POST, "/v1/webhooks/{id}/test", &format!("{one}/test"), adm, None).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let mid = t["message_id"].as_str().expect("message id").to_owned();
+    let (s, _) = call(Method::POST, "/v1/webhooks/{id}/test", "/v1/webhooks/wh_nope/test", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, d) = call(Method::GET, "/v1/webhooks/{id}/deliveries", &format!("{one}/deliveries"), adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!((d["data"][0]["message_id"].as_str(), d["data"][0]["test"].as_bool()), (Some(mid.as_str()), Some(true)));
+    assert_eq!(d["data"][0]["payload"]["type"], "webhook.test");
+    let (s, _) =
+        call(Method::GET, "/v1/webhooks/{id}/deliveries", &format!("{one}/deliveries?limit=0"), adm, None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = call(Method::GET, "/v1/webhooks/{id}/deliveries", "/v1/webhooks/wh_nope/deliveries", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let resend = "/v1/webhooks/{id}/deliveries/{message_id}/resend";
+    let (s, _) = call(Method::POST, resend, &format!("{one}/deliveries/{mid}/resend"), adm, None).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let (s, _) = call(Method::POST, resend, &format!("{one}/deliveries/msg_nope/resend"), adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let recover = format!("{one}/recover");
+    let (s, rc) =
+        call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm, Some(json!({"since": "2026-01-01T00:00:00Z"})))
+            .await;
+    assert_eq!((s, rc["resent"].as_u64()), (StatusCode::ACCEPTED, Some(0)));
+    let (s, _) =
+        call(Method::POST, "/v1/webhooks/{id}/recover", &recover, adm, Some(json!({"since": "yesterday"}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = call(
+        Method::POST,
+        "/v1/webhooks/{id}/recover",
+        "/v1/webhooks/wh_nope/recover",
+        adm,
+        Some(json!({"since": "2026-01-01T00:00:00Z"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(Method::DELETE, "/v1/webhooks/{id}", &one, adm, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(Method::DELETE, "/v1/webhooks/{id}", &one, adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
     let (s, _) = call(Method::DELETE, "/v1/quotas/{id}", &format!("/v1/quotas/{qid}"), adm, None).await;
     assert_eq!(s, StatusCode::NO_CONTENT);
     let (s, _) = call(Method::DELETE, "/v1/quotas/{id}", &format!("/v1/quotas/{qid}"), adm, None).await;

@@ -30,15 +30,18 @@ pub enum AuditAction {
     DeleteQuota,
     /// A correction folded: an event amended or voided.
     CorrectEvent,
+    /// A webhook endpoint disabled by delivery (a 410, five days failing).
+    WebhookEndpointDisabled,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 5] = [
+    pub const ALL: [AuditAction; 6] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
         AuditAction::DeleteQuota,
         AuditAction::CorrectEvent,
+        AuditAction::WebhookEndpointDisabled,
     ];
 
     /// The IAM-style action string.
@@ -49,6 +52,7 @@ impl AuditAction {
             AuditAction::UpdateQuota => "quotas:UpdateQuota",
             AuditAction::DeleteQuota => "quotas:DeleteQuota",
             AuditAction::CorrectEvent => "events:CorrectEvent",
+            AuditAction::WebhookEndpointDisabled => "webhook.endpoint_disabled",
         }
     }
 }
@@ -94,6 +98,8 @@ pub enum AuditDetail {
         before: crate::correction::CorrectedQuantities,
         after: crate::correction::CorrectedQuantities,
     },
+    /// A webhook endpoint disabled by delivery.
+    WebhookEndpointDisabled { url: String, reason: String },
 }
 
 /// One entry of a project's audit log.
@@ -115,7 +121,7 @@ impl AuditEntry {
     pub fn once_key(&self) -> Option<String> {
         match &self.detail {
             AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
-            AuditDetail::QuotaChange { .. } => None,
+            AuditDetail::QuotaChange { .. } | AuditDetail::WebhookEndpointDisabled { .. } => None,
             // One entry per correction folded, whatever refolds it.
             AuditDetail::EventCorrection { correction_id, .. } => {
                 Some(format!("correction/{}/{correction_id}", self.project_id))

@@ -102,6 +102,16 @@ id_type!(
     AuditId
 );
 
+id_type!(
+    /// A webhook endpoint.
+    WebhookId
+);
+id_type!(
+    /// A notification message: its `webhook-id`, the same on every attempt,
+    /// resend and replay.
+    MessageId
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -69,6 +69,7 @@ pub mod role;
 pub mod tenant;
 pub mod usage;
 pub mod view;
+pub mod webhook;
 pub mod window;
 
 pub use admission::{
@@ -81,7 +82,7 @@ pub use clock::{Clock, ManualClock};
 pub use correction::{Counted, Target};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
 pub use fold::{DeadLetter, DlqMark, FactSource, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
-pub use ids::{ApiKeyId, AuditId, EventId, IdError, ProjectId, QuotaId, ReservationId, RoleId};
+pub use ids::{ApiKeyId, AuditId, EventId, IdError, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, ModelUsageChange, Posting, StorageFact, StorageKind,
     StoredFootprint, UnknownProject,
@@ -96,4 +97,5 @@ pub use usage::{
     Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,
 };
 pub use view::{CounterUsage, Hold, ProjectDump, Seed, SeedHold, Settlement, ViewModel, seed_from_tail};
+pub use webhook::{Attempt, DeliveryStatus, DueDelivery, Endpoint, EndpointChange, EventTypes, Next, Notification};
 pub use window::{Window, WindowKind, window_at};

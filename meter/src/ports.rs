@@ -3,10 +3,11 @@
 //! PostgreSQL; and embedded ones), and every implementation runs the same
 //! conformance suite.
 //!
-//! The durable store is six traits — [`TenantStore`] (projects, keys,
+//! The durable store is seven traits — [`TenantStore`] (projects, keys,
 //! roles), [`QuotaStore`], [`AuditStore`], [`PriceStore`] (the price book
 //! and what it failed to price), [`Ledger`] (the fold, its offsets and the
-//! durable totals) and [`ReportStore`] (usage reports) — which one database
+//! durable totals), [`ReportStore`] (usage reports) and [`WebhookStore`]
+//! (endpoints and the notification outbox) — which one database
 //! implements together as a [`Store`]. A caller holds only the ones it uses.
 //!
 //! Errors say once, at the adapter, whether retrying can help.
@@ -22,7 +23,7 @@ use crate::apply::QuotaPlan;
 use crate::audit::AuditEntry;
 use crate::error::PortResult;
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
-use crate::ids::{ApiKeyId, AuditId, EventId, ProjectId, QuotaId, ReservationId, RoleId};
+use crate::ids::{ApiKeyId, AuditId, EventId, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
 use crate::price::{Price, PriceKey};
 use crate::quota::Quota;
 use crate::report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
@@ -30,6 +31,7 @@ use crate::role::Role;
 use crate::tenant::{ApiKey, Project};
 use crate::usage::{Counter, CounterKey, Totals, UsageFact};
 use crate::view::{CounterUsage, Hold, Seed, Settlement};
+use crate::webhook::{Attempt, DeliveryStatus, DueDelivery, Endpoint, EndpointChange, Next, Notification};
 use crate::window::WindowKind;
 
 /// Projects, API keys and roles.
@@ -215,11 +217,89 @@ pub trait ReportStore: Send + Sync {
     ) -> PortResult<Vec<(CounterKey, Totals)>>;
 }
 
+/// Webhook endpoints and the notification outbox (see [`crate::webhook`]).
+#[async_trait]
+pub trait WebhookStore: Send + Sync {
+    async fn create_endpoint(&self, endpoint: &Endpoint) -> PortResult<()>;
+    async fn endpoint(&self, id: &WebhookId) -> PortResult<Option<Endpoint>>;
+    /// A project's endpoints, in id (creation) order.
+    async fn endpoints(&self, project: &ProjectId) -> PortResult<Vec<Endpoint>>;
+    /// Replaces what can change of an endpoint (url, event types,
+    /// description, enabled, disabled reason, secrets, failing since,
+    /// updated at). False if there is no such endpoint.
+    async fn update_endpoint(&self, endpoint: &Endpoint) -> PortResult<bool>;
+    /// Deletes an endpoint and its deliveries. False if there was none.
+    async fn delete_endpoint(&self, id: &WebhookId) -> PortResult<bool>;
+    /// Enqueues a notification **once**: the message, and a pending
+    /// delivery due at its `created_at` to every enabled endpoint of its
+    /// project whose event types match (only to `to`, if given), all in one
+    /// transaction. A message whose dedup key is already there adds nothing:
+    /// returns whether this call enqueued it.
+    async fn enqueue(&self, notification: &Notification, to: Option<&WebhookId>) -> PortResult<bool>;
+    /// Claims up to `limit` deliveries due at `at` (pending, their endpoint
+    /// enabled, unclaimed or their claim lapsed before `at`) for `claimant`
+    /// until `until`, earliest due first: two notifiers never hold one
+    /// delivery at once.
+    async fn claim_deliveries(
+        &self,
+        claimant: &str,
+        at: DateTime<Utc>,
+        until: DateTime<Utc>,
+        limit: usize,
+    ) -> PortResult<Vec<DueDelivery>>;
+    /// Records an attempt of a delivery `claimant` holds, and what follows
+    /// it, in one transaction: the attempt in the delivery log, the
+    /// delivery's status and next attempt, its claim released, the
+    /// endpoint's health, and — if this attempt disabled the endpoint (it
+    /// was enabled) — `disabled_audit`. `None`, changing nothing, if the
+    /// claim was lost; otherwise whether the endpoint was disabled by it.
+    async fn record_attempt(
+        &self,
+        claimant: &str,
+        delivery: &DueDelivery,
+        attempt: &Attempt,
+        next: &Next,
+        change: &EndpointChange,
+        disabled_audit: Option<&AuditEntry>,
+    ) -> PortResult<Option<bool>>;
+    /// An endpoint's delivery log: messages in id (time) order after the
+    /// cursor, at most `limit`, each with its attempts.
+    async fn deliveries(
+        &self,
+        endpoint: &WebhookId,
+        after: Option<&MessageId>,
+        limit: usize,
+    ) -> PortResult<Vec<DeliveryLog>>;
+    /// Makes a delivery pending again, due at `at`, with a fresh schedule
+    /// (also a successful one). False if the endpoint never got that message.
+    async fn resend(&self, endpoint: &WebhookId, message: &MessageId, at: DateTime<Utc>) -> PortResult<bool>;
+    /// Resends (as [`WebhookStore::resend`]) every delivery of an endpoint
+    /// that finally failed, of messages created in `[since, until)`.
+    /// Returns how many.
+    async fn recover(
+        &self,
+        endpoint: &WebhookId,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        at: DateTime<Utc>,
+    ) -> PortResult<u64>;
+}
+
+/// One message of an endpoint's delivery log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryLog {
+    pub message: Notification,
+    pub status: DeliveryStatus,
+    /// When the next attempt is due, while pending.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub attempts: Vec<Attempt>,
+}
+
 /// One database that is every store port at once (PostgreSQL, or the
 /// embedded SQLite file). Implemented for anything that implements them all.
-pub trait Store: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore {}
+pub trait Store: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore {}
 
-impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore> Store for T {}
+impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore> Store for T {}
 
 /// The hot-path view (Redis, or memory): durable totals, pending deltas and
 /// live reservations, per counter.

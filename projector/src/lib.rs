@@ -58,6 +58,8 @@
 //! broker's socket beyond both the producer's timeout and the lease, which
 //! lands after another attempt found nothing.
 
+pub mod notify;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;

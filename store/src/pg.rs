@@ -70,6 +70,8 @@ fn query(stmt: Stmt) -> Query<'static, Postgres, PgArguments> {
             Arg::Int(v) => q.bind(v),
             Arg::Bool(v) => q.bind(v),
             Arg::Time(v) => q.bind(v),
+            Arg::OptTime(v) => q.bind(v),
+            Arg::OptInt(v) => q.bind(v),
             Arg::Json(v) => q.bind(Json(v)),
             Arg::OptJson(v) => q.bind(v.map(Json)),
         };

@@ -145,6 +145,8 @@ fn query(stmt: Stmt) -> PortResult<Query<'static, Sqlite, SqliteArguments>> {
             Arg::Int(v) => q.bind(v),
             Arg::Bool(v) => q.bind(v),
             Arg::Time(v) => q.bind(ts(v)?),
+            Arg::OptTime(v) => q.bind(v.map(ts).transpose()?),
+            Arg::OptInt(v) => q.bind(v),
             Arg::Json(v) => q.bind(v.to_string()),
             Arg::OptJson(v) => q.bind(v.map(|v| v.to_string())),
         };

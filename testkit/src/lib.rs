@@ -28,6 +28,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+pub mod webhooks;
+
 pub mod env {
     //! The environment variables every suite reads, and their defaults.
 

@@ -245,6 +245,16 @@ impl Env {
         self.children.len() - 1
     }
 
+    /// Starts a `tollgate notify` process with more environment; returns
+    /// its index for `kill`.
+    pub fn start_notifier_with(&mut self, vars: &[(&str, &str)]) -> usize {
+        assert_eq!(self.mode, Mode::Distributed, "`tollgate dev` runs its notifier in-process");
+        let mut c = self.command("notify");
+        c.envs(vars.iter().copied());
+        self.children.push(("notifier".into(), c.spawn().expect("spawn tollgate notify")));
+        self.children.len() - 1
+    }
+
     /// SIGKILLs a child process.
     pub fn kill(&mut self, index: usize) {
         let (_, c) = &mut self.children[index];

@@ -10,6 +10,7 @@ mod invariants;
 mod model;
 mod replay;
 mod roles;
+mod webhooks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

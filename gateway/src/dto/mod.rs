@@ -22,6 +22,7 @@ pub mod prices;
 pub mod quotas;
 pub mod reports;
 pub mod tenants;
+pub mod webhooks;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};

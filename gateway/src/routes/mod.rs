@@ -18,6 +18,7 @@ mod prices;
 mod quotas;
 mod reports;
 mod tenants;
+mod webhooks;
 
 use std::sync::LazyLock;
 
@@ -72,6 +73,16 @@ table! {
     GET "/v1/exceptions" => prices::exceptions,
     GET "/v1/usage" => reports::usage,
     GET "/v1/audit" => reports::audit,
+    POST "/v1/projects/{id}/webhooks" => webhooks::create_webhook,
+    GET "/v1/projects/{id}/webhooks" => webhooks::list_webhooks,
+    GET "/v1/webhooks/{id}" => webhooks::get_webhook,
+    PATCH "/v1/webhooks/{id}" => webhooks::patch_webhook,
+    DELETE "/v1/webhooks/{id}" => webhooks::delete_webhook,
+    POST "/v1/webhooks/{id}/rotate-secret" => webhooks::rotate_secret,
+    GET "/v1/webhooks/{id}/deliveries" => webhooks::deliveries,
+    POST "/v1/webhooks/{id}/deliveries/{message_id}/resend" => webhooks::resend,
+    POST "/v1/webhooks/{id}/recover" => webhooks::recover,
+    POST "/v1/webhooks/{id}/test" => webhooks::test,
 }
 
 /// The method and path of every route the router serves.
@@ -117,12 +128,22 @@ pub fn app(state: AppState) -> Router {
         prices::exceptions,
         reports::usage,
         reports::audit,
+        webhooks::create_webhook,
+        webhooks::list_webhooks,
+        webhooks::get_webhook,
+        webhooks::patch_webhook,
+        webhooks::delete_webhook,
+        webhooks::rotate_secret,
+        webhooks::deliveries,
+        webhooks::resend,
+        webhooks::recover,
+        webhooks::test,
     ),
     components(schemas(dto::errors::ErrorBody)),
     modifiers(&Security, &CommonErrors),
     tags(
         (name = "hot path", description = "Admission and metering, for gateways: the gateway token"),
-        (name = "admin", description = "Projects, keys, roles, quotas, prices and reports: the admin token"),
+        (name = "admin", description = "Projects, keys, roles, quotas, prices, reports and webhooks: the admin token"),
         (name = "meta", description = "Liveness and this document"),
     )
 )]

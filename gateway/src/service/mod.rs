@@ -21,6 +21,7 @@ pub mod provisioning;
 pub mod quotas;
 pub mod recording;
 pub mod usage;
+pub mod webhooks;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use meter::{Breach, Clock, FieldError, PortError, PriceKey, Principal, ProjectId};

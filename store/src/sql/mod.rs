@@ -31,6 +31,7 @@ mod config;
 mod ledger;
 mod prices;
 pub mod shadow;
+mod webhooks;
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -220,6 +221,8 @@ pub enum Arg {
     Int(i64),
     Bool(bool),
     Time(DateTime<Utc>),
+    OptTime(Option<DateTime<Utc>>),
+    OptInt(Option<i64>),
     Json(serde_json::Value),
     OptJson(Option<serde_json::Value>),
 }
@@ -339,6 +342,14 @@ impl Stmt {
 
     pub fn time(self, v: DateTime<Utc>) -> Stmt {
         self.arg(Arg::Time(v))
+    }
+
+    pub fn opt_time(self, v: Option<DateTime<Utc>>) -> Stmt {
+        self.arg(Arg::OptTime(v))
+    }
+
+    pub fn opt_int(self, v: Option<i64>) -> Stmt {
+        self.arg(Arg::OptInt(v))
     }
 
     pub fn json(self, v: &impl serde::Serialize) -> PortResult<Stmt> {

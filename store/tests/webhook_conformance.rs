@@ -1,0 +1,437 @@
+//! The `WebhookStore` conformance suite: endpoints and the notification
+//! outbox, the same behaviour on PostgreSQL (a database of its own per
+//! test, skipped when PostgreSQL does not answer unless
+//! `TOLLGATE_REQUIRE_SERVICES` is set) and on the embedded SQLite store (a
+//! fresh file per test).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use chrono::{DateTime, Duration, Utc};
+use meter::webhook::{QUOTA_EXCEEDED, QUOTA_NEARLY_USED, dedup_key};
+use meter::{
+    Attempt, AuditAction, AuditDetail, AuditEntry, AuditId, DeliveryStatus, DueDelivery, Endpoint, EndpointChange,
+    EventTypes, MessageId, Next, Notification, Project, ProjectId, Store, WebhookId,
+};
+use serde_json::json;
+use store::{PgStore, SqliteStore};
+
+macro_rules! conformance {
+    ($fixture:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $test() {
+                let Some(db) = $fixture.await else { return };
+                super::$test(db.store.clone()).await;
+            }
+        )*
+    };
+}
+
+macro_rules! suite {
+    ($fixture:expr) => {
+        conformance!($fixture;
+            endpoints_round_trip_and_change,
+            a_notification_is_enqueued_once_to_the_endpoints_that_want_it,
+            a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses,
+            an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next,
+            disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries,
+            the_delivery_log_pages_by_message_and_resend_and_recover_requeue,
+            concurrent_claims_never_share_a_delivery,
+        );
+    };
+}
+
+mod pg {
+    use super::*;
+    suite!(PgDb::new());
+}
+
+mod sqlite {
+    use super::*;
+    suite!(SqliteDb::new());
+}
+
+fn utc(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
+}
+
+const T0: &str = "2026-07-07T12:00:00Z";
+
+fn endpoint(id: &str, project: &str, types: &[&str]) -> Endpoint {
+    Endpoint {
+        id: WebhookId::parse(id).expect("id"),
+        project_id: ProjectId::parse(project).expect("id"),
+        url: format!("http://127.0.0.1:9/{id}"),
+        event_types: EventTypes::parse(types.iter().map(|t| t.to_string()).collect(), "event_types").expect("types"),
+        description: Some("d".into()),
+        enabled: true,
+        disabled_reason: None,
+        secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+        previous_secret: None,
+        failing_since: None,
+        created_at: utc(T0),
+        updated_at: utc(T0),
+    }
+}
+
+fn notification(id: &str, project: &str, kind: &str, window: &str, at: DateTime<Utc>) -> Notification {
+    Notification::new(
+        MessageId::parse(id).expect("id"),
+        ProjectId::parse(project).expect("id"),
+        kind,
+        json!({"quota_id": "quota_1", "window_key": window}),
+        Some(dedup_key("quota_1", window, kind, (kind == QUOTA_NEARLY_USED).then_some(80))),
+        at,
+    )
+}
+
+async fn setup(s: &dyn Store, projects: &[&str]) {
+    for p in projects {
+        s.create_project(&Project {
+            id: ProjectId::parse(*p).expect("id"),
+            name: p.to_string(),
+            timezone: chrono_tz::Tz::UTC,
+            created_at: utc(T0),
+        })
+        .await
+        .expect("project");
+    }
+}
+
+fn attempt(d: &DueDelivery, status: Option<u16>, at: DateTime<Utc>) -> Attempt {
+    Attempt { number: d.attempts + 1, at, status_code: status, latency_ms: 7, response: "ok".into() }
+}
+
+async fn endpoints_round_trip_and_change(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1", "proj_2"]).await;
+    let a = endpoint("wh_a", "proj_1", &["quota.*"]);
+    let b = endpoint("wh_b", "proj_1", &["*"]);
+    let c = endpoint("wh_c", "proj_2", &["quota.exceeded"]);
+    for e in [&b, &a, &c] {
+        s.create_endpoint(e).await.expect("create");
+    }
+    assert_eq!(s.endpoint(&a.id).await.expect("read"), Some(a.clone()));
+    assert_eq!(s.endpoints(&a.project_id).await.expect("list"), vec![a.clone(), b.clone()], "in id order");
+    let mut changed = a.clone();
+    changed.url = "https://hooks.example.com/x".into();
+    changed.event_types = EventTypes::parse(vec!["quota.exceeded".into()], "event_types").expect("types");
+    changed.description = None;
+    changed.enabled = false;
+    changed.previous_secret = Some(("whsec_old".into(), utc(T0) + Duration::hours(24)));
+    changed.updated_at = utc(T0) + Duration::minutes(1);
+    assert!(s.update_endpoint(&changed).await.expect("update"));
+    assert_eq!(s.endpoint(&a.id).await.expect("read"), Some(changed.clone()));
+    assert!(s.delete_endpoint(&a.id).await.expect("delete"));
+    assert!(!s.delete_endpoint(&a.id).await.expect("delete again"));
+    assert_eq!(s.endpoint(&a.id).await.expect("read"), None);
+    assert!(!s.update_endpoint(&changed).await.expect("update a deleted one"));
+    assert!(s.create_endpoint(&b).await.is_err(), "an id is unique");
+}
+
+async fn a_notification_is_enqueued_once_to_the_endpoints_that_want_it(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1", "proj_2"]).await;
+    let all = endpoint("wh_all", "proj_1", &["*"]);
+    let exceeded = endpoint("wh_exc", "proj_1", &["quota.exceeded"]);
+    let nearly = endpoint("wh_near", "proj_1", &["quota.nearly_used"]);
+    let mut off = endpoint("wh_off", "proj_1", &["*"]);
+    off.enabled = false;
+    let other = endpoint("wh_other", "proj_2", &["*"]);
+    for e in [&all, &exceeded, &nearly, &off, &other] {
+        s.create_endpoint(e).await.expect("create");
+    }
+    let at = utc(T0);
+    let n = notification("msg_1", "proj_1", QUOTA_EXCEEDED, "2026-07-07", at);
+    assert!(s.enqueue(&n, None).await.expect("enqueue"));
+    // The same dedup key under another id (a second gateway, a replay): nothing.
+    let again = notification("msg_2", "proj_1", QUOTA_EXCEEDED, "2026-07-07", at + Duration::seconds(1));
+    assert!(!s.enqueue(&again, None).await.expect("enqueue again"));
+    assert!(!s.enqueue(&n, None).await.expect("the same message again"));
+    let due = s.claim_deliveries("n1", at, at + Duration::seconds(60), 100).await.expect("claim");
+    let to: Vec<&str> = due.iter().map(|d| d.endpoint.id.as_str()).collect();
+    assert_eq!(to.len(), 2, "{to:?}");
+    assert!(to.contains(&"wh_all") && to.contains(&"wh_exc"));
+    for d in &due {
+        assert_eq!(d.message, n, "the message as enqueued, body and all");
+        assert_eq!((d.tries, d.attempts), (0, 0));
+    }
+    // Another window is another notification; one not yet due is not claimed.
+    let later = notification("msg_3", "proj_1", QUOTA_NEARLY_USED, "2026-07-08", at + Duration::hours(1));
+    assert!(s.enqueue(&later, None).await.expect("enqueue"));
+    assert!(s.claim_deliveries("n1", at, at + Duration::seconds(60), 100).await.expect("claim").is_empty());
+    // A test message goes to the one endpoint named, whatever its types.
+    let test = Notification::test(MessageId::parse("msg_t").expect("id"), &nearly, at);
+    assert!(s.enqueue(&test, Some(&nearly.id)).await.expect("enqueue a test"));
+    let due = s.claim_deliveries("n1", at, at + Duration::seconds(60), 100).await.expect("claim");
+    assert_eq!(due.len(), 1);
+    assert_eq!((due[0].endpoint.id.as_str(), due[0].message.test), ("wh_near", true));
+}
+
+async fn a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"])).await.expect("create");
+    let at = utc(T0);
+    s.enqueue(&notification("msg_1", "proj_1", QUOTA_EXCEEDED, "w1", at), None).await.expect("enqueue");
+    let lease = Duration::seconds(60);
+    assert_eq!(s.claim_deliveries("n1", at, at + lease, 10).await.expect("claim").len(), 1);
+    assert!(s.claim_deliveries("n2", at, at + lease, 10).await.expect("claim").is_empty(), "held by n1");
+    assert!(
+        s.claim_deliveries("n1", at + Duration::seconds(30), at + lease, 10).await.expect("claim").is_empty(),
+        "not even by n1 while it holds it"
+    );
+    // n1 died: its claim lapses and n2 takes the delivery.
+    let later = at + lease + Duration::seconds(1);
+    let due = s.claim_deliveries("n2", later, later + lease, 10).await.expect("claim");
+    assert_eq!(due.len(), 1);
+    // n1's late record is refused; n2's is kept.
+    let n1 = s
+        .record_attempt(
+            "n1",
+            &due[0],
+            &attempt(&due[0], Some(200), later),
+            &Next::Succeeded,
+            &EndpointChange::Healthy,
+            None,
+        )
+        .await
+        .expect("record");
+    assert_eq!(n1, None, "n1 lost its claim");
+    let n2 = s
+        .record_attempt(
+            "n2",
+            &due[0],
+            &attempt(&due[0], Some(200), later),
+            &Next::Succeeded,
+            &EndpointChange::Healthy,
+            None,
+        )
+        .await
+        .expect("record");
+    assert_eq!(n2, Some(false));
+    let log = s.deliveries(&due[0].endpoint.id, None, 10).await.expect("log");
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].status, DeliveryStatus::Succeeded);
+    assert_eq!(log[0].attempts.len(), 1, "the refused record wrote nothing");
+}
+
+async fn an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    let e = endpoint("wh_a", "proj_1", &["*"]);
+    s.create_endpoint(&e).await.expect("create");
+    let at = utc(T0);
+    s.enqueue(&notification("msg_1", "proj_1", QUOTA_EXCEEDED, "w1", at), None).await.expect("enqueue");
+    let lease = Duration::seconds(60);
+    let due = s.claim_deliveries("n1", at, at + lease, 10).await.expect("claim");
+    let retry = at + Duration::seconds(5);
+    let recorded = s
+        .record_attempt(
+            "n1",
+            &due[0],
+            &attempt(&due[0], Some(500), at),
+            &Next::RetryAt(retry),
+            &EndpointChange::Failing(at),
+            None,
+        )
+        .await
+        .expect("record");
+    assert_eq!(recorded, Some(false));
+    assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, Some(at));
+    assert!(
+        s.claim_deliveries("n1", at + Duration::seconds(4), at + lease, 10).await.expect("claim").is_empty(),
+        "not due yet"
+    );
+    let due = s.claim_deliveries("n2", retry, retry + lease, 10).await.expect("claim");
+    assert_eq!((due.len(), due[0].tries, due[0].attempts), (1, 1, 1), "claim released, counts kept");
+    assert_eq!(due[0].endpoint.failing_since, Some(at));
+    // A second failure keeps the first failure's time; a success clears it.
+    s.record_attempt(
+        "n2",
+        &due[0],
+        &attempt(&due[0], None, retry),
+        &Next::RetryAt(retry + Duration::minutes(5)),
+        &EndpointChange::Failing(retry),
+        None,
+    )
+    .await
+    .expect("record");
+    assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, Some(at));
+    let third = retry + Duration::minutes(5);
+    let due = s.claim_deliveries("n2", third, third + lease, 10).await.expect("claim");
+    s.record_attempt(
+        "n2",
+        &due[0],
+        &attempt(&due[0], Some(204), third),
+        &Next::Succeeded,
+        &EndpointChange::Healthy,
+        None,
+    )
+    .await
+    .expect("record");
+    assert_eq!(s.endpoint(&e.id).await.expect("read").expect("there").failing_since, None);
+    let log = s.deliveries(&e.id, None, 10).await.expect("log");
+    let numbers: Vec<(u32, Option<u16>)> = log[0].attempts.iter().map(|a| (a.number, a.status_code)).collect();
+    assert_eq!(numbers, vec![(1, Some(500)), (2, None), (3, Some(204))]);
+    assert_eq!(log[0].attempts[0], attempt(&DueDelivery { tries: 0, attempts: 0, ..due[0].clone() }, Some(500), at));
+    assert_eq!((log[0].status, log[0].next_attempt_at), (DeliveryStatus::Succeeded, None));
+}
+
+async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    let e = endpoint("wh_a", "proj_1", &["*"]);
+    s.create_endpoint(&e).await.expect("create");
+    let at = utc(T0);
+    for (i, w) in ["w1", "w2", "w3"].iter().enumerate() {
+        s.enqueue(&notification(&format!("msg_{i}"), "proj_1", QUOTA_EXCEEDED, w, at), None).await.expect("enqueue");
+    }
+    let due = s.claim_deliveries("n1", at, at + Duration::seconds(60), 2).await.expect("claim");
+    assert_eq!(due.len(), 2);
+    let audit = |id: &str| AuditEntry {
+        id: AuditId::parse(id).expect("id"),
+        project_id: e.project_id.clone(),
+        action: AuditAction::WebhookEndpointDisabled,
+        principal: None,
+        resource: e.id.to_string(),
+        detail: AuditDetail::WebhookEndpointDisabled { url: e.url.clone(), reason: "410".into() },
+        created_at: at,
+    };
+    let gone = EndpointChange::Disable("the endpoint answered 410 Gone".into());
+    let first = s
+        .record_attempt("n1", &due[0], &attempt(&due[0], Some(410), at), &Next::Failed, &gone, Some(&audit("aud_1")))
+        .await
+        .expect("record");
+    assert_eq!(first, Some(true));
+    let second = s
+        .record_attempt("n1", &due[1], &attempt(&due[1], Some(410), at), &Next::Failed, &gone, Some(&audit("aud_2")))
+        .await
+        .expect("record");
+    assert_eq!(second, Some(false), "already disabled");
+    let entries = s.audit(&e.project_id, None, 10).await.expect("audit");
+    assert_eq!(entries, vec![audit("aud_1")]);
+    let stored = s.endpoint(&e.id).await.expect("read").expect("there");
+    assert!(!stored.enabled);
+    assert_eq!(stored.disabled_reason.as_deref(), Some("the endpoint answered 410 Gone"));
+    // The third delivery waits, unclaimed, until the endpoint is enabled again.
+    let later = at + Duration::hours(1);
+    assert!(s.claim_deliveries("n1", later, later + Duration::seconds(60), 10).await.expect("claim").is_empty());
+    let enabled = Endpoint { enabled: true, disabled_reason: None, ..stored };
+    s.update_endpoint(&enabled).await.expect("enable");
+    assert_eq!(s.claim_deliveries("n1", later, later + Duration::seconds(60), 10).await.expect("claim").len(), 1);
+}
+
+async fn the_delivery_log_pages_by_message_and_resend_and_recover_requeue(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    let e = endpoint("wh_a", "proj_1", &["*"]);
+    s.create_endpoint(&e).await.expect("create");
+    let at = utc(T0);
+    for i in 0..5 {
+        let n =
+            notification(&format!("msg_{i}"), "proj_1", QUOTA_EXCEEDED, &format!("w{i}"), at + Duration::minutes(i));
+        s.enqueue(&n, None).await.expect("enqueue");
+    }
+    let now = at + Duration::hours(1);
+    let due = s.claim_deliveries("n1", now, now + Duration::seconds(60), 10).await.expect("claim");
+    assert_eq!(due.len(), 5);
+    for (i, d) in due.iter().enumerate() {
+        let (status, next) = if i < 3 { (Some(500), Next::Failed) } else { (Some(200), Next::Succeeded) };
+        s.record_attempt("n1", d, &attempt(d, status, now), &next, &EndpointChange::Healthy, None)
+            .await
+            .expect("record");
+    }
+    let first = s.deliveries(&e.id, None, 2).await.expect("page");
+    let ids: Vec<&str> = first.iter().map(|l| l.message.id.as_str()).collect();
+    assert_eq!(ids, vec!["msg_0", "msg_1"]);
+    let rest = s.deliveries(&e.id, Some(&first[1].message.id), 10).await.expect("page");
+    let ids: Vec<&str> = rest.iter().map(|l| l.message.id.as_str()).collect();
+    assert_eq!(ids, vec!["msg_2", "msg_3", "msg_4"]);
+    assert_eq!(rest[0].status, DeliveryStatus::Failed);
+    // Recover what failed among the messages of [at+1min, at+3min): msg_1, msg_2.
+    let n = s.recover(&e.id, at + Duration::minutes(1), at + Duration::minutes(3), now).await.expect("recover");
+    assert_eq!(n, 2);
+    // Resend a delivered one.
+    assert!(s.resend(&e.id, &MessageId::parse("msg_4").expect("id"), now).await.expect("resend"));
+    assert!(!s.resend(&e.id, &MessageId::parse("msg_nope").expect("id"), now).await.expect("resend"));
+    let due = s.claim_deliveries("n1", now, now + Duration::seconds(60), 10).await.expect("claim");
+    let mut ids: Vec<&str> = due.iter().map(|d| d.message.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, vec!["msg_1", "msg_2", "msg_4"]);
+    assert!(due.iter().all(|d| d.tries == 0 && d.attempts == 1), "a fresh schedule, the log kept");
+}
+
+async fn concurrent_claims_never_share_a_delivery(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"])).await.expect("create");
+    let at = utc(T0);
+    for i in 0..200 {
+        let n = notification(&format!("msg_{i:03}"), "proj_1", QUOTA_EXCEEDED, &format!("w{i}"), at);
+        s.enqueue(&n, None).await.expect("enqueue");
+    }
+    let claims = (0..8).map(|k| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let got = s.claim_deliveries(&format!("n{k}"), at, at + Duration::seconds(60), 7).await.expect("claim");
+                if got.is_empty() {
+                    return mine;
+                }
+                mine.extend(got.into_iter().map(|d| d.message.id.to_string()));
+            }
+        })
+    });
+    let mut all: Vec<String> = Vec::new();
+    for c in claims {
+        all.extend(c.await.expect("task"));
+    }
+    let total = all.len();
+    all.sort();
+    all.dedup();
+    assert_eq!((total, all.len()), (200, 200), "every delivery claimed exactly once");
+}
+
+/// A directory of its own under the system's temporary one, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("tollgate-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct SqliteDb {
+    store: Arc<dyn Store>,
+    _dir: TempDir,
+}
+
+impl SqliteDb {
+    async fn new() -> Option<SqliteDb> {
+        let dir = TempDir::new();
+        let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open the test file");
+        store.migrate().await.expect("migrate");
+        Some(SqliteDb { store: Arc::new(store), _dir: dir })
+    }
+}
+
+struct PgDb {
+    store: Arc<dyn Store>,
+    _db: testkit::TestDb,
+}
+
+impl PgDb {
+    async fn new() -> Option<PgDb> {
+        if !testkit::available(&[testkit::Service::Postgres]) {
+            return None;
+        }
+        let db = testkit::TestDb::new("tg").await;
+        let store = PgStore::connect(&db.url).await.expect("connect to the test database");
+        store.migrate().await.expect("migrate");
+        Some(PgDb { store: Arc::new(store), _db: db })
+    }
+}
