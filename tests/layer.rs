@@ -118,7 +118,9 @@ async fn distributed() -> Option<Env> {
     store.migrate().await.expect("migrate");
     let keys = testkit::RedisPrefix::new("tglayer");
     let view = Arc::new(RedisView::connect(&keys.url, &keys.prefix).await.expect("connect redis"));
-    let kcfg = KafkaConfig::new(testkit::env::kafka(), testkit::topic_prefix("tglayer"));
+    let mut kcfg = KafkaConfig::new(testkit::env::kafka(), testkit::topic_prefix("tglayer"));
+    // A busy shared broker can take longer than the 2 s default to acknowledge.
+    kcfg.publish = store::PublishOptions { timeout: Duration::from_secs(30), ..store::PublishOptions::default() };
     let mut attempt = 0;
     while let Err(e) = kcfg.ensure_topics().await {
         attempt += 1;

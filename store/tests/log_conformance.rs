@@ -558,6 +558,9 @@ impl KafkaHarness {
         }
         let mut config = KafkaConfig::new(testkit::env::kafka(), testkit::topic_prefix("tg-logconf"));
         config.partitions = 1;
+        // Not an outage suite: a busy shared broker can take longer than the
+        // 2 s default to acknowledge, which is not what these tests are about.
+        config.publish = PublishOptions { timeout: Duration::from_secs(30), ..PublishOptions::default() };
         config.ensure_topics().await.expect("create the test topics");
         let log = KafkaLog::new(&config).expect("producer");
         Some(KafkaHarness { config, log })
