@@ -11,8 +11,9 @@
 //! [`window`], [`price`], [`quota`], [`tenant`], [`role`], [`usage`] (facts
 //! and counters), [`fold`], [`ledger`] (a batch's fold as a store persists
 //! it), [`admission`] (plan and verdict), [`apply`] (declarative quota
-//! plans), [`audit`], [`report`], [`view`] (with the view's reference model), and
-//! [`ports`], which only declares traits over them. No module imports one
+//! plans), [`audit`], [`report`], [`view`] (with the view's reference model),
+//! [`permit`] (`max_concurrent` slots and their leases), and [`ports`], which
+//! only declares traits over them. No module imports one
 //! that imports it back.
 //!
 //! ## Accuracy
@@ -43,6 +44,13 @@
 //!   record's receipt and prices are read as of it ([`UsageFact::receipt`],
 //!   [`price::PriceBook::price_as_of`]), never by a clock at fold time, so a
 //!   replay gives the live fold's totals to the unit.
+//! - **`max_concurrent` is exact across gateways** that share their
+//!   permits (Redis or PostgreSQL, [`permit`]): a slot is reaped and claimed
+//!   in one atomic step, so no more than the cap is ever held at once, and
+//!   the installation's cap likewise. A holder that dies keeps its slot
+//!   until its lease lapses (the effective `query_timeout` + 30 s), never
+//!   longer. The memory permits (`tollgate dev`, the embedded Layer) count
+//!   one process's permits only.
 //! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
 //!   at 12:00:59 and 60 more at 12:01:00.
 //! - **Freshness**: a settled call is in the view before its event is
@@ -61,6 +69,7 @@ pub mod error;
 pub mod fold;
 pub mod ids;
 pub mod ledger;
+pub mod permit;
 pub mod ports;
 pub mod price;
 pub mod quota;
@@ -82,11 +91,14 @@ pub use clock::{Clock, ManualClock};
 pub use correction::{Counted, Target};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
 pub use fold::{DeadLetter, DlqMark, FactSource, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
-pub use ids::{ApiKeyId, AuditId, EventId, IdError, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
+pub use ids::{
+    ApiKeyId, AuditId, EventId, IdError, MessageId, PermitId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId,
+};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, ModelUsageChange, Posting, StorageFact, StorageKind,
     StoredFootprint, UnknownProject,
 };
+pub use permit::{Claimed, OwnCap, Permit, PermitClaim, PermitModel, Pool, Whose};
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
