@@ -185,7 +185,9 @@ async fn run() -> AnyResult<()> {
 
     let http = reqwest::Client::new();
     // --- baseline: the receiver's own round trip ---
-    let sample = json!({"type": "quota.exceeded", "timestamp": "2026-12-01T00:00:00.000Z",
+    // A body of the same size as an alert's, under a type of its own so the
+    // receiver does not count it as one.
+    let sample = json!({"type": "bench.baseline", "timestamp": "2026-12-01T00:00:00.000Z",
         "data": {"quota_id": "quota_x", "project_id": "proj_x", "limit": 1, "observed_value": 2}})
     .to_string();
     let raw_post = sequential(100, RAW_N, || {
