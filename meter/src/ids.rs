@@ -111,10 +111,6 @@ id_type!(
     /// resend and replay.
     MessageId
 );
-id_type!(
-    /// A concurrency permit (a slot of a caller's `max_concurrent`).
-    PermitId
-);
 
 #[cfg(test)]
 mod tests {
