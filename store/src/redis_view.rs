@@ -28,7 +28,7 @@
 //! |---|---|---|
 //! | `P{p}:c:<counter>` | hash | `t_<f>` (durable) and `p_<f>` (pending) for each [`Field`] `f` by its short name ([`Field::as_str`]), a missing field being 0; expires one hour after the window resets |
 //! | `P{p}:r:<counter>` | zset | reservation id → lease expiry (ms) |
-//! | `P{p}:res:<rid>` | set | the counters a reservation holds; expires at lease + [`LEASE_GRACE`] |
+//! | `P{p}:res:<rid>` | set | the counters a reservation holds, or once released a tombstone (the one member `~`); expires at lease + [`LEASE_GRACE`] |
 //! | `P{p}:ev:<event>` | hash | counter → the value list (signed decimals in [`Field::ALL`] order, trailing zeros left out) that event added to pending; expires [`EVENT_INDEX_TTL`] after the `at` of its last write; once folded, a tombstone (the one field `~`) until [`TOMBSTONE_TTL`] after the fold |
 //! | `P{p}:loaded` | string | the `run_id` of the server that seeded the project ([`RedisView::run_id`]) |
 //!
@@ -401,7 +401,9 @@ impl RedisView {
                     continue;
                 }
                 let rid = ReservationId::parse(rid).map_err(|e| bad(&key, &e.to_string()))?;
-                dump.holds.insert(rid, HoldRecord { counters: counters.into_iter().collect(), expires: expiry(t) });
+                let released = counters.iter().any(|c| c == TOMBSTONE);
+                let counters = counters.into_iter().filter(|c| c != TOMBSTONE).collect();
+                dump.holds.insert(rid, HoldRecord { counters, released, expires: expiry(t) });
             } else if let Some(event) = rest.strip_prefix("ev:") {
                 let (fields, t): (Vec<(String, String)>, i64) = read("HGETALL")
                     .query_async(&mut conn)

@@ -20,13 +20,13 @@
 //! |---|---|---|---|
 //! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
 //! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
-//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds | at its lease + [`LEASE_GRACE`] |
+//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`] |
 //! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending; or, once folded, a tombstone | [`EVENT_INDEX_TTL`] after the `at` of its last write; a tombstone [`TOMBSTONE_TTL`] after its fold |
 //! | `loaded` | `loaded` | the project was seeded (by this server instance, see below) | never |
 //!
 //! `<counter>` is [`CounterKey::encode`](crate::CounterKey::encode). A
 //! record exists exactly when its Redis key would: a write that stores
-//! nothing creates nothing, and an empty lease set or a released hold is gone.
+//! nothing creates nothing, and an empty lease set is gone.
 //!
 //! ## Rules
 //!
@@ -59,8 +59,16 @@
 //! - **A seed is the log's state** ([`Seed`]): the durable totals as of
 //!   some log offsets, and the log tail past them — each unfolded fact added
 //!   as a settle adds it (not over an event already indexed or tombstoned),
-//!   and each live reservation of the tail held as a check holds it — then
-//!   the marker, in one step, so no check admits against half a seed.
+//!   and each live reservation of the tail held as a check holds it (not
+//!   one whose hold is already there: held, or a tombstone) — then the
+//!   marker, in one step, so no check admits against half a seed.
+//! - **A released hold is a tombstone** ([`HoldRecord::released`], until
+//!   the hold would have expired): a seed that read a reservation in the log
+//!   tail while a gateway settled or freed it on this view does not hold it
+//!   again. (Without it, a second gateway's first seed, racing the first
+//!   gateway's traffic, left settled reservations held until their leases
+//!   ended: the view counted those calls twice and refused calls under the
+//!   limit.)
 //! - **A marker of another server instance is no marker.** Redis's `loaded`
 //!   holds the `run_id` of the server that seeded it; a Redis restarted from
 //!   a snapshot (or a replica promoted) has another `run_id`, so its
@@ -283,11 +291,14 @@ pub struct LeaseRecord {
     pub expires: Option<Millis>,
 }
 
-/// `res:<rid>`: the counters a reservation holds.
+/// `res:<rid>`: the counters a reservation holds; once released (settled or
+/// freed), a tombstone until the hold would have expired.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HoldRecord {
     /// Counter names ([`CounterKey::encode`]).
     pub counters: BTreeSet<String>,
+    /// The reservation was released: a seed does not hold it again.
+    pub released: bool,
     pub expires: Option<Millis>,
 }
 
@@ -529,17 +540,21 @@ impl ProjectState {
         }
         let at_ms = millis(at);
         for h in seed.holds.iter().filter(|h| millis(h.lease_until) > at_ms) {
+            if live_ref(&self.holds, &h.reservation, now).is_some() {
+                continue; // held since the tail was read, or released since: not again
+            }
             let names: Vec<String> = h.counters.iter().map(|c| c.key.encode()).collect();
             self.hold(&h.reservation, &names, h.lease_until, now);
         }
         self.loaded = true;
     }
 
-    /// Frees a reservation on every counter it holds (`release`).
+    /// Frees a reservation on every counter it holds (`release`) and leaves
+    /// its hold as a tombstone, with the hold's expiry.
     fn release(&mut self, rid: &ReservationId, now: Millis) {
-        let Some(hold) = live(&mut self.holds, rid, now).map(std::mem::take) else { return };
-        self.holds.remove(rid);
-        for name in hold.counters {
+        let Some(hold) = live(&mut self.holds, rid, now) else { return };
+        hold.released = true;
+        for name in std::mem::take(&mut hold.counters) {
             if let Some(z) = live(&mut self.leases, name.as_str(), now) {
                 z.leases.remove(rid);
                 if z.leases.is_empty() {
@@ -924,7 +939,10 @@ mod tests {
         assert_eq!(v.dump(&p).leases[&c.key.encode()].leases.len(), 1, "the ended lease was purged");
         v.release(&p, &third.reservation, later);
         let d = v.dump(&p);
-        assert!(d.leases.is_empty() && !d.holds.contains_key(&third.reservation));
+        assert!(d.leases.is_empty());
+        let tomb = &d.holds[&third.reservation];
+        assert!(tomb.released && tomb.counters.is_empty(), "a released hold is a tombstone");
+        assert_eq!(tomb.expires, Some(hold_expiry(&third)), "until the hold would have expired");
     }
 
     #[test]
@@ -1066,5 +1084,37 @@ mod tests {
         v.settle(&p, &[call_settlement("e4", &c, Some(&h))], t0());
         let u = v.usage(&p, &c.key, t0()).expect("seeded");
         assert_eq!((u.pending.calls, u.reserved_calls), (3, 0));
+    }
+
+    /// Two gateways on one view: the second one's seed read a reservation
+    /// of the first one's in the log tail, and the first one's caller
+    /// settled it before that seed reached the view. The seed does not hold
+    /// it again: the call counts once (its pending), not twice until the
+    /// lease ends (which refused calls under the limit).
+    #[test]
+    fn a_seed_does_not_hold_again_a_reservation_settled_since_the_tail_was_read() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        v.seed(&p, &Seed::default(), t0());
+        let h = hold(1, t0() + Span::seconds(30));
+        assert!(v.check(&p, &plan(&c, 2), &h, t0()).expect("valid").expect("seeded").admitted);
+        // The second seed's tail, read now: the request event's hold.
+        let tail_hold = crate::view::SeedHold {
+            reservation: h.reservation.clone(),
+            lease_until: h.lease_until,
+            counters: vec![c.clone()],
+        };
+        // The first gateway settles the call; then the second seed lands.
+        v.settle(&p, &[call_settlement("call", &c, Some(&h))], t0());
+        v.seed(&p, &Seed { holds: vec![tail_hold.clone()], ..Seed::default() }, t0());
+        let u = v.usage(&p, &c.key, t0()).expect("seeded");
+        assert_eq!((u.pending.calls, u.reserved_calls), (1, 0), "counted once");
+        // A reservation still held when the seed lands is held once.
+        let h2 = hold(2, t0() + Span::seconds(30));
+        assert!(v.check(&p, &plan(&c, 3), &h2, t0()).expect("valid").expect("seeded").admitted);
+        let again = crate::view::SeedHold { reservation: h2.reservation.clone(), ..tail_hold };
+        v.seed(&p, &Seed { holds: vec![again], ..Seed::default() }, t0());
+        assert_eq!(v.usage(&p, &c.key, t0()).expect("seeded").reserved_calls, 1);
     }
 }

@@ -8,7 +8,8 @@
 --                           p_<f> (pending: settled, not folded) for each
 --                           field f of FIELDS below; a missing field is 0
 --   P{p}:r:<n>        zset  reservation id -> lease expiry (ms)
---   P{p}:res:<rid>    set   the counter names a reservation holds
+--   P{p}:res:<rid>    set   the counter names a reservation holds; once
+--                           released, a tombstone: the one member '~'
 --   P{p}:ev:<event>   hash  counter name -> the value list that event added
 --                           to that counter's pending (see below); once the
 --                           event is folded, a tombstone: the one field '~'
@@ -119,8 +120,8 @@ local function add_pending(key, vals, back)
   end
 end
 
--- The field of an event index that makes it a tombstone (no counter name
--- starts with '~').
+-- The field of an event index, or the member of a reservation's, that makes
+-- it a tombstone (no counter name starts with '~').
 local TOMBSTONE = '~'
 
 -- This server's run_id: it changes when Redis restarts (also from a
@@ -150,13 +151,19 @@ local function drop_event(base, evkey)
   redis.call('DEL', evkey)
 end
 
--- Frees a reservation on every counter it holds.
+-- Frees a reservation on every counter it holds and leaves its index as a
+-- tombstone (the one member '~', keeping the hold's expiry), so a seed that
+-- read the reservation in the log tail before this does not hold it again.
 local function release(base, reskey, rid)
   local names = redis.call('SMEMBERS', reskey)
+  if #names == 0 then return end
+  redis.call('SADD', reskey, TOMBSTONE)
   for _, n in ipairs(names) do
-    redis.call('ZREM', base .. 'r:' .. n, rid)
+    if n ~= TOMBSTONE then
+      redis.call('ZREM', base .. 'r:' .. n, rid)
+      redis.call('SREM', reskey, n)
+    end
   end
-  redis.call('DEL', reskey)
 end
 
 -- A counter's number from an HMGET field (missing = 0).

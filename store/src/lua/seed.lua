@@ -19,7 +19,8 @@
 --           expire (ms), N, then N counter names
 -- Totals are raised as raise_totals says; a fact whose event is already
 -- indexed (settled since the loss, or a tombstone: folded since) adds
--- nothing; reservations are held as check.lua holds them. The marker is set
+-- nothing; reservations are held as check.lua holds them, but not one
+-- already indexed (held, or released since the tail was read). The marker is set
 -- to this server's run_id. Returns the number of facts added.
 
 local base = ARGV[1]
@@ -71,7 +72,9 @@ for _ = 1, h do
   local rid, lease, until_, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
   a = a + 4
   local reskey = base .. 'res:' .. rid
-  local live = tonumber(lease) > at
+  -- Not one already indexed: held since the tail was read, or released
+  -- since (a tombstone, see release in common.lua).
+  local live = tonumber(lease) > at and redis.call('EXISTS', reskey) == 0
   local held = false
   for _ = 1, n do
     local name = ARGV[a]
