@@ -76,19 +76,23 @@ fn once_each(quota: &str, window_key: &str) -> BTreeMap<(String, String, String,
         .collect()
 }
 
-/// The outbox of the environment's PostgreSQL store: (dedup keys, deliveries).
-async fn outbox(env: &Env, schema: &str) -> (Vec<String>, i64) {
+/// The outbox of the environment's PostgreSQL store (`shadow`: the
+/// replay's shadow schema): (dedup keys, deliveries).
+async fn outbox(env: &Env, shadow: bool) -> (Vec<String>, i64) {
+    let (keys_sql, deliveries_sql) = if shadow {
+        (
+            "SELECT dedup_key FROM tollgate_shadow.notification_messages WHERE dedup_key IS NOT NULL ORDER BY dedup_key",
+            "SELECT COUNT(*) FROM tollgate_shadow.webhook_deliveries",
+        )
+    } else {
+        (
+            "SELECT dedup_key FROM notification_messages WHERE dedup_key IS NOT NULL ORDER BY dedup_key",
+            "SELECT COUNT(*) FROM webhook_deliveries",
+        )
+    };
     let pool = sqlx::PgPool::connect(&env.db_url).await.expect("connect");
-    let keys: Vec<String> = sqlx::query_scalar(&format!(
-        "SELECT dedup_key FROM {schema}.notification_messages WHERE dedup_key IS NOT NULL ORDER BY dedup_key"
-    ))
-    .fetch_all(&pool)
-    .await
-    .expect("the outbox");
-    let deliveries: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {schema}.webhook_deliveries"))
-        .fetch_one(&pool)
-        .await
-        .expect("deliveries");
+    let keys: Vec<String> = sqlx::query_scalar(keys_sql).fetch_all(&pool).await.expect("the outbox");
+    let deliveries: i64 = sqlx::query_scalar(deliveries_sql).fetch_one(&pool).await.expect("deliveries");
     pool.close().await;
     (keys, deliveries)
 }
@@ -163,7 +167,7 @@ async fn alerts_two_gateways_and_64_clients_fire_each_alert_once() {
     let got = alerts(&receiver);
     assert_eq!(tally(&got), once_each(&qid, &day), "{got:?}");
     receiver.verify_all(&[&hook]);
-    let (keys, deliveries) = outbox(&env, "public").await;
+    let (keys, deliveries) = outbox(&env, false).await;
     assert_eq!(keys.len(), 3, "{keys:?}");
     assert_eq!(deliveries, 3);
     let exceeded = &got.iter().find(|(t, _)| t == "quota.exceeded").expect("exceeded").1;
@@ -303,14 +307,14 @@ async fn alerts_replay_and_swap_re_send_nothing() {
     assert_eq!(rush(&env, 8, &pid, &kid, &secret).await, 20);
     env.eventually(60, "three alerts at the receiver", || async { alerts(&receiver).len() >= 3 }).await;
     env.eventually(60, "the fold of every call", || async { env.durable(&pid, "p", "day").await.1 == 20 }).await;
-    let (live_keys, deliveries) = outbox(&env, "public").await;
+    let (live_keys, deliveries) = outbox(&env, false).await;
     assert_eq!((live_keys.len(), deliveries), (3, 3));
 
     let out = crate::replay::replay(&env, &[]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success() && text.contains("no differences"), "{text}");
     assert!(text.contains("0 only live, 0 only in the shadow"), "the shadow made the same alerts: {text}");
-    let (shadow_keys, shadow_deliveries) = outbox(&env, "tollgate_shadow").await;
+    let (shadow_keys, shadow_deliveries) = outbox(&env, true).await;
     assert_eq!(shadow_keys, live_keys, "the same dedup keys");
     assert_eq!(shadow_deliveries, 0, "the shadow has no endpoints: it sends nothing");
     let swapped = crate::replay::replay(&env, &["--swap"]);
@@ -322,7 +326,7 @@ async fn alerts_replay_and_swap_re_send_nothing() {
         assert_eq!(check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16(), 429);
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(outbox(&env, "public").await, (live_keys, 3), "the live outbox as it was");
+    assert_eq!(outbox(&env, false).await, (live_keys, 3), "the live outbox as it was");
     let got = alerts(&receiver);
     assert_eq!(tally(&got), once_each(&qid, &window_key(&env, &qid).await), "nothing sent again: {got:?}");
     receiver.verify_all(&[&hook]);
@@ -352,10 +356,8 @@ async fn alerts_projector_killed_between_fold_and_delivery_loses_none_and_duplic
         post_events(&env.http, env.gw(), (0..40).map(|i| call_event(&format!("a{i}"), &pid, &kid, None, 1)).collect())
             .await;
     assert_eq!(s, 202, "{b}");
-    env.eventually(60, "the first quota's alerts in the outbox", || async {
-        outbox(&env, "public").await.0.len() == 3
-    })
-    .await;
+    env.eventually(60, "the first quota's alerts in the outbox", || async { outbox(&env, false).await.0.len() == 3 })
+        .await;
     env.kill(projector);
     assert!(receiver.received().is_empty(), "no notifier yet");
 
@@ -380,6 +382,6 @@ async fn alerts_projector_killed_between_fold_and_delivery_loses_none_and_duplic
     want.extend(once_each(&second, &window_key(&env, &second).await));
     assert_eq!(tally(&got), want, "{got:?}");
     receiver.verify_all(&[&hook]);
-    let (keys, deliveries) = outbox(&env, "public").await;
+    let (keys, deliveries) = outbox(&env, false).await;
     assert_eq!((keys.len(), deliveries), (6, 6), "{keys:?}");
 }

@@ -267,7 +267,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         let logged = logged_request(&quotas, &plan, outcome.as_ref(), verdict.as_ref(), &hold);
         publish_request(s, key, ctx.agent, ctx.actor, &hold, logged, now);
     }
-    let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
+    let (Some(_), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
             remaining: Remaining::default(),
