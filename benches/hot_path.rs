@@ -39,7 +39,7 @@ use serde_json::{Value, json};
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 
 mod support;
-use support::{Latency, Rate, loadavg, ms, sequential, throughput};
+use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, throughput};
 
 const ADMIN: &str = "admin-token-bench";
 const GATEWAY: &str = "gateway-token-bench";
@@ -59,26 +59,8 @@ const EVENTS_CLIENTS: usize = 4;
 /// Checks watched on a MONITOR connection to count Redis commands per check.
 const MONITOR_CHECKS: usize = 1_000;
 
-type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this
-    // target without it.
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("benchmarks run with cargo bench");
-        return;
-    }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("hot_path: cannot build the runtime: {e}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(e) = rt.block_on(run()) {
-        eprintln!("hot_path: benchmark failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("hot_path", run);
 }
 
 use testkit::env::{database_url as base_db, kafka as kafka_brokers, redis_url as base_redis};

@@ -48,7 +48,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod support;
-use support::{Latency, Rate, loadavg, ms, sequential, throughput};
+use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, throughput};
 
 /// Sequential HTTP requests per latency measurement (after warm-up).
 const HTTP_N: usize = 5_000;
@@ -60,26 +60,8 @@ const THROUGHPUT_SECS: f64 = 5.0;
 /// The quota's limit: never reached, so every call is admitted.
 const HUGE_LIMIT: u64 = 1_000_000_000_000;
 
-type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this
-    // target without it.
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("benchmarks run with cargo bench");
-        return;
-    }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("in_process: cannot build the runtime: {e}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(e) = rt.block_on(run()) {
-        eprintln!("in_process: benchmark failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("in_process", run);
 }
 
 use testkit::env::redis_url as base_redis;

@@ -26,27 +26,14 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use store::{KafkaConfig, KafkaReader, MemoryView, PgStore};
 
+mod support;
+use support::{AnyResult, bench_main};
+
 const REPLAY_N: usize = 100_000;
 const PROJECTS: usize = 20;
 
-type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
 fn main() {
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("benchmarks run with cargo bench");
-        return;
-    }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("replay: cannot build the runtime: {e}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(e) = rt.block_on(run()) {
-        eprintln!("replay: benchmark failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("replay", run);
 }
 
 struct Rate {

@@ -1,6 +1,7 @@
-//! Measurement helpers the benchmarks share (`hot_path`, `in_process`):
-//! latency percentiles of a sequential run, throughput of concurrent
-//! clients, and the load average to judge how quiet the machine was.
+//! What the benchmarks share (`hot_path`, `in_process`, `replay`,
+//! `notify`): their `main`, latency percentiles of a sequential run,
+//! throughput of concurrent clients, and the load average to judge how
+//! quiet the machine was.
 
 #![allow(dead_code)]
 
@@ -8,6 +9,35 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// What a benchmark's run returns.
+pub type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// A benchmark's `main`: runs `run` on a multi-threaded runtime under
+/// `cargo bench` (which passes `--bench`), and returns at once when
+/// `cargo test --all-targets` runs the target without it. A failure is
+/// printed under `name` and exits 1.
+pub fn bench_main<F, Fut>(name: &str, run: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = AnyResult<()>>,
+{
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("benchmarks run with cargo bench");
+        return;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot build the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run()) {
+        eprintln!("{name}: benchmark failed: {e}");
+        std::process::exit(1);
+    }
+}
 
 /// Latency percentiles of one sequential run, in microseconds.
 #[derive(Debug, Clone, Copy, Default)]

@@ -194,8 +194,9 @@ impl<R: LogReader> Projector<R> {
         clock: Arc<dyn Clock>,
         config: ProjectorConfig,
     ) -> Self {
-        let started = clock.now().timestamp_nanos_opt().unwrap_or_default();
-        let claimant = format!("{}@{}-{started:x}", config.consumer, std::process::id());
+        // Unique per instance: two projectors in one process (or on one
+        // clock held still in a test) must never share their claims.
+        let claimant = format!("{}@{}-{}", config.consumer, std::process::id(), uuid::Uuid::new_v4().simple());
         Projector {
             reader,
             store,

@@ -567,3 +567,24 @@ async fn a_failed_view_update_is_retried_until_its_pending_deltas_are_dropped() 
     view.settle(&pid(), std::slice::from_ref(&s), at).await.expect("late settle");
     assert_eq!(read(view, day.key).await, (1, 0));
 }
+
+/// Two projectors on one clock (one process, a clock held still) never
+/// share a claim: while the first holds its claim on a letter (its DLQ
+/// write failing and retried), the second leaves the letter alone until
+/// that claim lapses, then publishes it once.
+#[tokio::test]
+async fn a_second_projector_on_the_same_clock_leaves_the_first_ones_claim_alone() {
+    let rig = Rig::new().await;
+    rig.log.publish_raw("p1", b"garbage").await.expect("raw");
+    rig.dlq.fail_before.store(1_000_000, Ordering::SeqCst);
+    let mut first = rig.projector(rig.config()).await;
+    // It folds the record, claims its letter and keeps retrying the DLQ.
+    let _ = tokio::time::timeout(Duration::from_millis(500), first.step()).await;
+    rig.dlq.fail_before.store(0, Ordering::SeqCst);
+    let mut second = rig.projector(rig.config()).await;
+    second.step().await.expect("step");
+    assert!(rig.dlq.letters().is_empty(), "the first one's claim was taken: {:?}", rig.dlq.letters());
+    rig.clock.advance(rig.config().dead_letter_lease + chrono::Duration::seconds(1));
+    second.step().await.expect("step after the lease");
+    assert_eq!(rig.dlq.letters().len(), 1, "published once the claim lapsed");
+}
