@@ -9,12 +9,20 @@
 //!   bounded at the live offsets ([`Bounded`]), with an in-memory view of
 //!   its own, and with dead letters kept in the shadow's outbox only (the
 //!   live fold published them): nothing is sent anywhere. What the fold
-//!   reads besides the log — projects and every version of the price book —
-//!   is copied from the live store before each stretch (see
+//!   reads besides the log — projects, every version of the price book and
+//!   the quotas — is copied from the live store before each stretch (see
 //!   [`store::sql::shadow`]).
 //! - **A consistent cut.** The live offsets and the live tables are read in
 //!   one snapshot; the shadow is folded to exactly those offsets before the
 //!   two are compared, so the live projector never has to stop.
+//! - **Notifications.** The shadow's fold makes quota notifications into
+//!   the shadow's own outbox, which has no endpoints: a replay sends
+//!   nothing. The dedup keys of both outboxes are compared and reported
+//!   (which notifications a fold makes depends on the quotas as they stood
+//!   when it ran, which are not on the log, so they are no difference of the
+//!   aggregates); `--swap` leaves the live outbox as it is, so the live
+//!   fold after it finds every notification it made already enqueued and
+//!   makes none of them again.
 //! - **`--swap`** copies the shadow's rows over the live ones in one
 //!   transaction that holds the live offsets still and finds the shadow at
 //!   them (else the shadow folds on to where the live fold got, and it
@@ -81,6 +89,9 @@ struct Outcome {
     elapsed: Duration,
     compared_rows: usize,
     differences: Vec<Difference>,
+    /// The dedup keys of the quota notifications only the live outbox holds,
+    /// and only the shadow's (reported, never sent, never a difference).
+    notifications: (usize, Vec<String>, Vec<String>),
     swapped: bool,
 }
 
@@ -167,6 +178,15 @@ fn report(o: &Outcome, show: usize) {
             println!("  … and {} more", o.differences.len() - show);
         }
     }
+    let (made, only_live, only_shadow) = &o.notifications;
+    println!(
+        "notifications: the shadow's fold made {made} (sent none); {} only live, {} only in the shadow",
+        only_live.len(),
+        only_shadow.len()
+    );
+    for k in only_live.iter().chain(only_shadow).take(show) {
+        println!("  notification {k}: {}", if only_live.contains(k) { "only live" } else { "only in the shadow" });
+    }
     if o.swapped {
         println!("swapped: the shadow's aggregates are live");
     }
@@ -193,7 +213,7 @@ impl<B: Backend, R: LogReader> Shadow<B, R> {
     /// Folds the shadow to exactly `target` (live offsets read before the
     /// call), having copied the fold's inputs from the live store first.
     async fn fold_to(&mut self, live: &SqlStore<B>, target: &BTreeMap<i32, i64>) -> anyhow::Result<()> {
-        self.store.copy_fold_inputs(live).await.context("copying projects and prices into the shadow")?;
+        self.store.copy_fold_inputs(live).await.context("copying projects, prices and quotas into the shadow")?;
         self.projector.reader_mut().set_until(target.clone());
         let mut idle_since = Instant::now();
         while !self.projector.reader_mut().reached() {
@@ -309,8 +329,15 @@ where
         .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH);
     let cut = Cut { consumer: consumer.to_owned(), topic: topic.to_owned(), processed_since };
     let live_state = snap.fold_state(&cut).await.context("reading the live aggregates")?;
+    let live_keys = snap.notification_keys().await.context("reading the live outbox")?;
     snap.close().await?;
     let shadow_state = s.store.fold_state(&cut).await.context("reading the shadow's aggregates")?;
+    let shadow_keys = s.store.notification_keys().await.context("reading the shadow's outbox")?;
+    s.outcome.notifications = (
+        shadow_keys.len(),
+        live_keys.difference(&shadow_keys).cloned().collect(),
+        shadow_keys.difference(&live_keys).cloned().collect(),
+    );
     s.outcome.compared_rows = live_state.rows().max(shadow_state.rows());
     s.outcome.differences = diff(&live_state, &shadow_state);
 

@@ -21,7 +21,7 @@
 //! is a [`SeedingView`], so no reader of it has to know the seed-and-retry
 //! protocol.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -189,40 +189,6 @@ fn put<T>(m: &Cached<T>, k: String, v: T) {
     g.insert(k, (Instant::now(), v));
 }
 
-/// The monitor breaches this instance has already written (or is writing),
-/// by quota and window key, so a quota that stays over its limit does not
-/// reach the store on every check. Only a shortcut: the store's unique key
-/// is what makes the entry once per window across instances.
-#[derive(Default)]
-pub struct BreachMemo {
-    seen: Mutex<HashSet<(QuotaId, String)>>,
-}
-
-impl BreachMemo {
-    /// Most remembered breaches; past it the memo starts afresh (old window
-    /// keys never come back, and a forgotten one costs one store round trip).
-    const MAX: usize = 10_000;
-
-    /// True the first time a (quota, window key) is seen.
-    pub fn first_sighting(&self, quota: &QuotaId, window_key: &str) -> bool {
-        let mut g = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let k = (quota.clone(), window_key.to_owned());
-        if g.contains(&k) {
-            return false;
-        }
-        if g.len() >= Self::MAX {
-            g.clear();
-        }
-        g.insert(k)
-    }
-
-    /// Forgets a sighting whose entry could not be written, so a later check retries.
-    pub fn forget(&self, quota: &QuotaId, window_key: &str) {
-        let mut g = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        g.remove(&(quota.clone(), window_key.to_owned()));
-    }
-}
-
 /// The durable store as the seven focused ports it implements. Built from one
 /// [`Store`] (PostgreSQL, or the embedded SQLite file); cheap to clone.
 #[derive(Clone)]
@@ -267,7 +233,6 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
     pub settings: Arc<Settings>,
     pub cache: Arc<ConfigCache>,
-    pub breaches: Arc<BreachMemo>,
 }
 
 impl AppState {
@@ -287,7 +252,6 @@ impl AppState {
             clock,
             settings: Arc::new(settings),
             cache: Arc::default(),
-            breaches: Arc::default(),
         }
     }
 

@@ -524,6 +524,17 @@ impl Posting<'_> {
         report
     }
 
+    /// The facts this batch folded for the first time, corrections aside,
+    /// in the batch's (the log's) order: what quota alerts walk.
+    pub fn new_facts(&self) -> Vec<&UsageFact> {
+        self.facts
+            .iter()
+            .zip(&self.outcomes)
+            .filter(|(f, o)| **o == FactOutcome::Folded && f.kind != EventKind::Correction)
+            .map(|(f, _)| f)
+            .collect()
+    }
+
     /// The refused corrections and why, in the batch's order.
     pub fn refused(&self) -> impl Iterator<Item = (&UsageFact, &FieldError)> + '_ {
         self.refusals.iter().filter_map(|(i, e)| self.facts.get(*i).map(|f| (f, e)))

@@ -11,7 +11,9 @@
 //! [`window`], [`price`], [`quota`], [`tenant`], [`role`], [`usage`] (facts
 //! and counters), [`fold`], [`ledger`] (a batch's fold as a store persists
 //! it), [`admission`] (plan and verdict), [`apply`] (declarative quota
-//! plans), [`audit`], [`report`], [`view`] (with the view's reference model), and
+//! plans), [`audit`], [`report`], [`view`] (with the view's reference model),
+//! [`webhook`] (endpoints, notifications, delivery rules), [`alert`] (the
+//! quota alerts a folded batch makes due), and
 //! [`ports`], which only declares traits over them. No module imports one
 //! that imports it back.
 //!
@@ -43,6 +45,12 @@
 //!   record's receipt and prices are read as of it ([`UsageFact::receipt`],
 //!   [`price::PriceBook::price_as_of`]), never by a clock at fold time, so a
 //!   replay gives the live fold's totals to the unit.
+//! - **Alerts are exact per window**: `quota.nearly_used` (80 %, 100 %) and
+//!   `quota.exceeded` are made by the fold from folded usage and from the
+//!   breaches checks put on the log, once per quota and window by their
+//!   dedup key ([`alert`]). They follow the fold, so they fire when the
+//!   projector folds the crossing event, not at the check; and they judge by
+//!   the quotas as they stand when the fold runs.
 //! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
 //!   at 12:00:59 and 60 more at 12:01:00.
 //! - **Freshness**: a settled call is in the view before its event is
@@ -53,6 +61,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod admission;
+pub mod alert;
 pub mod apply;
 pub mod audit;
 pub mod clock;

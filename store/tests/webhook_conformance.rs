@@ -4,14 +4,17 @@
 //! `TOLLGATE_REQUIRE_SERVICES` is set) and on the embedded SQLite store (a
 //! fresh file per test).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use chrono::{DateTime, Duration, Utc};
 use meter::webhook::{QUOTA_EXCEEDED, QUOTA_NEARLY_USED, dedup_key};
 use meter::{
-    Attempt, AuditAction, AuditDetail, AuditEntry, AuditId, DeliveryStatus, DueDelivery, Endpoint, EndpointChange,
-    EventTypes, MessageId, Next, Notification, Project, ProjectId, Store, WebhookId,
+    ApiKeyId, Attempt, AuditAction, AuditDetail, AuditEntry, AuditId, DeliveryStatus, DueDelivery, Endpoint,
+    EndpointChange, EventId, EventKind, EventTypes, FoldBatch, LoggedBreach, MessageId, Metric, Mode, Next,
+    Notification, OffsetMove, PortError, Project, ProjectId, Quota, QuotaId, QuotaPlan, QuotaSpec, Scope, Store,
+    UsageFact, WebhookId, WindowKind,
 };
 use serde_json::json;
 use store::{PgStore, SqliteStore};
@@ -38,6 +41,7 @@ macro_rules! suite {
             disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries,
             the_delivery_log_pages_by_message_and_resend_and_recover_requeue,
             concurrent_claims_never_share_a_delivery,
+            a_fold_enqueues_its_quota_alerts_once_however_often_its_facts_come,
         );
     };
 }
@@ -386,6 +390,135 @@ async fn concurrent_claims_never_share_a_delivery(s: Arc<dyn Store>) {
     all.sort();
     all.dedup();
     assert_eq!((total, all.len()), (200, 200), "every delivery claimed exactly once");
+}
+
+fn day_quota(id: &str, metric: Metric, mode: Mode, limit: u64) -> Quota {
+    Quota {
+        id: QuotaId::parse(id).expect("id"),
+        spec: QuotaSpec {
+            project_id: ProjectId::parse("proj_1").expect("id"),
+            scope: Scope::Project,
+            scope_ref: None,
+            metric,
+            window: WindowKind::Day,
+            limit,
+            mode,
+            meter_type: None,
+            on_unpriced: None,
+        },
+        created_at: utc(T0),
+        updated_at: utc(T0),
+    }
+}
+
+fn fact(id: &str, kind: EventKind, at: DateTime<Utc>) -> UsageFact {
+    UsageFact {
+        api_key_id: Some(ApiKeyId::parse("key_1").expect("id")),
+        received_at: Some(at + Duration::milliseconds(250)),
+        ..UsageFact::new(EventId::parse(id).expect("id"), ProjectId::parse("proj_1").expect("id"), kind, at)
+    }
+}
+
+fn fold_batch(from: i64, facts: Vec<UsageFact>) -> FoldBatch {
+    let to = from + i64::try_from(facts.len()).expect("small");
+    FoldBatch {
+        consumer: "projector".into(),
+        topic: "tollgate.usage".into(),
+        offsets: vec![OffsetMove { partition: 0, from, to }],
+        facts,
+        dead_letters: Vec::new(),
+        sources: BTreeMap::new(),
+        horizon: None,
+    }
+}
+
+/// The quota notifications claimed for delivery now: (dedup key, body).
+async fn claimed(s: &dyn Store, at: DateTime<Utc>) -> Vec<(String, serde_json::Value)> {
+    let due = s.claim_deliveries("n1", at, at + Duration::seconds(60), 100).await.expect("claim");
+    let mut out: Vec<_> = due
+        .into_iter()
+        .map(|d| (d.message.dedup_key.expect("a dedup key"), serde_json::from_str(&d.message.body).expect("json")))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The fold writes the quota alerts of a batch in its own transaction:
+/// nearly-used at 80 and 100, exceeded once (for a monitor quota with its
+/// audit entry); a batch redelivered at its offsets is fenced, its facts
+/// sent again at new offsets are duplicates, and a refused check's breach
+/// seen again is a dedup hit: nothing is enqueued twice.
+async fn a_fold_enqueues_its_quota_alerts_once_however_often_its_facts_come(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    s.create_endpoint(&endpoint("wh_q", "proj_1", &["quota.*"])).await.expect("endpoint");
+    let enforce = day_quota("q_calls", Metric::Calls, Mode::Enforce, 5);
+    let monitor = day_quota("q_req", Metric::Requests, Mode::Monitor, 2);
+    for q in [&enforce, &monitor] {
+        s.apply_quotas(&QuotaPlan::create(q.clone()), &[]).await.expect("quota");
+    }
+    let at = utc(T0);
+    let calls: Vec<UsageFact> =
+        (0..5).map(|i| fact(&format!("c{i}"), EventKind::Call, at + Duration::seconds(i))).collect();
+    s.fold_batch(&fold_batch(0, calls[..3].to_vec())).await.expect("fold");
+    assert!(claimed(s.as_ref(), at + Duration::hours(1)).await.is_empty(), "3 of 5 is under 80 %");
+    s.fold_batch(&fold_batch(3, calls[3..].to_vec())).await.expect("fold");
+    let got = claimed(s.as_ref(), at + Duration::hours(1)).await;
+    let keys: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "q_calls/2026-07-07/quota.exceeded/-",
+            "q_calls/2026-07-07/quota.nearly_used/100",
+            "q_calls/2026-07-07/quota.nearly_used/80"
+        ]
+    );
+    let warn = &got[2].1;
+    assert_eq!(
+        (warn["data"]["observed_value"].as_u64(), warn["data"]["severity"].as_str()),
+        (Some(4), Some("warning"))
+    );
+    assert_eq!(warn["timestamp"], "2026-07-07T12:00:03.250Z", "the receipt of the 4th call");
+    assert_eq!(got[0].1["data"]["mode"], "enforce");
+
+    // Redelivered at its offsets: fenced. Sent again at new ones: duplicates.
+    assert!(matches!(s.fold_batch(&fold_batch(3, calls[3..].to_vec())).await, Err(PortError::Fenced(_))));
+    s.fold_batch(&fold_batch(5, calls.clone())).await.expect("the same facts again");
+    // A refused check over the enforce quota, seen after it was exceeded.
+    let mut refused = fact("r1", EventKind::Request, at + Duration::seconds(9));
+    refused.admitted = Some(false);
+    refused.breaches = vec![LoggedBreach {
+        quota_id: enforce.id.clone(),
+        window_key: "2026-07-07".into(),
+        limit: 5,
+        observed: 6,
+        enforce: true,
+    }];
+    s.fold_batch(&fold_batch(10, vec![refused])).await.expect("fold a refused check");
+    // Requests: the refused one above, then three more: over 2 at the third.
+    let requests: Vec<UsageFact> =
+        (0..3).map(|i| fact(&format!("q{i}"), EventKind::Request, at + Duration::seconds(20 + i))).collect();
+    s.fold_batch(&fold_batch(11, requests.clone())).await.expect("fold requests");
+    s.fold_batch(&fold_batch(14, requests)).await.expect("the same requests again");
+    let got = claimed(s.as_ref(), at + Duration::hours(1)).await;
+    let keys: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "q_req/2026-07-07/quota.exceeded/-",
+            "q_req/2026-07-07/quota.nearly_used/100",
+            "q_req/2026-07-07/quota.nearly_used/80"
+        ],
+        "only the monitor quota's, once each"
+    );
+    assert_eq!(
+        (got[0].1["data"]["mode"].as_str(), got[0].1["data"]["observed_value"].as_u64()),
+        (Some("monitor"), Some(3))
+    );
+    let audit = s.audit(&ProjectId::parse("proj_1").expect("id"), None, 100).await.expect("audit");
+    let breaches: Vec<&AuditEntry> = audit.iter().filter(|e| e.action == AuditAction::MonitorBreach).collect();
+    assert_eq!(breaches.len(), 1, "{audit:?}");
+    assert_eq!(breaches[0].resource, "q_req");
+    assert!(matches!(breaches[0].detail, AuditDetail::QuotaMonitorBreach { observed_value: 3, limit: 2, .. }));
 }
 
 /// A directory of its own under the system's temporary one, removed on drop.

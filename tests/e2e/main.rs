@@ -1,6 +1,7 @@
 //! End-to-end tests of the whole system on real services: PostgreSQL, Redis
 //! and a Kafka-protocol broker (see `scripts/test`).
 
+mod alerts;
 mod corrections;
 mod faults_fold;
 mod faults_outage;
@@ -707,7 +708,7 @@ async fn declarative(mode: Mode) {
 }
 
 /// A monitor quota never refuses; its breach writes one audit entry per
-/// window, read back through `GET /v1/audit` paged by cursor.
+/// window (from the fold), read back through `GET /v1/audit` paged by cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn monitor_breach_is_audited_once_per_window() {
     monitor_audit(Mode::Distributed).await;
@@ -721,6 +722,8 @@ async fn monitor_breach_is_audited_once_per_window_dev() {
 async fn monitor_audit(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
+    // The entry is written by the fold, from the request events' breaches.
+    env.start_projector();
     let (pid, _, secret) = env.project_with_key(safe_timezone()).await;
     let qid = env
         .quota(json!({"project_id": pid, "scope": "project", "metric": "requests", "window": "day", "limit": 2, "mode": "monitor"}))

@@ -21,7 +21,7 @@ use crate::harness::*;
 use crate::invariants::LogAudit;
 
 /// Runs `tollgate replay` against the environment's services.
-fn replay(env: &Env, args: &[&str]) -> Output {
+pub(crate) fn replay(env: &Env, args: &[&str]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
     c.arg("replay").args(args).stdin(Stdio::null());
     match env.mode {

@@ -4,8 +4,9 @@
 //! seed from the ledger, which the [`SeedingView`](crate::seeding::SeedingView)
 //! does). The verdict is `meter`'s; what follows from it runs in the
 //! background, off the caller's latency: the check's request event is
-//! published to the log, a monitor breach is audited once per window, and
-//! unpriced usage under a cost quota files its exception. A refusal is
+//! published to the log (with the breaches it found, which the fold turns
+//! into `quota.exceeded` notifications and a monitor breach's audit entry),
+//! and unpriced usage under a cost quota files its exception. A refusal is
 //! [`Error::Refused`] with the breach the verdict reports.
 //!
 //! Three kinds of caller: an API key ([`admit`], what the tower Layer
@@ -24,7 +25,7 @@ use meter::{
 use tracing::warn;
 
 use super::{Error, Refusal, Result};
-use crate::state::{AppState, ViewDownPolicy, new_audit_id, new_event_id, new_reservation_id};
+use crate::state::{AppState, ViewDownPolicy, new_event_id, new_reservation_id};
 
 /// What the caller's headers report of its quotas (`X-Quota-Remaining-Calls`,
 /// `X-Quota-Remaining-Rows`, `X-Quota-Reset`), admitted or refused.
@@ -266,7 +267,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         let logged = logged_request(&quotas, &plan, outcome.as_ref(), verdict.as_ref(), &hold);
         publish_request(s, key, ctx.agent, ctx.actor, &hold, logged, now);
     }
-    let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
+    let (Some(_), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
             remaining: Remaining::default(),
@@ -275,7 +276,10 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         });
     };
     if !verdict.monitor_breaches.is_empty() {
-        record_monitor_breaches(s, &quotas, &plan, &outcome, now);
+        // Audited (and notified) by the fold, from the request event's
+        // breaches: one source for every gateway (DESIGN §2.11).
+        let n = u64::try_from(verdict.monitor_breaches.len()).unwrap_or(u64::MAX);
+        metrics::counter!("tollgate_monitor_breaches_total").increment(n);
     }
     if !verdict.unpriced.is_empty() {
         file_exceptions(s, &project, &quotas, &verdict.unpriced, now);
@@ -379,40 +383,6 @@ fn file_exceptions(
             };
             if let Err(e) = prices.file_exception(&exception).await {
                 warn!(error = %e, quota = %f.quota_id, "quota_unpriced exception not filed");
-            }
-        });
-    }
-}
-
-/// Writes the audit entry of each monitor breach, once per quota and window,
-/// in the background: the answer never waits for it. The memo skips the
-/// store for a breach this instance already wrote; the store's unique key
-/// skips it across instances. A failed write is forgotten, so a later
-/// check of the same window tries again.
-fn record_monitor_breaches(
-    s: &AppState,
-    quotas: &[Quota],
-    plan: &CheckPlan,
-    outcome: &CheckOutcome,
-    now: DateTime<Utc>,
-) {
-    for breach in meter::audit::monitor_breaches(quotas, plan, outcome) {
-        if !s.breaches.first_sighting(&breach.quota_id, &breach.window_key) {
-            continue;
-        }
-        let entry = breach.entry(new_audit_id(), now);
-        let (audit, memo) = (s.stores.audit.clone(), s.breaches.clone());
-        tokio::spawn(async move {
-            match audit.record_audit(&entry).await {
-                Ok(written) => {
-                    if written {
-                        metrics::counter!("tollgate_monitor_breaches_total").increment(1);
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, quota = %breach.quota_id, "monitor breach not audited; retried on a later check");
-                    memo.forget(&breach.quota_id, &breach.window_key);
-                }
             }
         });
     }

@@ -15,7 +15,7 @@ use super::{Backend, Rec, Rows, SqlStore, Stmt, each, to_i64};
 const PROJECT_COLUMNS: &str = "id, name, timezone, created_at";
 const API_KEY_COLUMNS: &str = "id, project_id, name, prefix, grants, role_id, created_at";
 const ROLE_COLUMNS: &str = "id, project_id, name, grants, quota, exempt, created_at";
-const QUOTA_COLUMNS: &str = r#"id, project_id, scope, scope_ref, metric, "window", "limit", mode, meter_type, on_unpriced, created_at, updated_at"#;
+pub(crate) const QUOTA_COLUMNS: &str = r#"id, project_id, scope, scope_ref, metric, "window", "limit", mode, meter_type, on_unpriced, created_at, updated_at"#;
 const AUDIT_COLUMNS: &str = "id, project_id, action, principal_type, principal_id, resource, detail, created_at";
 
 fn project<B: Backend>(r: &Rec<'_, B>) -> PortResult<Project> {
@@ -59,7 +59,7 @@ fn on_unpriced_str(o: OnUnpriced) -> &'static str {
     }
 }
 
-fn quota<B: Backend>(r: &Rec<'_, B>) -> PortResult<Quota> {
+pub(crate) fn quota<B: Backend>(r: &Rec<'_, B>) -> PortResult<Quota> {
     let on_unpriced = match r.get::<Option<String>>("on_unpriced")?.as_deref() {
         None => None,
         Some("block") => Some(OnUnpriced::Block),
@@ -194,7 +194,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     }
 }
 
-fn insert_quota(q: &Quota) -> PortResult<Stmt> {
+pub(crate) fn insert_quota(q: &Quota) -> PortResult<Stmt> {
     let s = &q.spec;
     Ok(Stmt::new(format!(
         "INSERT INTO quotas ({QUOTA_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"

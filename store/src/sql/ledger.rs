@@ -8,7 +8,13 @@
 //! of its receipt), one upsert of the sums, one for their unpriced rows, one
 //! for their breakdown by model (`model_usage`), four for the storage
 //! footprint, one for the batch's dead letters and one for the newest
-//! receipt folded. `meter::ledger` computes what they write; this module
+//! receipt folded; and, for a batch with new facts, one for its projects'
+//! quotas, then per quota notification due (rare: a handful per quota and
+//! window) its insert into the outbox and fan-out to the endpoints, and per
+//! monitor breach its audit entry (see `meter::alert`). A notification thus
+//! commits with the fold that caused it, or not at all, and its dedup key
+//! makes a redelivered batch, a second gateway's breach or a replay add
+//! nothing. `meter::ledger` computes what they write; this module
 //! only reads what that needs and persists it. That is what makes the fold
 //! exactly-once: a redelivered batch is fenced by its offsets, and a resent
 //! event id adds nothing.
@@ -579,6 +585,49 @@ async fn set_footprints<B: Backend>(
     each(&B::fetch(c, at_footprint(set).rows(rows)).await?, aggregate::<B>)
 }
 
+/// (8c) The quota alerts the batch makes due (`meter::alert`): the quotas
+/// of the projects it folded new facts for are read (one statement, none
+/// without new facts), and what each touched counter held before the batch
+/// is its new total less the batch's change. Each notification is then one
+/// insert into the outbox (plus its fan-out to the project's endpoints):
+/// notifications are rare, a handful per quota and window, never one per
+/// event.
+async fn alerts<B: Backend>(
+    c: &mut B::Connection,
+    posting: &Posting<'_>,
+    zones: &HashMap<ProjectId, Tz>,
+    book: &PriceBook,
+    totals: &[(ProjectId, Counter, Totals)],
+    changes: &[(ProjectId, Counter, Delta)],
+) -> PortResult<meter::alert::Alerts> {
+    let facts = posting.new_facts();
+    let projects: std::collections::BTreeSet<&str> = facts.iter().map(|f| f.project_id.as_str()).collect();
+    if projects.is_empty() {
+        return Ok(meter::alert::Alerts::default());
+    }
+    let stmt = Stmt::new(format!(
+        "SELECT {} FROM quotas WHERE project_id IN (SELECT id FROM {{rows}} AS t) ORDER BY project_id, id",
+        super::config::QUOTA_COLUMNS
+    ))
+    .rows(Rows::new().text("id", projects));
+    let quotas = each(&B::fetch(c, stmt).await?, super::config::quota::<B>)?;
+    if quotas.is_empty() {
+        return Ok(meter::alert::Alerts::default());
+    }
+    let footprint = CounterKey::footprint();
+    let footprints: HashMap<ProjectId, i64> =
+        totals.iter().filter(|(_, k, _)| k.key == footprint).map(|(p, _, t)| (p.clone(), t.storage)).collect();
+    let before = meter::alert::totals_before(totals, changes);
+    Ok(meter::alert::quota_notifications(&meter::alert::BatchAlerts {
+        quotas: &quotas,
+        zones,
+        book,
+        facts: &facts,
+        before: &before,
+        footprints: &footprints,
+    }))
+}
+
 /// (9) The batch's dead letters, kept as pending (the fence makes each
 /// position folded once, so a letter is never kept twice).
 fn keep_dead_letters(batch: &FoldBatch, refused: &[DeadLetter]) -> Option<Stmt> {
@@ -711,7 +760,12 @@ impl<B: Backend> Ledger for SqlStore<B> {
         for stmt in recount(&posting) {
             B::execute(&mut *tx, stmt).await?;
         }
-        for entry in &posting.audit {
+        let alerts = alerts::<B>(&mut *tx, &posting, &zones, &book, &report.totals, &changes).await?;
+        for n in &alerts.notifications {
+            // A dedup hit (already enqueued by an earlier fold) is no error.
+            super::webhooks::enqueue_in::<B>(&mut *tx, n, None).await?;
+        }
+        for entry in posting.audit.iter().chain(&alerts.audit) {
             B::execute(&mut *tx, super::config::insert_audit(entry)?).await?;
         }
         for stmt in [keep_dead_letters(batch, &refused), note_receipt(batch)].into_iter().flatten() {

@@ -171,7 +171,29 @@ pub const FOLD_TABLES: &[FoldTable] = &[
 ];
 
 /// Tables the fold reads and never writes, copied into the shadow.
-pub const INPUT_TABLES: &[&str] = &["projects", "prices"];
+pub const INPUT_TABLES: &[&str] = &["projects", "prices", "quotas"];
+
+/// The notification outbox and its delivery state. The shadow's fold
+/// enqueues into the shadow's outbox, which has no endpoints, so a replay
+/// sends nothing; the replay compares the two sets of dedup keys
+/// ([`Snapshot::notification_keys`]) and reports them, never as a
+/// difference of the aggregates (which notifications a fold makes depends on
+/// the quotas as they stood when it ran, which are not on the log). A swap
+/// leaves the live outbox as it is: every notification the live fold made
+/// keeps its dedup key and delivery state, so the live fold after the swap
+/// enqueues none of them again, and nothing only the shadow made is sent.
+pub const NOTIFICATION_TABLES: &[&str] =
+    &["notification_messages", "webhook_endpoints", "webhook_deliveries", "webhook_attempts"];
+
+/// The dedup keys of the quota notifications a store holds (test messages
+/// have none).
+fn notification_keys_stmt() -> Stmt {
+    Stmt::new("SELECT dedup_key FROM notification_messages WHERE dedup_key IS NOT NULL")
+}
+
+fn keys<B: Backend>(rows: &[B::Row]) -> PortResult<BTreeSet<String>> {
+    Ok(each(rows, |r: &Rec<'_, B>| r.text("dedup_key"))?.into_iter().collect())
+}
 
 /// One compared value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -403,6 +425,11 @@ impl<B: Backend> Snapshot<B> {
         read_state::<B>(&mut self.tx, cut).await
     }
 
+    /// The dedup keys of the quota notifications, as of the snapshot.
+    pub async fn notification_keys(&mut self) -> PortResult<BTreeSet<String>> {
+        keys::<B>(&B::fetch(&mut *self.tx, notification_keys_stmt()).await?)
+    }
+
     /// Ends the snapshot.
     pub async fn close(self) -> PortResult<()> {
         self.tx.rollback().await.map_err(error::<B>)
@@ -422,14 +449,21 @@ impl<B: Backend> SqlStore<B> {
         read_state::<B>(&mut *self.conn().await?, cut).await
     }
 
+    /// The dedup keys of the quota notifications this store holds.
+    pub async fn notification_keys(&self) -> PortResult<BTreeSet<String>> {
+        keys::<B>(&self.all(notification_keys_stmt()).await?)
+    }
+
     /// The newest receipt a consumer folded.
     pub async fn newest_receipt(&self, consumer: &str, topic: &str) -> PortResult<Option<DateTime<Utc>>> {
         read_newest_receipt::<B>(&mut *self.conn().await?, consumer, topic).await
     }
 
     /// Copies what the fold reads from `live` into this store (the shadow):
-    /// every project (its time zone) and every version of every price.
-    /// Idempotent; rows copied before are brought up to date.
+    /// every project (its time zone), every version of every price, and the
+    /// quotas as they stand (what the fold's quota alerts judge by).
+    /// Idempotent; rows copied before are brought up to date, quotas deleted
+    /// live are deleted.
     pub async fn copy_fold_inputs(&self, live: &SqlStore<B>) -> PortResult<()> {
         let projects = live.all(Stmt::new("SELECT id, name, timezone, created_at FROM projects")).await?;
         let projects = each(&projects, |r: &Rec<'_, B>| {
@@ -446,6 +480,8 @@ impl<B: Backend> SqlStore<B> {
                 r.time("recorded_at")?,
             ))
         })?;
+        let quotas = live.all(Stmt::new(format!("SELECT {} FROM quotas", super::config::QUOTA_COLUMNS))).await?;
+        let quotas = each(&quotas, super::config::quota::<B>)?;
         let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
         if !projects.is_empty() {
             let rows = Rows::new()
@@ -476,6 +512,10 @@ impl<B: Backend> SqlStore<B> {
             .rows(rows);
             B::execute(&mut *tx, stmt).await?;
         }
+        B::execute(&mut *tx, Stmt::new("DELETE FROM quotas")).await?;
+        for q in &quotas {
+            B::execute(&mut *tx, super::config::insert_quota(q)?).await?;
+        }
         tx.commit().await.map_err(error::<B>)
     }
 
@@ -491,6 +531,7 @@ impl<B: Backend> SqlStore<B> {
                 !FOLD_TABLES.iter().any(|t| t.name == n)
                     && !INPUT_TABLES.contains(&n.as_str())
                     && !CONFIG_TABLES.contains(&n.as_str())
+                    && !NOTIFICATION_TABLES.contains(&n.as_str())
             })
             .collect())
     }
@@ -500,7 +541,6 @@ impl<B: Backend> SqlStore<B> {
 /// compared or swapped.
 const CONFIG_TABLES: &[&str] = &[
     "api_keys",
-    "quotas",
     "roles",
     "audit_log",
     "quota_exceptions",
