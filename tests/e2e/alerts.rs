@@ -275,7 +275,17 @@ async fn monitor(mode: Mode) {
     assert_eq!(tally(&got), once_each(&qid, &day), "{got:?}");
     receiver.verify_all(&[&hook]);
     let exceeded = &got.iter().find(|(t, _)| t == "quota.exceeded").expect("exceeded").1["data"];
-    assert_eq!((exceeded["mode"].as_str(), exceeded["observed_value"].as_u64()), (Some("monitor"), Some(3)));
+    assert_eq!(exceeded["mode"].as_str(), Some("monitor"));
+    // One gateway: the third request is the first over the limit. Two: each
+    // publishes its request events in the background, so the log may hold
+    // the fourth check's (its breach observed 4) before the third's; the
+    // alert is the log's first sighting, whichever that is, and the audit
+    // entry says the same.
+    let observed = exceeded["observed_value"].as_u64().expect("observed_value");
+    match mode {
+        Mode::Dev => assert_eq!(observed, 3, "{exceeded}"),
+        Mode::Distributed => assert!((3..=6).contains(&observed), "{exceeded}"),
+    }
     let (s, log) = env.admin_get(&format!("/v1/audit?project_id={pid}")).await;
     assert_eq!(s, 200, "{log}");
     let breaches: Vec<&Value> =
@@ -283,7 +293,7 @@ async fn monitor(mode: Mode) {
     assert_eq!(breaches.len(), 1, "{log}");
     assert_eq!(
         (breaches[0]["resource"].as_str(), breaches[0]["detail"]["observed_value"].as_u64()),
-        (Some(qid.as_str()), Some(3))
+        (Some(qid.as_str()), Some(observed))
     );
 }
 
