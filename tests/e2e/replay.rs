@@ -226,7 +226,9 @@ async fn replay_rebuilds_identical_aggregates_while_the_projector_runs_and_swap_
     ] {
         assert_eq!(apart(&pool, table, cols).await, (0, 0), "{table} differs between live and shadow");
     }
-    let old_day = long_ago.format("%Y-%m-%d").to_string();
+    // The day of the old events in the project's zone (its windows' keys).
+    let zone = tz.parse::<chrono_tz::Tz>().expect("zone");
+    let old_day = long_ago.with_timezone(&zone).format("%Y-%m-%d").to_string();
     let (old_calls, cost, priced): (i64, i64, i64) = sqlx::query_as(
         "SELECT CAST(SUM(calls) FILTER (WHERE window_key = $2) AS BIGINT), CAST(SUM(cost_llm_tokens) AS BIGINT),
                 CAST(SUM(llm_priced) AS BIGINT)
@@ -249,7 +251,7 @@ async fn replay_rebuilds_identical_aggregates_while_the_projector_runs_and_swap_
 
     // A live aggregate gone wrong: checks see it (the view re-seeded from
     // it), the replay reports it, `--swap` puts the log's truth back.
-    let today = Utc::now().with_timezone(&tz.parse::<chrono_tz::Tz>().expect("zone")).format("%Y-%m-%d").to_string();
+    let today = Utc::now().with_timezone(&zone).format("%Y-%m-%d").to_string();
     let used: i64 = sqlx::query_scalar(
         "SELECT calls FROM usage_aggregates WHERE project_id = $1 AND dimension = 'p' AND window_kind = 'day'
          AND window_key = $2",
