@@ -195,6 +195,22 @@ pub struct CheckInput {
     pub storage_delta: Option<i64>,
 }
 
+/// The counter fields a quota's usage sums (as the check reads them, and
+/// as the fold's alerts judge it).
+pub fn quota_fields(q: &Quota) -> Vec<Field> {
+    match q.spec.metric {
+        Metric::Requests => vec![Field::Requests],
+        Metric::Calls => vec![Field::Calls],
+        Metric::Rows => vec![Field::Rows],
+        Metric::Tokens => vec![Field::Tokens],
+        Metric::CostUsd => match q.spec.meter() {
+            Some(m) => vec![Field::cost_of(m)],
+            None => Field::COSTS.to_vec(),
+        },
+        Metric::StorageBytes => vec![Field::Storage],
+    }
+}
+
 /// Plans a check of `quotas` (the project's) for one caller at `at`.
 pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc>) -> CheckPlan {
     let caller = &input.caller;
@@ -227,17 +243,7 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
         if metric == Metric::Requests && !plan.count_request.contains(&counter) {
             plan.count_request.push(counter);
         }
-        let fields = match metric {
-            Metric::Requests => vec![Field::Requests],
-            Metric::Calls => vec![Field::Calls],
-            Metric::Rows => vec![Field::Rows],
-            Metric::Tokens => vec![Field::Tokens],
-            Metric::CostUsd => match q.spec.meter() {
-                Some(m) => vec![Field::cost_of(m)],
-                None => Field::COSTS.to_vec(),
-            },
-            Metric::StorageBytes => vec![Field::Storage],
-        };
+        let fields = quota_fields(q);
         let mut push = |kind, fields, limit, need, enforce, reserve| {
             plan.limits.push(PlannedLimit { quota: qi, counter, metric, kind, fields, limit, need, enforce, reserve });
             plan.windows.push(window.clone());

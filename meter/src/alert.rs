@@ -52,12 +52,12 @@ use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use serde_json::{Value, json};
 
-use crate::admission::{Caller, dimension_for};
+use crate::admission::{Caller, dimension_for, quota_fields};
 use crate::audit::{AuditEntry, MonitorBreach};
 use crate::correction::Delta;
 use crate::ids::{AuditId, MessageId, ProjectId};
 use crate::price::{PriceBook, Usd};
-use crate::quota::{Metric, Mode, Quota, Scope};
+use crate::quota::{Mode, Quota, Scope};
 use crate::usage::{Counter, CounterKey, EventKind, Field, Totals, UsageFact, counters_for};
 use crate::webhook::{Notification, QUOTA_EXCEEDED, QUOTA_NEARLY_USED, dedup_key};
 use crate::window::window_at;
@@ -115,21 +115,6 @@ pub fn totals_before(
         out.insert((p.clone(), c.key.clone()), before);
     }
     out
-}
-
-/// The counter fields a quota's usage sums (as the check reads them).
-pub fn quota_fields(q: &Quota) -> Vec<Field> {
-    match q.spec.metric {
-        Metric::Requests => vec![Field::Requests],
-        Metric::Calls => vec![Field::Calls],
-        Metric::Rows => vec![Field::Rows],
-        Metric::Tokens => vec![Field::Tokens],
-        Metric::CostUsd => match q.spec.meter() {
-            Some(m) => vec![Field::cost_of(m)],
-            None => Field::COSTS.to_vec(),
-        },
-        Metric::StorageBytes => vec![Field::Storage],
-    }
 }
 
 fn usage(t: &Totals, fields: &[Field]) -> u64 {

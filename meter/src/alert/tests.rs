@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::ids::{ApiKeyId, EventId, QuotaId};
-use crate::quota::QuotaSpec;
+use crate::quota::{Metric, QuotaSpec};
 use crate::usage::LoggedBreach;
 use crate::window::WindowKind;
 
