@@ -11,6 +11,31 @@
 //!
 //! Entry ids are time-ordered, so a project's log reads in id order and the
 //! id of the last entry read is the cursor of the next page.
+//!
+//! ## From the log (DESIGN §12)
+//!
+//! The audit trail is derived from the `tollgate.audit` topic, so every
+//! entry survives a rebuild of the store:
+//!
+//! 1. **Outbox.** Whoever makes an entry (a quota plan, the fold of a
+//!    correction, a delivery that disables an endpoint, a monitor breach)
+//!    writes it to the store's audit outbox in the transaction of what it
+//!    records ([`AuditStore::record_audit`](crate::AuditStore::record_audit)
+//!    and the ports that take entries). The once-key is unique there, so
+//!    "once" holds before the log.
+//! 2. **Relay.** Beside the audit folder (where the projector runs), the
+//!    relay publishes pending entries to the topic
+//!    ([`AuditLog`](crate::AuditLog)), then marks them published. A relay
+//!    killed between the two publishes them again: entries carry stable
+//!    ids, so a duplicate is the same entry.
+//! 3. **Folder.** A consumer of the topic with its own name and offsets
+//!    writes each entry into the audit log, the offsets moving in the same
+//!    transaction ([`AuditBatch`]), idempotent on the id (and the
+//!    once-key). `GET /v1/audit` reads that log: an entry appears there
+//!    about one poll after it was made.
+//!
+//! Ids the fold makes (corrections) are derived from the record they come
+//! from ([`crate::correction::audit_id`]), so a replay makes the same ones.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -128,6 +153,19 @@ impl AuditEntry {
             }
         }
     }
+}
+
+/// Entries read from the audit topic, for the store to fold into the audit
+/// log atomically with the folder's offsets (see
+/// [`AuditStore::fold_audit`](crate::AuditStore::fold_audit)). Every record
+/// the offsets move past is one of `entries` or was dead-lettered (it could
+/// not be decoded) before the batch was folded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditBatch {
+    pub consumer: String,
+    pub topic: String,
+    pub entries: Vec<AuditEntry>,
+    pub offsets: Vec<crate::fold::OffsetMove>,
 }
 
 /// A monitor quota over its limit in one check.
