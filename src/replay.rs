@@ -161,8 +161,11 @@ async fn embedded(args: &ReplayArgs, dir: &std::path::Path) -> anyhow::Result<Ou
     let log = SqliteLog::new(live.pool().clone(), "tollgate.");
     let topic = log.usage_topic().to_owned();
     let reader = log.reader();
-    let audit =
-        AuditSide { reader: log.audit_reader(), consumer: args.audit_consumer.clone(), topic: log.audit_topic().into() };
+    let audit = AuditSide {
+        reader: log.audit_reader(),
+        consumer: args.audit_consumer.clone(),
+        topic: log.audit_topic().into(),
+    };
     let swap =
         async |expected: &BTreeMap<i32, i64>| live.swap_in_sqlite(&shadow_path, &args.consumer, &topic, expected).await;
     let outcome =

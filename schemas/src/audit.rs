@@ -70,7 +70,8 @@ impl TryFrom<AuditRecord> for AuditEntry {
         };
         Ok(AuditEntry {
             id: AuditId::parse(r.id).map_err(|e| SchemaError::invalid("id", e.to_string()))?,
-            project_id: ProjectId::parse(r.project_id).map_err(|e| SchemaError::invalid("project_id", e.to_string()))?,
+            project_id: ProjectId::parse(r.project_id)
+                .map_err(|e| SchemaError::invalid("project_id", e.to_string()))?,
             action: r.action.parse::<AuditAction>().map_err(|e| SchemaError::invalid("action", e.to_string()))?,
             principal,
             resource: r.resource,
@@ -195,10 +196,14 @@ mod tests {
     fn an_unknown_action_or_detail_is_refused_naming_the_field() {
         let mut r = AuditRecord::of(&entries()[0]).expect("record");
         r.action = "quotas:Teleport".into();
-        assert!(matches!(AuditEntry::try_from(r.clone()), Err(SchemaError::Invalid { field, .. }) if field == "action"));
+        assert!(
+            matches!(AuditEntry::try_from(r.clone()), Err(SchemaError::Invalid { field, .. }) if field == "action")
+        );
         r.action = "quotas:MonitorBreach".into();
         r.detail = r#"{"kind":"nope"}"#.into();
-        assert!(matches!(AuditEntry::try_from(r.clone()), Err(SchemaError::Invalid { field, .. }) if field == "detail"));
+        assert!(
+            matches!(AuditEntry::try_from(r.clone()), Err(SchemaError::Invalid { field, .. }) if field == "detail")
+        );
         r.detail = AuditRecord::of(&entries()[0]).expect("record").detail;
         r.principal_type = Some("admin".into());
         assert!(matches!(AuditEntry::try_from(r), Err(SchemaError::Invalid { field, .. }) if field == "principal_id"));

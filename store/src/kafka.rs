@@ -369,7 +369,9 @@ impl AuditLog for KafkaAuditLog {
             .await
         {
             Ok(r) => r,
-            Err(_) => Err(PortError::Transient(format!("the audit topic did not acknowledge within {:?}", self.timeout))),
+            Err(_) => {
+                Err(PortError::Transient(format!("the audit topic did not acknowledge within {:?}", self.timeout)))
+            }
         }
     }
 }

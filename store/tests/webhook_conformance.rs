@@ -309,7 +309,8 @@ async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s
         .await
         .expect("record");
     assert_eq!(second, Some(false), "already disabled");
-    let entries = s.audit(&e.project_id, None, 10).await.expect("audit");
+    // In the audit outbox, in the attempt's transaction (the relay takes it to the topic).
+    let entries = s.unpublished_audit(10).await.expect("audit outbox");
     assert_eq!(entries, vec![audit("aud_1")]);
     let stored = s.endpoint(&e.id).await.expect("read").expect("there");
     assert!(!stored.enabled);

@@ -8,8 +8,8 @@
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    ApiKey, ApiKeyId, AuditBatch, AuditEntry, AuditId, AuditStore, PortError, PortResult, Principal, Project, ProjectId, Quota,
-    QuotaId, QuotaPlan, QuotaSpec, QuotaStore, Role, RoleId, TenantStore,
+    ApiKey, ApiKeyId, AuditBatch, AuditEntry, AuditId, AuditStore, PortError, PortResult, Principal, Project,
+    ProjectId, Quota, QuotaId, QuotaPlan, QuotaSpec, QuotaStore, Role, RoleId, TenantStore,
 };
 use meter::{OnUnpriced, Scope};
 
