@@ -225,7 +225,7 @@ async fn a_410_disables_the_endpoint_and_a_redirect_is_not_followed() {
         let stored = store.endpoint(&e.id).await.unwrap().unwrap();
         assert!(!stored.enabled);
         assert!(stored.disabled_reason.unwrap().contains("410"));
-        let audit = store.audit(&e.project_id, None, 10).await.expect("audit");
+        let audit = store.unpublished_audit(10).await.expect("audit outbox");
         assert_eq!(audit.len(), 1);
         assert_eq!(audit[0].action, AuditAction::WebhookEndpointDisabled);
         assert_eq!(audit[0].resource, "wh_a");
@@ -257,7 +257,7 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
         }
         if !store.endpoint(&e.id).await.unwrap().unwrap().enabled {
             assert_eq!(day, 5, "disabled on the fifth day of failures, not before");
-            let audit = store.audit(&e.project_id, None, 10).await.expect("audit");
+            let audit = store.unpublished_audit(10).await.expect("audit outbox");
             assert_eq!(audit.len(), 1);
             assert!(audit[0].action == AuditAction::WebhookEndpointDisabled);
             return;
