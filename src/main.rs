@@ -99,8 +99,10 @@ struct Backends {
     /// How long the dead-letter topic keeps records when Tollgate creates it.
     #[arg(long, env = "TOLLGATE_DLQ_RETENTION", default_value = "forever")]
     dlq_retention: Retention,
-    /// How long the audit topic keeps records when Tollgate creates it.
-    #[arg(long, env = "TOLLGATE_AUDIT_RETENTION", default_value = "400days")]
+    /// How long the audit topic keeps records when Tollgate creates it:
+    /// `forever` (the default; the audit log is folded from it, and a store
+    /// rebuilt from the topic has every entry only if the topic kept it).
+    #[arg(long, env = "TOLLGATE_AUDIT_RETENTION", default_value = "forever")]
     audit_retention: Retention,
 }
 

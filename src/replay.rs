@@ -32,7 +32,8 @@
 //!   audit folder's own code, up to the offsets the live audit folder stood
 //!   at in the same snapshot, and compared row by row (never swapped: see
 //!   [`store::sql::shadow::AUDIT_TABLES`]). Nothing is published: the
-//!   shadow's audit outbox (its corrections' entries) is never relayed.
+//!   shadow's audit outbox (the entries its fold makes: corrections and
+//!   monitor breaches) is never relayed.
 //!
 //! The exit status is 1 when the shadow and the live aggregates differ
 //! (with `--swap`, after swapping: the differences were real), 0 when not.

@@ -35,19 +35,21 @@ use crate::view::{CounterUsage, Hold, Seed, Settlement};
 use crate::webhook::{Attempt, DeliveryStatus, DueDelivery, Endpoint, EndpointChange, Next, Notification};
 use crate::window::WindowKind;
 
-/// Projects, API keys and roles.
+/// Projects, API keys and roles. A change to a key or a role takes its
+/// audit entries, which are written to the audit outbox in the change's
+/// transaction (see [`AuditStore`]): both or neither.
 #[async_trait]
 pub trait TenantStore: Send + Sync {
     async fn create_project(&self, project: &Project) -> PortResult<()>;
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>>;
-    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()>;
+    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
     /// Soft-deletes a key (`deleted_at`): it no longer authenticates or
     /// reads back, and quotas naming it go inert. False if there was no
-    /// live key with this id.
-    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool>;
-    async fn create_role(&self, role: &Role) -> PortResult<()>;
+    /// live key with this id (and `audit` is not written).
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>, audit: &[AuditEntry]) -> PortResult<bool>;
+    async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()>;
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
 }
 
@@ -238,18 +240,20 @@ pub trait ReportStore: Send + Sync {
 }
 
 /// Webhook endpoints and the notification outbox (see [`crate::webhook`]).
+/// An admin's change to an endpoint takes its audit entries, written to the
+/// audit outbox in the change's transaction (only if the change happened).
 #[async_trait]
 pub trait WebhookStore: Send + Sync {
-    async fn create_endpoint(&self, endpoint: &Endpoint) -> PortResult<()>;
+    async fn create_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<()>;
     async fn endpoint(&self, id: &WebhookId) -> PortResult<Option<Endpoint>>;
     /// A project's endpoints, in id (creation) order.
     async fn endpoints(&self, project: &ProjectId) -> PortResult<Vec<Endpoint>>;
     /// Replaces what can change of an endpoint (url, event types,
     /// description, enabled, disabled reason, secrets, failing since,
     /// updated at). False if there is no such endpoint.
-    async fn update_endpoint(&self, endpoint: &Endpoint) -> PortResult<bool>;
+    async fn update_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<bool>;
     /// Deletes an endpoint and its deliveries. False if there was none.
-    async fn delete_endpoint(&self, id: &WebhookId) -> PortResult<bool>;
+    async fn delete_endpoint(&self, id: &WebhookId, audit: &[AuditEntry]) -> PortResult<bool>;
     /// Enqueues a notification **once**: the message, and a pending
     /// delivery due at its `created_at` to every enabled endpoint of its
     /// project whose event types match (only to `to`, if given), all in one

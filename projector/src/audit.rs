@@ -154,8 +154,10 @@ impl<R: LogReader> AuditFolder<R> {
         let mut entries = Vec::with_capacity(records.len());
         let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
         for r in &records {
-            let end = ends.entry(r.partition).or_insert(r.offset + 1);
-            *end = (*end).max(r.offset + 1);
+            // An offset is the broker's, never near i64::MAX; saturate anyway.
+            let next = r.offset.saturating_add(1);
+            let end = ends.entry(r.partition).or_insert(next);
+            *end = (*end).max(next);
             match schemas::decode_audit(&r.payload) {
                 Ok(e) => entries.push(e),
                 Err(e) => {

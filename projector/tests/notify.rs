@@ -121,7 +121,7 @@ async fn subscribe(store: &dyn Store, id: &str, url: String, secret: &str) -> En
         created_at: utc(T0),
         updated_at: utc(T0),
     };
-    store.create_endpoint(&e).await.expect("create endpoint");
+    store.create_endpoint(&e, &[]).await.expect("create endpoint");
     e
 }
 
@@ -277,7 +277,7 @@ async fn the_previous_secret_signs_beside_the_new_one_for_a_day() {
     let new = new_secret();
     e.secret = new.clone();
     e.previous_secret = Some((old.clone(), utc(T0) + Duration::hours(24)));
-    store.update_endpoint(&e).await.expect("rotate");
+    store.update_endpoint(&e, &[]).await.expect("rotate");
     let clock = ManualClock::new(utc(T0));
     let notifier = notifier(store.clone(), &clock, "n1");
     exceeded(store.as_ref(), "msg_1", "w1", utc(T0)).await;

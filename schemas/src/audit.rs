@@ -166,7 +166,23 @@ mod tests {
             },
             ..breach.entry(AuditId::parse("aud_3").expect("id"), at())
         };
-        vec![breach.entry(AuditId::parse("aud_1").expect("id"), at()), change, correction]
+        let key = AuditEntry {
+            id: AuditId::parse("aud_4").expect("id"),
+            action: AuditAction::DeleteApiKey,
+            principal: Some(Principal::new("admin", "admin_token")),
+            resource: "key_1".into(),
+            detail: AuditDetail::ApiKeyChange {
+                before: Some(meter::KeyView {
+                    name: "ci".into(),
+                    prefix: "tg_abcdefg".into(),
+                    role_id: None,
+                    grants: meter::Grants::default(),
+                }),
+                after: None,
+            },
+            ..breach.entry(AuditId::parse("aud_4").expect("id"), at())
+        };
+        vec![breach.entry(AuditId::parse("aud_1").expect("id"), at()), change, correction, key]
     }
 
     #[test]

@@ -75,7 +75,8 @@ pub struct KafkaConfig {
     /// How long the dead-letter topic keeps records (forever by default:
     /// each is an acknowledged event the fold could not take).
     pub dlq_retention: Retention,
-    /// How long the audit topic keeps records (400 days by default).
+    /// How long the audit topic keeps records (forever by default: the audit
+    /// log is folded from it, and a rebuilt store gets back what it kept).
     pub audit_retention: Retention,
 }
 
@@ -124,7 +125,7 @@ impl KafkaConfig {
             publish: PublishOptions::default(),
             usage_retention: Retention::Forever,
             dlq_retention: Retention::Forever,
-            audit_retention: Retention::For(Duration::from_secs(400 * 86_400)),
+            audit_retention: Retention::Forever,
         }
     }
     pub fn usage_topic(&self) -> String {

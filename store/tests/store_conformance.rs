@@ -45,6 +45,7 @@ macro_rules! conformance {
             a_deleted_api_key_no_longer_reads_back,
             audit_entries_page_by_cursor_in_id_order,
             the_audit_outbox_is_folded_into_the_log_once_per_entry,
+            a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all,
             a_monitor_breach_is_written_once_per_quota_and_window,
             apply_quotas_carries_out_a_plan_with_its_audit_entries,
             a_failing_plan_changes_nothing,
@@ -338,7 +339,7 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         exempt: false,
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
-    s.create_role(&role).await.expect("create role");
+    s.create_role(&role, &[]).await.expect("create role");
     assert_eq!(s.role(&role.id).await.expect("read role"), Some(role.clone()));
     let admins = meter::Role {
         id: meter::RoleId::parse("role_admins").expect("role id"),
@@ -346,7 +347,7 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         exempt: true,
         ..role.clone()
     };
-    s.create_role(&admins).await.expect("create role");
+    s.create_role(&admins, &[]).await.expect("create role");
     assert_eq!(s.role(&admins.id).await.expect("read role"), Some(admins));
     assert_eq!(s.role(&meter::RoleId::parse("role_none").expect("id")).await.expect("read"), None);
 
@@ -359,17 +360,20 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         role_id: Some(role.id.clone()),
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
-    s.create_api_key(&k, "hash-1").await.expect("create key");
+    s.create_api_key(&k, "hash-1", &[]).await.expect("create key");
     assert_eq!(s.api_key(&k.id).await.expect("read key"), Some(k.clone()));
     assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), Some(k.clone()));
     assert_eq!(s.api_key_by_secret_hash("hash-2").await.expect("by unknown hash"), None);
     assert_eq!(s.api_key(&ApiKeyId::parse("key_2").expect("id")).await.expect("missing key"), None);
 
     let other = ApiKey { id: ApiKeyId::parse("key_2").expect("id"), ..k.clone() };
-    assert!(matches!(s.create_api_key(&other, "hash-1").await, Err(PortError::Conflict(_))), "a secret hash is unique");
+    assert!(
+        matches!(s.create_api_key(&other, "hash-1", &[]).await, Err(PortError::Conflict(_))),
+        "a secret hash is unique"
+    );
     let orphan = ApiKey { id: ApiKeyId::parse("key_3").expect("id"), project_id: pid("nope"), ..k };
     assert!(
-        matches!(s.create_api_key(&orphan, "hash-3").await, Err(PortError::Permanent(_))),
+        matches!(s.create_api_key(&orphan, "hash-3", &[]).await, Err(PortError::Permanent(_))),
         "a key needs its project"
     );
 }
@@ -789,21 +793,96 @@ fn api_key(id: &str, project: &str) -> ApiKey {
 pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let k = api_key("key_1", "proj_1");
-    s.create_api_key(&k, "hash-1").await.expect("create key");
+    s.create_api_key(&k, "hash-1", &[]).await.expect("create key");
     let q = quota("q_key", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day);
     create_quota(s, &q).await.expect("quota on the key");
 
     let at = utc("2026-03-01T00:00:00Z");
-    assert!(s.delete_api_key(&k.id, at).await.expect("delete"));
+    assert!(s.delete_api_key(&k.id, at, &[]).await.expect("delete"));
     assert_eq!(s.api_key(&k.id).await.expect("read"), None);
     assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), None, "a deleted key cannot authenticate");
-    assert!(!s.delete_api_key(&k.id, at).await.expect("delete again"), "already deleted");
-    assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at).await.expect("delete unknown"));
+    assert!(!s.delete_api_key(&k.id, at, &[]).await.expect("delete again"), "already deleted");
+    assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at, &[]).await.expect("delete unknown"));
     // The quota naming it stays (inert), and can be deleted.
     assert_eq!(s.quota(&q.id).await.expect("quota"), Some(q.clone()));
     assert!(delete_quota(s, &q.id).await.expect("delete quota"));
     // A deleted key's secret hash is still taken.
-    assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await, Err(PortError::Conflict(_))));
+    assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1", &[]).await, Err(PortError::Conflict(_))));
+}
+
+/// The audit entry of an admin's change to `resource`.
+fn change(id: &str, action: AuditAction, resource: &str, detail: AuditDetail) -> AuditEntry {
+    meter::admin_change(
+        aid(id),
+        &pid("proj_1"),
+        action,
+        resource,
+        detail,
+        &Principal::new("admin", "test"),
+        utc("2026-03-01T00:00:00Z"),
+    )
+}
+
+/// A key created or deleted and a role created write their entries to the
+/// audit outbox in the change's transaction: a change refused writes none,
+/// a delete that deleted nothing writes none.
+pub async fn a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let k = api_key("key_1", "proj_1");
+    let created = change(
+        "aud_0001",
+        AuditAction::CreateApiKey,
+        "key_1",
+        AuditDetail::ApiKeyChange { before: None, after: Some(meter::KeyView::from(&k)) },
+    );
+    s.create_api_key(&k, "hash-1", std::slice::from_ref(&created)).await.expect("create key");
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![created.clone()]);
+
+    // Refused (the secret hash is taken): neither the key nor its entry.
+    let dup = api_key("key_2", "proj_1");
+    let refused = change(
+        "aud_0002",
+        AuditAction::CreateApiKey,
+        "key_2",
+        AuditDetail::ApiKeyChange { before: None, after: Some(meter::KeyView::from(&dup)) },
+    );
+    assert!(matches!(s.create_api_key(&dup, "hash-1", &[refused]).await, Err(PortError::Conflict(_))));
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![created.clone()], "no entry without its change");
+
+    let deleted = change(
+        "aud_0003",
+        AuditAction::DeleteApiKey,
+        "key_1",
+        AuditDetail::ApiKeyChange { before: Some(meter::KeyView::from(&k)), after: None },
+    );
+    let at = utc("2026-03-01T00:00:00Z");
+    assert!(s.delete_api_key(&k.id, at, std::slice::from_ref(&deleted)).await.expect("delete"));
+    let again = AuditEntry { id: aid("aud_0004"), ..deleted.clone() };
+    assert!(!s.delete_api_key(&k.id, at, &[again]).await.expect("delete again"), "already deleted");
+
+    let role = meter::Role {
+        id: meter::RoleId::parse("role_1").expect("role id"),
+        project_id: pid("proj_1"),
+        name: "partner".into(),
+        grants: Grants::default(),
+        quota: None,
+        exempt: false,
+        created_at: at,
+    };
+    let role_made = change(
+        "aud_0005",
+        AuditAction::CreateRole,
+        "role_1",
+        AuditDetail::RoleChange { before: None, after: Some(meter::RoleView::from(&role)) },
+    );
+    s.create_role(&role, std::slice::from_ref(&role_made)).await.expect("create role");
+    let twice = AuditEntry { id: aid("aud_0006"), ..role_made.clone() };
+    assert!(s.create_role(&role, &[twice]).await.is_err(), "a role id is unique");
+    assert_eq!(
+        s.unpublished_audit(10).await.expect("outbox"),
+        vec![created, deleted, role_made],
+        "one entry per change made, in order"
+    );
 }
 
 fn breach(quota: &str, window_key: &str, observed: u64) -> MonitorBreach {

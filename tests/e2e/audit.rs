@@ -1,7 +1,9 @@
 //! The audit trail from the log (issue 10, item 6), end to end on the real
-//! services and on `tollgate dev`: an admin change, a correction and a
-//! webhook endpoint disabled by a 410 each reach the audit topic and
-//! `GET /v1/audit`; the store's audit log emptied (with its folder's
+//! services and on `tollgate dev`: admin changes (a key made and deleted, a
+//! role, a quota, a webhook endpoint subscribed and changed), a correction
+//! and a webhook endpoint disabled by a 410 each reach the audit topic and
+//! `GET /v1/audit` (which reads only what the audit folder folded from the
+//! topic, so this fails if the relay or the folder does nothing); the store's audit log emptied (with its folder's
 //! offsets) while everything runs is rebuilt from the topic with the same
 //! entries; and `tollgate replay` rebuilds it into its shadow and finds no
 //! difference.
@@ -25,7 +27,16 @@ async fn audit_entries_reach_the_topic_and_survive_a_rebuild_dev() {
     audit_trail(Mode::Dev).await;
 }
 
-const ACTIONS: [&str; 3] = ["quotas:CreateQuota", "events:CorrectEvent", "webhook.endpoint_disabled"];
+const ACTIONS: [&str; 8] = [
+    "keys:CreateApiKey",
+    "keys:DeleteApiKey",
+    "roles:CreateRole",
+    "quotas:CreateQuota",
+    "webhooks:CreateEndpoint",
+    "webhooks:UpdateEndpoint",
+    "events:CorrectEvent",
+    "webhook.endpoint_disabled",
+];
 
 fn has_every_action(entries: &[Value]) -> bool {
     ACTIONS.iter().all(|a| entries.iter().any(|e| e["action"] == *a))
@@ -57,7 +68,14 @@ async fn audit_trail(mode: Mode) {
     }
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
 
-    // An admin change.
+    // Admin changes: a key made and deleted, a role, a quota.
+    let (s, k2) = env.admin_post(&format!("/v1/projects/{pid}/api-keys"), json!({"name": "temp"})).await;
+    assert_eq!(s, 201, "{k2}");
+    let kid2 = k2["id"].as_str().expect("key id").to_owned();
+    let (s, _) = env.admin_req(reqwest::Method::DELETE, &format!("/v1/api-keys/{kid2}"), None).await;
+    assert_eq!(s, 204);
+    let (s, role) = env.admin_post(&format!("/v1/projects/{pid}/roles"), json!({"name": "partner"})).await;
+    assert_eq!(s, 201, "{role}");
     let qid = env
         .quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 100}))
         .await;
@@ -81,13 +99,40 @@ async fn audit_trail(mode: Mode) {
         .await;
     assert_eq!(s, 201, "{w}");
     let wh = w["id"].as_str().expect("webhook id").to_owned();
+    let (s, p) =
+        env.admin_req(reqwest::Method::PATCH, &format!("/v1/webhooks/{wh}"), Some(json!({"description": "ops"}))).await;
+    assert_eq!(s, 200, "{p}");
     let (s, t) = env.admin_post(&format!("/v1/webhooks/{wh}/test"), json!({})).await;
     assert_eq!(s, 202, "{t}");
 
     // Each in GET /v1/audit, once folded from the topic.
-    let log = env.audit_when(&pid, 60, "a quota change, a correction and a disabled endpoint", has_every_action).await;
+    let log =
+        env.audit_when(&pid, 60, "the admin changes, a correction and a disabled endpoint", has_every_action).await;
     let find = |action: &str| log.iter().find(|e| e["action"] == action).cloned().expect("the entry");
+    let made: Vec<&Value> = log.iter().filter(|e| e["action"] == "keys:CreateApiKey").collect();
+    assert_eq!(made.len(), 2, "both keys: {made:?}");
+    assert_eq!(made[0]["resource"], kid.as_str());
+    assert_eq!(
+        (made[0]["principal_type"].as_str(), made[0]["principal_id"].as_str()),
+        (Some("admin"), Some("admin_token"))
+    );
+    assert_eq!(made[1]["detail"]["after"]["name"], "temp");
+    assert_eq!(made[1]["detail"]["after"]["prefix"], &k2["secret"].as_str().expect("secret")[..10]);
+    let deleted = find("keys:DeleteApiKey");
+    assert_eq!((deleted["resource"].as_str(), deleted["detail"]["after"].is_null()), (Some(kid2.as_str()), true));
+    assert_eq!(find("roles:CreateRole")["resource"], role["id"]);
     assert_eq!(find("quotas:CreateQuota")["resource"], qid.as_str());
+    assert_eq!(find("webhooks:CreateEndpoint")["resource"], wh.as_str());
+    let changed = find("webhooks:UpdateEndpoint")["detail"].clone();
+    assert_eq!(
+        (changed["before"]["description"].clone(), changed["after"]["description"].clone()),
+        (Value::Null, json!("ops"))
+    );
+    let text = serde_json::to_string(&log).expect("json");
+    assert!(
+        !text.contains("whsec_") && !text.contains(k2["secret"].as_str().expect("secret")),
+        "no secret in the audit log"
+    );
     assert_eq!(find("events:CorrectEvent")["detail"]["correction_id"], "x1");
     let disabled = find("webhook.endpoint_disabled");
     assert_eq!(disabled["resource"], wh.as_str());

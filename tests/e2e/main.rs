@@ -689,8 +689,9 @@ async fn declarative(mode: Mode) {
     assert_eq!(s, 404);
     assert_eq!(quota_set(&env, &pid).await, third, "refusals changed nothing");
 
-    // Every change is in the audit log, with who made it, once folded from the audit topic.
-    let log = env.audit_when(&pid, 30, "six audit entries", |e| e.len() >= 6).await;
+    // Every change is in the audit log, with who made it, once folded from
+    // the audit topic: the key the project started with, then the quotas.
+    let log = env.audit_when(&pid, 30, "seven audit entries", |e| e.len() >= 7).await;
     let actions: Vec<(String, String)> = log
         .iter()
         .map(|e| {
@@ -702,7 +703,8 @@ async fn declarative(mode: Mode) {
     assert_eq!(count("quotas:UpdateQuota", "cli"), 1, "{actions:?}");
     assert_eq!(count("quotas:DeleteQuota", "cli"), 1, "{actions:?}");
     assert_eq!(count("quotas:UpdateQuota", "admin_token"), 1, "{actions:?}");
-    assert_eq!(actions.len(), 6, "{actions:?}");
+    assert_eq!(count("keys:CreateApiKey", "admin_token"), 1, "{actions:?}");
+    assert_eq!(actions.len(), 7, "{actions:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -765,17 +767,22 @@ async fn monitor_audit(mode: Mode) {
     assert_eq!(d["meter_type"], Value::Null);
     assert!(d["window_key"].as_str().is_some_and(|k| k.len() == 10), "a day key: {d}");
 
-    // Paging: the quota's creation, then the breach; by cursor and by page.
-    env.audit_when(&pid, 30, "both entries", |e| e.len() >= 2).await;
+    // Paging: the key's creation, the quota's, then the breach; by cursor
+    // and by page.
+    env.audit_when(&pid, 30, "three entries", |e| e.len() >= 3).await;
     let (_, p1) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1")).await;
-    assert_eq!(p1["data"][0]["action"], "quotas:CreateQuota", "{p1}");
+    assert_eq!(p1["data"][0]["action"], "keys:CreateApiKey", "{p1}");
     assert_eq!(p1["data"][0]["principal_type"], "admin");
     let next = p1["next"].as_str().expect("a cursor").to_owned();
     let (_, p2) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&after={next}")).await;
-    assert_eq!(p2["data"][0]["action"], "quotas:MonitorBreach", "{p2}");
-    assert_eq!(p2["next"], Value::Null, "the last page: {p2}");
-    let (_, by_page) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&page=2")).await;
-    assert_eq!(by_page["data"], p2["data"]);
+    assert_eq!(p2["data"][0]["action"], "quotas:CreateQuota", "{p2}");
+    assert_eq!(p2["data"][0]["principal_type"], "admin");
+    let next = p2["next"].as_str().expect("a cursor").to_owned();
+    let (_, p3) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&after={next}")).await;
+    assert_eq!(p3["data"][0]["action"], "quotas:MonitorBreach", "{p3}");
+    assert_eq!(p3["next"], Value::Null, "the last page: {p3}");
+    let (_, by_page) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&page=3")).await;
+    assert_eq!(by_page["data"], p3["data"]);
     for (q, field) in [
         ("limit=1000&page=11", "page"),
         ("limit=0", "limit"),

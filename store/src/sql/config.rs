@@ -104,8 +104,8 @@ fn audit<B: Backend>(r: &Rec<'_, B>) -> PortResult<AuditEntry> {
 }
 
 /// Writing an entry to the audit outbox, in the caller's transaction: the
-/// one way an audit entry is made (quota plans, the fold's corrections, a
-/// disabled endpoint, monitor breaches). One whose once-key or id is there
+/// one way an audit entry is made (admin changes, the fold's corrections and
+/// monitor breaches, a disabled endpoint). One whose once-key or id is there
 /// already is skipped, published or not, so "once" holds before the log.
 pub(crate) fn insert_audit(entry: &AuditEntry) -> PortResult<Stmt> {
     into_audit_table("audit_outbox", entry)
@@ -149,7 +149,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_api_key"))]
-    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()> {
+    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!(
             "INSERT INTO api_keys ({API_KEY_COLUMNS}, secret_hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
         ))
@@ -161,7 +161,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
         .opt_text(key.role_id.as_ref().map(RoleId::as_str))
         .time(key.created_at)
         .text(secret_hash);
-        self.run(stmt).await.map(drop)
+        self.run_audited(stmt, audit).await.map(drop)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "api_key"))]
@@ -180,15 +180,15 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "delete_api_key"))]
-    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>, audit: &[AuditEntry]) -> PortResult<bool> {
         let stmt = Stmt::new("UPDATE api_keys SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL")
             .text(id.as_str())
             .time(at);
-        Ok(self.run(stmt).await? > 0)
+        Ok(self.run_audited(stmt, audit).await? > 0)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_role"))]
-    async fn create_role(&self, role: &Role) -> PortResult<()> {
+    async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!("INSERT INTO roles ({ROLE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"))
             .text(role.id.as_str())
             .text(role.project_id.as_str())
@@ -197,7 +197,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
             .opt_json(role.quota.as_ref())?
             .flag(role.exempt)
             .time(role.created_at);
-        self.run(stmt).await.map(drop)
+        self.run_audited(stmt, audit).await.map(drop)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "role"))]

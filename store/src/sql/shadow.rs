@@ -19,8 +19,9 @@
 //!   copy is newer than its receipt (the fold would not use it anyway).
 //! - **The audit log** ([`AUDIT_TABLES`]) is the audit folder's, not the
 //!   fold's: a replay rebuilds it from the audit topic and compares it, but
-//!   never swaps it. The shadow's fold writes its corrections' entries to
-//!   the shadow's outbox, which nothing relays: a replay publishes nothing.
+//!   never swaps it. The shadow's fold writes the entries it makes
+//!   (corrections, monitor breaches) to the shadow's audit outbox, which
+//!   nothing relays: a replay publishes nothing.
 //! - **A consistent cut of the live side**: [`SqlStore::snapshot`] opens a
 //!   read-only snapshot (PostgreSQL `REPEATABLE READ`, a SQLite read
 //!   transaction) in which the live offsets and every live table are read
