@@ -860,9 +860,13 @@ async fn inert_quota(mode: Mode) {
     assert_eq!(s, 204);
     let (s, _) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
     assert_eq!(s, 404);
-    let log = env.audit_when(&pid, 30, "both entries", |e| e.len() >= 2).await;
+    let log = env.audit_when(&pid, 30, "four entries", |e| e.len() >= 4).await;
     let actions: Vec<&str> = log.iter().filter_map(|e| e["action"].as_str()).collect();
-    assert_eq!(actions, ["quotas:CreateQuota", "quotas:DeleteQuota"], "{log:?}");
+    assert_eq!(
+        actions,
+        ["keys:CreateApiKey", "quotas:CreateQuota", "keys:DeleteApiKey", "quotas:DeleteQuota"],
+        "{log:?}"
+    );
 }
 
 /// `/metrics` on the gateway and the projector (and `tollgate dev`), in the

@@ -226,7 +226,10 @@ async fn replay_rebuilds_identical_aggregates_while_the_projector_runs_and_swap_
     ] {
         assert_eq!(apart(&pool, table, cols).await, (0, 0), "{table} differs between live and shadow");
     }
-    let old_day = long_ago.format("%Y-%m-%d").to_string();
+    // The day key is the project's local day (not UTC's: from 22:00 UTC the
+    // safe zone is Tokyo's, already the next day).
+    let zone: chrono_tz::Tz = tz.parse().expect("a known zone");
+    let old_day = long_ago.with_timezone(&zone).format("%Y-%m-%d").to_string();
     let (old_calls, cost, priced): (i64, i64, i64) = sqlx::query_as(
         "SELECT CAST(SUM(calls) FILTER (WHERE window_key = $2) AS BIGINT), CAST(SUM(cost_llm_tokens) AS BIGINT),
                 CAST(SUM(llm_priced) AS BIGINT)
