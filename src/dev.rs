@@ -1,5 +1,5 @@
-//! `tollgate dev`: gateway, projector and notifier in one process, with no external
-//! service. The log and the store live in one SQLite file under the data
+//! `tollgate dev`: gateway, projector (with the audit relay and folder) and
+//! notifier in one process, with no external service. The log and the store live in one SQLite file under the data
 //! directory, the view in memory; the fold, the verdict and the API are the
 //! same code as the distributed deployment. State survives a restart: the
 //! view is re-seeded from the store and the projector resumes from its

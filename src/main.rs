@@ -13,7 +13,9 @@ use gateway::state::SystemClock;
 use gateway::{AppState, Settings, ViewDownPolicy};
 use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
-use store::{KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgStore, PublishOptions, RedisView, Retention};
+use store::{
+    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgStore, PublishOptions, RedisView, Retention,
+};
 use tracing::info;
 
 mod apply;
@@ -97,8 +99,10 @@ struct Backends {
     /// How long the dead-letter topic keeps records when Tollgate creates it.
     #[arg(long, env = "TOLLGATE_DLQ_RETENTION", default_value = "forever")]
     dlq_retention: Retention,
-    /// How long the audit topic keeps records when Tollgate creates it.
-    #[arg(long, env = "TOLLGATE_AUDIT_RETENTION", default_value = "400days")]
+    /// How long the audit topic keeps records when Tollgate creates it:
+    /// `forever` (the default; the audit log is folded from it, and a store
+    /// rebuilt from the topic has every entry only if the topic kept it).
+    #[arg(long, env = "TOLLGATE_AUDIT_RETENTION", default_value = "forever")]
     audit_retention: Retention,
 }
 
@@ -227,6 +231,11 @@ struct ProjectArgs {
     /// time one publish may take).
     #[arg(long, env = "TOLLGATE_DEAD_LETTER_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
     dead_letter_lease: Duration,
+    /// The name the audit folder's offsets (on the audit topic) are stored
+    /// under. The folder, and the relay that publishes the store's audit
+    /// outbox to the audit topic, run beside the projector.
+    #[arg(long, env = "TOLLGATE_AUDIT_CONSUMER", default_value = "tollgate-audit")]
+    audit_consumer: String,
     /// Where the projector serves `/metrics` (Prometheus text) and `/healthz`;
     /// `off` serves nothing.
     #[arg(long, env = "TOLLGATE_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
@@ -354,6 +363,16 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     let store = Arc::new(store);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let mut audit_config = projector::audit::AuditConfig::new(kafka.audit_topic());
+    audit_config.consumer = args.audit_consumer;
+    let audit_reader = KafkaReader::audit(&kafka, &audit_config.consumer).context("creating the audit consumer")?;
+    let audit_log = Arc::new(KafkaAuditLog::new(&kafka).context("creating the audit producer")?);
+    let relay = projector::audit::AuditRelay::new(store.clone(), audit_log, clock.clone(), audit_config.max_batch);
+    let folder = projector::audit::AuditFolder::new(audit_reader, store.clone(), audit_config);
+    let mut audit_stopped = stop.subscribe();
+    let audit = tokio::spawn(projector::audit::run(Some(relay), folder, async move {
+        let _ = audit_stopped.wait_for(|s| *s).await;
+    }));
     let projector = Projector::new(reader, store, Arc::new(view), clock, config);
     serve_metrics(&args.metrics_listen).await?;
     info!("tollgate projector running");
@@ -362,6 +381,7 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     if let Some(n) = notifier {
         n.await.context("notifier task")??;
     }
+    audit.await.context("audit task")??;
     folded
 }
 

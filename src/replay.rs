@@ -28,6 +28,13 @@
 //!   them (else the shadow folds on to where the live fold got, and it
 //!   tries again), then deletes the view's keys so every gateway re-seeds.
 //!
+//! - **The audit log** is rebuilt in the shadow from the audit topic by the
+//!   audit folder's own code, up to the offsets the live audit folder stood
+//!   at in the same snapshot, and compared row by row (never swapped: see
+//!   [`store::sql::shadow::AUDIT_TABLES`]). Nothing is published: the
+//!   shadow's audit outbox (the entries its fold makes: corrections and
+//!   monitor breaches) is never relayed.
+//!
 //! The exit status is 1 when the shadow and the live aggregates differ
 //! (with `--swap`, after swapping: the differences were real), 0 when not.
 
@@ -42,10 +49,11 @@ use clap::Args;
 use gateway::state::SystemClock;
 use indicatif::{ProgressBar, ProgressStyle};
 use meter::{Clock, Ledger, LogReader, PortError, PortResult};
+use projector::audit::{AuditConfig, AuditFolder};
 use projector::replay::Bounded;
 use projector::{Projector, ProjectorConfig};
 use store::sql::Backend;
-use store::sql::shadow::{Cut, Difference, Swap, diff};
+use store::sql::shadow::{AUDIT_TABLES, Cut, Difference, Swap, diff, diff_in};
 use store::{KafkaReader, MemoryView, PgStore, RedisView, SqlStore, SqliteLog, SqliteStore};
 use tracing::warn;
 
@@ -64,6 +72,10 @@ pub struct ReplayArgs {
     /// the shadow rebuilds).
     #[arg(long, env = "TOLLGATE_CONSUMER", default_value = "tollgate-projector")]
     consumer: String,
+    /// The live audit folder's consumer name: the shadow's audit log is
+    /// rebuilt from the audit topic up to its offsets and compared.
+    #[arg(long, env = "TOLLGATE_AUDIT_CONSUMER", default_value = "tollgate-audit")]
+    audit_consumer: String,
     /// The PostgreSQL schema the shadow is built in (dropped and created
     /// afresh), next to the live one.
     #[arg(long, env = "TOLLGATE_SHADOW_SCHEMA", default_value = "tollgate_shadow")]
@@ -88,6 +100,8 @@ struct Outcome {
     dead_lettered: u64,
     elapsed: Duration,
     compared_rows: usize,
+    /// Audit entries the shadow folded from the audit topic.
+    audit_entries: usize,
     differences: Vec<Difference>,
     /// The dedup keys of the quota notifications only the live outbox holds,
     /// and only the shadow's (reported, never sent, never a difference).
@@ -117,11 +131,15 @@ async fn distributed(args: &ReplayArgs) -> anyhow::Result<Outcome> {
     let kafka = b.kafka();
     let reader =
         KafkaReader::new(&kafka, &format!("{}-replay", args.consumer)).context("creating the Kafka consumer")?;
+    let audit_reader = KafkaReader::audit(&kafka, &format!("{}-replay", args.audit_consumer))
+        .context("creating the audit consumer")?;
     let topic = kafka.usage_topic();
+    let audit = AuditSide { reader: audit_reader, consumer: args.audit_consumer.clone(), topic: kafka.audit_topic() };
     let schema = args.shadow_schema.clone();
     let swap = async |expected: &BTreeMap<i32, i64>| live.swap_in_pg(&schema, &args.consumer, &topic, expected).await;
     let outcome =
-        rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap)).await?;
+        rebuild(&live, shadow, reader, audit, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap))
+            .await?;
     if outcome.swapped {
         let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
         let n = view.forget_all().await.context("invalidating the view")?;
@@ -144,10 +162,16 @@ async fn embedded(args: &ReplayArgs, dir: &std::path::Path) -> anyhow::Result<Ou
     let log = SqliteLog::new(live.pool().clone(), "tollgate.");
     let topic = log.usage_topic().to_owned();
     let reader = log.reader();
+    let audit = AuditSide {
+        reader: log.audit_reader(),
+        consumer: args.audit_consumer.clone(),
+        topic: log.audit_topic().into(),
+    };
     let swap =
         async |expected: &BTreeMap<i32, i64>| live.swap_in_sqlite(&shadow_path, &args.consumer, &topic, expected).await;
     let outcome =
-        rebuild(&live, shadow, reader, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap)).await?;
+        rebuild(&live, shadow, reader, audit, &args.consumer, &topic, args.max_batch, args.swap.then_some(swap))
+            .await?;
     if outcome.swapped {
         println!(
             "the view of a running `tollgate dev` is in its memory: restart it so the view is seeded from the swapped store"
@@ -167,6 +191,7 @@ fn report(o: &Outcome, show: usize) {
         o.duplicates,
         o.dead_lettered
     );
+    println!("audit log: {} entries rebuilt from the audit topic", o.audit_entries);
     if o.differences.is_empty() {
         println!("compared {} rows: no differences", o.compared_rows);
     } else {
@@ -255,11 +280,57 @@ fn sum(m: &BTreeMap<i32, i64>) -> i64 {
     m.values().copied().fold(0i64, i64::saturating_add)
 }
 
-/// Replays into `shadow`, compares with `live`, and swaps if given how.
+/// The audit topic, and the live audit folder's consumer name.
+struct AuditSide<R: LogReader> {
+    reader: R,
+    consumer: String,
+    topic: String,
+}
+
+/// Folds the audit topic into the shadow's audit log up to `target` (the
+/// live audit folder's offsets), with the folder's own code. Returns how
+/// many entries it folded.
+async fn rebuild_audit<R: LogReader>(
+    shadow: Arc<dyn meter::Store>,
+    side: AuditSide<R>,
+    target: &BTreeMap<i32, i64>,
+    max_batch: usize,
+) -> anyhow::Result<usize> {
+    let mut config = AuditConfig::new(side.topic);
+    config.consumer = side.consumer;
+    config.max_batch = max_batch;
+    let mut folder = AuditFolder::new(Bounded::new(side.reader), shadow, config);
+    folder.start().await.context("positioning the shadow's audit folder")?;
+    folder.reader_mut().set_until(target.clone());
+    let (mut folded, mut idle_since) = (0, Instant::now());
+    while !folder.reader_mut().reached() {
+        match folder.step().await {
+            Ok(r) if r.read > 0 => {
+                folded += r.folded;
+                idle_since = Instant::now();
+            }
+            Ok(_) if idle_since.elapsed() > STALL => {
+                bail!("the shadow's audit folder read nothing for {STALL:?} short of the live offsets {target:?}")
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!(error = %e, "shadow audit step failed; re-seeking");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                folder.start().await.context("re-positioning the shadow's audit folder")?;
+            }
+        }
+    }
+    Ok(folded)
+}
+
+/// Replays into `shadow`, compares with `live` (the audit log too), and
+/// swaps if given how.
+#[allow(clippy::too_many_arguments)]
 async fn rebuild<B, R, F>(
     live: &SqlStore<B>,
     shadow: SqlStore<B>,
     mut reader: R,
+    audit: AuditSide<R>,
     consumer: &str,
     topic: &str,
     max_batch: usize,
@@ -330,6 +401,10 @@ where
     let cut = Cut { consumer: consumer.to_owned(), topic: topic.to_owned(), processed_since };
     let live_state = snap.fold_state(&cut).await.context("reading the live aggregates")?;
     let live_keys = snap.notification_keys().await.context("reading the live outbox")?;
+    // The audit log, as of the same instant, and where the live audit
+    // folder stood then.
+    let audit_target = snap.offsets(&audit.consumer, &audit.topic).await.context("reading the audit offsets")?;
+    let live_audit = snap.audit_state().await.context("reading the live audit log")?;
     snap.close().await?;
     let shadow_state = s.store.fold_state(&cut).await.context("reading the shadow's aggregates")?;
     let shadow_keys = s.store.notification_keys().await.context("reading the shadow's outbox")?;
@@ -340,6 +415,11 @@ where
     );
     s.outcome.compared_rows = live_state.rows().max(shadow_state.rows());
     s.outcome.differences = diff(&live_state, &shadow_state);
+    let shadow_store: Arc<dyn meter::Store> = Arc::new(s.store.clone());
+    s.outcome.audit_entries = rebuild_audit(shadow_store, audit, &audit_target, max_batch).await?;
+    let shadow_audit = s.store.audit_state().await.context("reading the shadow's audit log")?;
+    s.outcome.compared_rows += live_audit.rows().max(shadow_audit.rows());
+    s.outcome.differences.extend(diff_in(AUDIT_TABLES, &live_audit, &shadow_audit));
 
     if let Some(swap) = swap {
         for attempt in 0.. {

@@ -1,6 +1,7 @@
 //! Tollgate in-process, with no external service: the embedded log and store
 //! in one SQLite file, the in-memory view (or any other view, Redis for
-//! instance), and the projector running as a task beside the gateway. It is
+//! instance), and the projector running as a task beside the gateway, with
+//! the audit relay and folder beside it. It is
 //! what `tollgate dev` runs and what a Rust service embeds under a
 //! [`TollgateLayer`](crate::TollgateLayer). The fold, the verdict and the API
 //! are the same code as the distributed deployment; only the ports differ.
@@ -9,6 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use meter::{Clock, PortError, PortResult, Store, View};
+use projector::audit::{AuditConfig, AuditFolder, AuditRelay};
 use projector::{Projector, ProjectorConfig};
 use store::{MemoryView, SqliteLog, SqliteStore};
 use tokio::sync::oneshot;
@@ -17,11 +19,15 @@ use tokio::task::JoinHandle;
 use crate::seeding::TailSource;
 use crate::state::{AppState, Settings};
 
-/// A running embedded Tollgate: the state to serve or layer, and its projector.
+/// A running embedded Tollgate: the state to serve or layer, its projector,
+/// and beside it the audit relay and folder (the audit outbox to the
+/// file's audit topic, that topic to the audit log).
 pub struct Embedded {
     pub state: AppState,
     stop: oneshot::Sender<()>,
     projector: JoinHandle<PortResult<()>>,
+    stop_audit: oneshot::Sender<()>,
+    audit: JoinHandle<PortResult<()>>,
 }
 
 impl Embedded {
@@ -43,6 +49,8 @@ impl Embedded {
         let log = SqliteLog::new(store.pool().clone(), "tollgate.");
         log.ensure_schema().await?;
         let reader = log.reader();
+        let audit_reader = log.audit_reader();
+        let audit_config = AuditConfig::new(log.audit_topic());
         let topic = log.usage_topic().to_owned();
         let store: Arc<dyn Store> = Arc::new(store);
         let config = ProjectorConfig::new(topic.clone());
@@ -53,14 +61,20 @@ impl Embedded {
             flush_timeout: std::time::Duration::from_secs(5),
             lease_horizon: settings.lease + std::time::Duration::from_secs(30),
         };
-        let state =
-            AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings).with_log_tail(tail);
+        let log = Arc::new(log);
+        let relay = AuditRelay::new(store.clone(), log.clone(), clock.clone(), audit_config.max_batch);
+        let folder = AuditFolder::new(audit_reader, store.clone(), audit_config);
+        let state = AppState::new(store.clone(), view.clone(), log, clock.clone(), settings).with_log_tail(tail);
         let projector = Projector::new(reader, store, view, clock, config);
         let (stop, stopped) = oneshot::channel::<()>();
         let projector = tokio::spawn(projector.run(async move {
             let _ = stopped.await;
         }));
-        Ok(Embedded { state, stop, projector })
+        let (stop_audit, audit_stopped) = oneshot::channel::<()>();
+        let audit = tokio::spawn(projector::audit::run(Some(relay), folder, async move {
+            let _ = audit_stopped.await;
+        }));
+        Ok(Embedded { state, stop, projector, stop_audit, audit })
     }
 
     /// How long [`Embedded::shutdown`] waits for queued publishes.
@@ -74,9 +88,15 @@ impl Embedded {
             tracing::warn!(error = %e, "shutting down with publishes still queued");
         }
         let _ = self.stop.send(());
-        match self.projector.await {
+        let _ = self.stop_audit.send(());
+        let folded = match self.projector.await {
             Ok(r) => r,
             Err(e) => Err(PortError::Permanent(format!("projector task: {e}"))),
+        };
+        match self.audit.await {
+            Ok(r) => r?,
+            Err(e) => return Err(PortError::Permanent(format!("audit task: {e}"))),
         }
+        folded
     }
 }

@@ -178,10 +178,11 @@ async fn every_answer_matches_the_document() {
     store.migrate().await.expect("migrate");
     let log = SqliteLog::new(store.pool().clone(), "tollgate.");
     log.ensure_schema().await.expect("log schema");
+    let (store, log) = (Arc::new(store), Arc::new(log));
     let state = AppState::new(
-        Arc::new(store),
+        store.clone(),
         Arc::new(MemoryView::new()),
-        Arc::new(log),
+        log.clone(),
         Arc::new(SystemClock),
         Settings::new("adm", "gw"),
     );
@@ -419,6 +420,14 @@ async fn every_answer_matches_the_document() {
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, _) = call(Method::GET, "/v1/usage", &format!("/v1/usage?project_id={pid}"), adm, None).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
+    // The audit log holds what the audit folder folded from the audit
+    // topic: relay the outbox the changes above wrote, and fold it.
+    let relay = projector::audit::AuditRelay::new(store.clone(), log.clone(), Arc::new(SystemClock), 100);
+    assert!(relay.drain().await.expect("relay") >= 2, "the quota changes above are in the outbox");
+    let config = projector::audit::AuditConfig::new(log.audit_topic());
+    let mut folder = projector::audit::AuditFolder::new(log.audit_reader(), store.clone(), config);
+    folder.start().await.expect("start the audit folder");
+    while folder.step().await.expect("fold the audit topic").read > 0 {}
     let (s, page) = call(Method::GET, "/v1/audit", &format!("/v1/audit?project_id={pid}&limit=1"), adm, None).await;
     assert_eq!((s, page["next"].is_string()), (StatusCode::OK, true));
     let (s, _) = call(Method::GET, "/v1/audit", &format!("/v1/audit?project_id={pid}&page=0"), adm, None).await;

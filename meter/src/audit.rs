@@ -7,10 +7,44 @@
 //! window**. The "once" is the entry's [`AuditEntry::once_key`], unique in
 //! the store, so any number of gateways racing on the same breach write one
 //! entry. Admin changes to quotas (`quotas:CreateQuota`, `quotas:UpdateQuota`,
-//! `quotas:DeleteQuota`) are written in the same transaction as the change.
+//! `quotas:DeleteQuota`), keys (`keys:CreateApiKey`, `keys:DeleteApiKey`),
+//! roles (`roles:CreateRole`) and webhook endpoints
+//! (`webhooks:CreateEndpoint`, `webhooks:UpdateEndpoint`,
+//! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`) are written in the
+//! same transaction as the change, with who made it; no secret is ever in
+//! an entry.
 //!
 //! Entry ids are time-ordered, so a project's log reads in id order and the
 //! id of the last entry read is the cursor of the next page.
+//!
+//! ## From the log (DESIGN §12)
+//!
+//! The audit trail is derived from the `tollgate.audit` topic, so every
+//! entry survives a rebuild of the store:
+//!
+//! 1. **Outbox.** Whoever makes an entry (an admin change, the fold of a
+//!    correction or of a monitor breach, a delivery that disables an endpoint)
+//!    writes it to the store's audit outbox in the transaction of what it
+//!    records ([`AuditStore::record_audit`](crate::AuditStore::record_audit)
+//!    and the ports that take entries). The once-key is unique there, so
+//!    "once" holds before the log.
+//! 2. **Relay.** Beside the audit folder (where the projector runs), the
+//!    relay publishes pending entries to the topic
+//!    ([`AuditLog`](crate::AuditLog)), then marks them published. A relay
+//!    killed between the two publishes them again: entries carry stable
+//!    ids, so a duplicate is the same entry.
+//! 3. **Folder.** A consumer of the topic with its own name and offsets
+//!    writes each entry into the audit log, the offsets moving in the same
+//!    transaction ([`AuditBatch`]), idempotent on the id (and the
+//!    once-key). `GET /v1/audit` reads that log: an entry appears there
+//!    about one poll after it was made.
+//!
+//! Ids the fold makes (corrections, monitor breaches) are derived from the
+//! record they come from ([`crate::correction::audit_id`], and the alert's
+//! dedup key in [`crate::alert`]), so a replay makes the same ones.
+//!
+//! Not audited: price book writes (the book is installation-wide, and the
+//! audit log is per project) and billing exports (not built yet).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -19,6 +53,9 @@ use crate::admission::{CheckOutcome, CheckPlan};
 use crate::error::named;
 use crate::ids::{AuditId, ProjectId, QuotaId};
 use crate::quota::{Metric, Quota};
+use crate::role::{Role, RoleQuota};
+use crate::tenant::{ApiKey, Grants};
+use crate::webhook::Endpoint;
 use crate::window::WindowKind;
 
 /// What an entry records.
@@ -32,16 +69,38 @@ pub enum AuditAction {
     CorrectEvent,
     /// A webhook endpoint disabled by delivery (a 410, five days failing).
     WebhookEndpointDisabled,
+    /// An API key created.
+    CreateApiKey,
+    /// An API key deleted.
+    DeleteApiKey,
+    /// A role created.
+    CreateRole,
+    /// A webhook endpoint subscribed.
+    CreateWebhook,
+    /// A webhook endpoint changed by an admin (url, event types,
+    /// description, enabled).
+    UpdateWebhook,
+    /// A webhook endpoint deleted.
+    DeleteWebhook,
+    /// A webhook endpoint's signing secret rotated.
+    RotateWebhookSecret,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 6] = [
+    pub const ALL: [AuditAction; 13] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
         AuditAction::DeleteQuota,
         AuditAction::CorrectEvent,
         AuditAction::WebhookEndpointDisabled,
+        AuditAction::CreateApiKey,
+        AuditAction::DeleteApiKey,
+        AuditAction::CreateRole,
+        AuditAction::CreateWebhook,
+        AuditAction::UpdateWebhook,
+        AuditAction::DeleteWebhook,
+        AuditAction::RotateWebhookSecret,
     ];
 
     /// The IAM-style action string.
@@ -53,6 +112,13 @@ impl AuditAction {
             AuditAction::DeleteQuota => "quotas:DeleteQuota",
             AuditAction::CorrectEvent => "events:CorrectEvent",
             AuditAction::WebhookEndpointDisabled => "webhook.endpoint_disabled",
+            AuditAction::CreateApiKey => "keys:CreateApiKey",
+            AuditAction::DeleteApiKey => "keys:DeleteApiKey",
+            AuditAction::CreateRole => "roles:CreateRole",
+            AuditAction::CreateWebhook => "webhooks:CreateEndpoint",
+            AuditAction::UpdateWebhook => "webhooks:UpdateEndpoint",
+            AuditAction::DeleteWebhook => "webhooks:DeleteEndpoint",
+            AuditAction::RotateWebhookSecret => "webhooks:RotateSecret",
         }
     }
 }
@@ -100,6 +166,94 @@ pub enum AuditDetail {
     },
     /// A webhook endpoint disabled by delivery.
     WebhookEndpointDisabled { url: String, reason: String },
+    /// An API key created (`before` null) or deleted (`after` null). Its
+    /// secret is never in it, only the prefix the key is shown by.
+    ApiKeyChange { before: Option<KeyView>, after: Option<KeyView> },
+    /// A role created.
+    RoleChange { before: Option<RoleView>, after: Option<RoleView> },
+    /// A webhook endpoint subscribed (`before` null), changed, or deleted
+    /// (`after` null). Its signing secrets are never in it.
+    WebhookChange { before: Option<EndpointView>, after: Option<EndpointView> },
+    /// A webhook endpoint's signing secret rotated: the old one signs beside
+    /// the new one until `previous_valid_until`. Neither secret is in it.
+    WebhookSecretRotated { previous_valid_until: DateTime<Utc> },
+}
+
+/// What an audit entry shows of an API key (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyView {
+    pub name: String,
+    pub prefix: String,
+    pub role_id: Option<String>,
+    pub grants: Grants,
+}
+
+impl From<&ApiKey> for KeyView {
+    fn from(k: &ApiKey) -> Self {
+        KeyView {
+            name: k.name.clone(),
+            prefix: k.prefix.clone(),
+            role_id: k.role_id.as_ref().map(ToString::to_string),
+            grants: k.grants.clone(),
+        }
+    }
+}
+
+/// What an audit entry shows of a role.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoleView {
+    pub name: String,
+    pub grants: Grants,
+    pub quota: Option<RoleQuota>,
+    pub exempt: bool,
+}
+
+impl From<&Role> for RoleView {
+    fn from(r: &Role) -> Self {
+        RoleView { name: r.name.clone(), grants: r.grants.clone(), quota: r.quota, exempt: r.exempt }
+    }
+}
+
+/// What an audit entry shows of a webhook endpoint (never its secrets).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointView {
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub description: Option<String>,
+    pub enabled: bool,
+}
+
+impl From<&Endpoint> for EndpointView {
+    fn from(e: &Endpoint) -> Self {
+        EndpointView {
+            url: e.url.clone(),
+            event_types: e.event_types.as_slice().to_vec(),
+            description: e.description.clone(),
+            enabled: e.enabled,
+        }
+    }
+}
+
+/// The entry recording an admin's change to a key, a role or a webhook
+/// endpoint (`action` says which change), by `by` at `at`.
+pub fn admin_change(
+    id: AuditId,
+    project_id: &ProjectId,
+    action: AuditAction,
+    resource: impl Into<String>,
+    detail: AuditDetail,
+    by: &Principal,
+    at: DateTime<Utc>,
+) -> AuditEntry {
+    AuditEntry {
+        id,
+        project_id: project_id.clone(),
+        action,
+        principal: Some(by.clone()),
+        resource: resource.into(),
+        detail,
+        created_at: at,
+    }
 }
 
 /// One entry of a project's audit log.
@@ -109,7 +263,8 @@ pub struct AuditEntry {
     pub project_id: ProjectId,
     pub action: AuditAction,
     pub principal: Option<Principal>,
-    /// The quota the entry is about.
+    /// What the entry is about: a quota, an event, a key, a role or a
+    /// webhook endpoint id.
     pub resource: String,
     pub detail: AuditDetail,
     pub created_at: DateTime<Utc>,
@@ -121,13 +276,31 @@ impl AuditEntry {
     pub fn once_key(&self) -> Option<String> {
         match &self.detail {
             AuditDetail::QuotaMonitorBreach { window_key, .. } => Some(format!("{}/{window_key}", self.resource)),
-            AuditDetail::QuotaChange { .. } | AuditDetail::WebhookEndpointDisabled { .. } => None,
+            AuditDetail::QuotaChange { .. }
+            | AuditDetail::WebhookEndpointDisabled { .. }
+            | AuditDetail::ApiKeyChange { .. }
+            | AuditDetail::RoleChange { .. }
+            | AuditDetail::WebhookChange { .. }
+            | AuditDetail::WebhookSecretRotated { .. } => None,
             // One entry per correction folded, whatever refolds it.
             AuditDetail::EventCorrection { correction_id, .. } => {
                 Some(format!("correction/{}/{correction_id}", self.project_id))
             }
         }
     }
+}
+
+/// Entries read from the audit topic, for the store to fold into the audit
+/// log atomically with the folder's offsets (see
+/// [`AuditStore::fold_audit`](crate::AuditStore::fold_audit)). Every record
+/// the offsets move past is one of `entries` or was dead-lettered (it could
+/// not be decoded) before the batch was folded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditBatch {
+    pub consumer: String,
+    pub topic: String,
+    pub entries: Vec<AuditEntry>,
+    pub offsets: Vec<crate::fold::OffsetMove>,
 }
 
 /// A monitor quota over its limit in one check.
@@ -301,5 +474,60 @@ mod tests {
         for a in AuditAction::ALL {
             assert_eq!(a.as_str().parse::<AuditAction>(), Ok(a));
         }
+    }
+
+    #[test]
+    fn an_admin_change_to_a_key_or_an_endpoint_shows_no_secret_and_round_trips_as_json() {
+        let at = utc("2026-07-07T12:31:10Z");
+        let key = ApiKey {
+            id: crate::ApiKeyId::parse("key_1").expect("id"),
+            project_id: ProjectId::parse("p1").expect("id"),
+            name: "ci".into(),
+            prefix: "tg_abcdefg".into(),
+            grants: Grants { max_concurrent: Some(2), query_timeout: None, max_rows: None },
+            role_id: Some(crate::RoleId::parse("role_1").expect("id")),
+            created_at: at,
+        };
+        let e = admin_change(
+            AuditId::parse("aud_1").expect("id"),
+            &key.project_id,
+            AuditAction::CreateApiKey,
+            key.id.as_str(),
+            AuditDetail::ApiKeyChange { before: None, after: Some(KeyView::from(&key)) },
+            &Principal::new("admin", "admin_token"),
+            at,
+        );
+        assert_eq!((e.action.as_str(), e.resource.as_str(), e.once_key()), ("keys:CreateApiKey", "key_1", None));
+        let json = serde_json::to_value(&e.detail).expect("encode");
+        assert_eq!(
+            json,
+            serde_json::json!({"kind": "api_key_change", "before": null,
+                               "after": {"name": "ci", "prefix": "tg_abcdefg", "role_id": "role_1",
+                                         "grants": {"max_concurrent": 2}}})
+        );
+        assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), e.detail);
+
+        let endpoint = Endpoint {
+            id: crate::WebhookId::parse("wh_1").expect("id"),
+            project_id: ProjectId::parse("p1").expect("id"),
+            url: "https://hooks.example.com/x".into(),
+            event_types: crate::webhook::EventTypes::parse(vec!["quota.*".into()], "event_types").expect("types"),
+            description: None,
+            enabled: true,
+            disabled_reason: None,
+            secret: "whsec_new".into(),
+            previous_secret: Some(("whsec_old".into(), at)),
+            failing_since: None,
+            created_at: at,
+            updated_at: at,
+        };
+        let changed = AuditDetail::WebhookChange { before: Some((&endpoint).into()), after: None };
+        let text = serde_json::to_string(&changed).expect("encode");
+        assert!(!text.contains("whsec_"), "{text}");
+        assert_eq!(serde_json::from_str::<AuditDetail>(&text).expect("decode"), changed);
+        let rotated = AuditDetail::WebhookSecretRotated { previous_valid_until: at };
+        let json = serde_json::to_value(&rotated).expect("encode");
+        assert_eq!(json["kind"], "webhook_secret_rotated");
+        assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), rotated);
     }
 }

@@ -86,7 +86,10 @@ pub use admission::{
     Watched, decide, plan_check,
 };
 pub use apply::{DesiredQuota, QuotaPlan};
-pub use audit::{AuditAction, AuditDetail, AuditEntry, MonitorBreach, Principal};
+pub use audit::{
+    AuditAction, AuditBatch, AuditDetail, AuditEntry, EndpointView, KeyView, MonitorBreach, Principal, RoleView,
+    admin_change,
+};
 pub use clock::{Clock, ManualClock};
 pub use correction::{Counted, Target};
 pub use error::{FieldError, PortError, PortResult, UnknownName};

@@ -4,7 +4,8 @@
 //! conformance suite.
 //!
 //! The durable store is seven traits — [`TenantStore`] (projects, keys,
-//! roles), [`QuotaStore`], [`AuditStore`], [`PriceStore`] (the price book
+//! roles), [`QuotaStore`], [`AuditStore`] (the audit outbox and the
+//! audit log folded from the audit topic), [`PriceStore`] (the price book
 //! and what it failed to price), [`Ledger`] (the fold, its offsets and the
 //! durable totals), [`ReportStore`] (usage reports) and [`WebhookStore`]
 //! (endpoints and the notification outbox) — which one database
@@ -20,7 +21,7 @@ use chrono::{DateTime, Utc};
 
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
-use crate::audit::AuditEntry;
+use crate::audit::{AuditBatch, AuditEntry};
 use crate::error::PortResult;
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
 use crate::ids::{ApiKeyId, AuditId, EventId, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
@@ -34,19 +35,21 @@ use crate::view::{CounterUsage, Hold, Seed, Settlement};
 use crate::webhook::{Attempt, DeliveryStatus, DueDelivery, Endpoint, EndpointChange, Next, Notification};
 use crate::window::WindowKind;
 
-/// Projects, API keys and roles.
+/// Projects, API keys and roles. A change to a key or a role takes its
+/// audit entries, which are written to the audit outbox in the change's
+/// transaction (see [`AuditStore`]): both or neither.
 #[async_trait]
 pub trait TenantStore: Send + Sync {
     async fn create_project(&self, project: &Project) -> PortResult<()>;
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>>;
-    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()>;
+    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
     /// Soft-deletes a key (`deleted_at`): it no longer authenticates or
     /// reads back, and quotas naming it go inert. False if there was no
-    /// live key with this id.
-    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool>;
-    async fn create_role(&self, role: &Role) -> PortResult<()>;
+    /// live key with this id (and `audit` is not written).
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>, audit: &[AuditEntry]) -> PortResult<bool>;
+    async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()>;
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
 }
 
@@ -64,15 +67,34 @@ pub trait QuotaStore: Send + Sync {
     async fn apply_quotas(&self, plan: &QuotaPlan, audit: &[AuditEntry]) -> PortResult<()>;
 }
 
-/// The audit log.
+/// The audit trail (see [`crate::audit`]): an **outbox** every writer fills
+/// in its own transaction, which the audit relay publishes to the audit
+/// topic, and the **audit log** the audit folder writes from that topic,
+/// which is what [`AuditStore::audit`] reads.
 #[async_trait]
 pub trait AuditStore: Send + Sync {
-    /// Appends an audit entry. An entry with a
+    /// Writes an entry to the outbox, to be published. An entry with a
     /// [`once_key`](AuditEntry::once_key) (a monitor breach: its quota and
-    /// window) is written at most once: returns whether this call wrote it.
+    /// window) is written at most once, and so is an id: returns whether
+    /// this call wrote it. It reaches [`AuditStore::audit`] once relayed and
+    /// folded (about a poll later).
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool>;
-    /// A project's audit entries in id (time) order, after the cursor, at most `limit`.
+    /// A project's folded audit entries in id (time) order, after the cursor, at most `limit`.
     async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>>;
+    /// Up to `limit` outbox entries not yet published, in the order they
+    /// were written.
+    async fn unpublished_audit(&self, limit: usize) -> PortResult<Vec<AuditEntry>>;
+    /// Records outbox entries as on the audit topic since `at`. Idempotent;
+    /// an id the outbox does not hold is ignored.
+    async fn audit_published(&self, ids: &[AuditId], at: DateTime<Utc>) -> PortResult<()>;
+    /// Folds entries read from the audit topic into the audit log and moves
+    /// the batch's consumer offsets past them, in **one transaction**. An
+    /// entry whose id (or once-key) the log holds already adds nothing, so
+    /// a record published twice (a relay killed between its publish and its
+    /// mark) is one entry. Fails with
+    /// [`PortError::Fenced`](crate::PortError::Fenced), changing nothing, if
+    /// the offsets moved. Returns how many entries were new.
+    async fn fold_audit(&self, batch: &AuditBatch) -> PortResult<usize>;
 }
 
 /// The price book, and the usage it could not price.
@@ -218,18 +240,20 @@ pub trait ReportStore: Send + Sync {
 }
 
 /// Webhook endpoints and the notification outbox (see [`crate::webhook`]).
+/// An admin's change to an endpoint takes its audit entries, written to the
+/// audit outbox in the change's transaction (only if the change happened).
 #[async_trait]
 pub trait WebhookStore: Send + Sync {
-    async fn create_endpoint(&self, endpoint: &Endpoint) -> PortResult<()>;
+    async fn create_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<()>;
     async fn endpoint(&self, id: &WebhookId) -> PortResult<Option<Endpoint>>;
     /// A project's endpoints, in id (creation) order.
     async fn endpoints(&self, project: &ProjectId) -> PortResult<Vec<Endpoint>>;
     /// Replaces what can change of an endpoint (url, event types,
     /// description, enabled, disabled reason, secrets, failing since,
     /// updated at). False if there is no such endpoint.
-    async fn update_endpoint(&self, endpoint: &Endpoint) -> PortResult<bool>;
+    async fn update_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<bool>;
     /// Deletes an endpoint and its deliveries. False if there was none.
-    async fn delete_endpoint(&self, id: &WebhookId) -> PortResult<bool>;
+    async fn delete_endpoint(&self, id: &WebhookId, audit: &[AuditEntry]) -> PortResult<bool>;
     /// Enqueues a notification **once**: the message, and a pending
     /// delivery due at its `created_at` to every enabled endpoint of its
     /// project whose event types match (only to `to`, if given), all in one
@@ -402,6 +426,18 @@ pub trait Log: Send + Sync {
         let _ = timeout;
         Ok(())
     }
+}
+
+/// The write side of the audit topic: where the audit relay publishes the
+/// outbox ([`AuditStore::unpublished_audit`]).
+///
+/// `Ok` once every entry is durably on the topic (acks from all replicas),
+/// keyed by project and in order within a project. Nothing is queued: on an
+/// error some entries may be on the topic and some not, and the relay
+/// publishes them all again; the audit folder keeps one of each id.
+#[async_trait]
+pub trait AuditLog: Send + Sync {
+    async fn publish_audit(&self, entries: &[AuditEntry]) -> PortResult<()>;
 }
 
 /// A project's records of the usage log past given offsets, up to where the

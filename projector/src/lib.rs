@@ -57,7 +57,14 @@
 //! store meanwhile. What this cannot rule out: a publish held in a stalled
 //! broker's socket beyond both the producer's timeout and the lease, which
 //! lands after another attempt found nothing.
+//!
+//! ## The audit trail
+//!
+//! Beside the projector, the [`audit`] relay publishes the store's audit
+//! outbox to the audit topic, and the audit folder writes the audit log
+//! from that topic (its own consumer name and offsets).
 
+pub mod audit;
 pub mod notify;
 
 use std::collections::{BTreeMap, BTreeSet};

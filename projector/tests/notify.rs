@@ -121,7 +121,7 @@ async fn subscribe(store: &dyn Store, id: &str, url: String, secret: &str) -> En
         created_at: utc(T0),
         updated_at: utc(T0),
     };
-    store.create_endpoint(&e).await.expect("create endpoint");
+    store.create_endpoint(&e, &[]).await.expect("create endpoint");
     e
 }
 
@@ -225,7 +225,7 @@ async fn a_410_disables_the_endpoint_and_a_redirect_is_not_followed() {
         let stored = store.endpoint(&e.id).await.unwrap().unwrap();
         assert!(!stored.enabled);
         assert!(stored.disabled_reason.unwrap().contains("410"));
-        let audit = store.audit(&e.project_id, None, 10).await.expect("audit");
+        let audit = store.unpublished_audit(10).await.expect("audit outbox");
         assert_eq!(audit.len(), 1);
         assert_eq!(audit[0].action, AuditAction::WebhookEndpointDisabled);
         assert_eq!(audit[0].resource, "wh_a");
@@ -257,7 +257,7 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
         }
         if !store.endpoint(&e.id).await.unwrap().unwrap().enabled {
             assert_eq!(day, 5, "disabled on the fifth day of failures, not before");
-            let audit = store.audit(&e.project_id, None, 10).await.expect("audit");
+            let audit = store.unpublished_audit(10).await.expect("audit outbox");
             assert_eq!(audit.len(), 1);
             assert!(audit[0].action == AuditAction::WebhookEndpointDisabled);
             return;
@@ -277,7 +277,7 @@ async fn the_previous_secret_signs_beside_the_new_one_for_a_day() {
     let new = new_secret();
     e.secret = new.clone();
     e.previous_secret = Some((old.clone(), utc(T0) + Duration::hours(24)));
-    store.update_endpoint(&e).await.expect("rotate");
+    store.update_endpoint(&e, &[]).await.expect("rotate");
     let clock = ManualClock::new(utc(T0));
     let notifier = notifier(store.clone(), &clock, "n1");
     exceeded(store.as_ref(), "msg_1", "w1", utc(T0)).await;

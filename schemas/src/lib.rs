@@ -26,12 +26,17 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod audit;
 pub mod error;
 pub mod event;
 pub mod registry;
 pub mod single_object;
 
+pub use audit::{AuditRecord, decode_audit, encode_audit};
 pub use error::SchemaError;
 pub use event::{HeldCounter, QuotaBreach, TokenUsage, UsageEvent};
-pub use registry::{SchemaVersion, find_usage_schema, usage_schema, usage_schema_version, usage_schema_versions};
+pub use registry::{
+    SchemaVersion, audit_schema_version, audit_schema_versions, find_audit_schema, find_usage_schema, usage_schema,
+    usage_schema_version, usage_schema_versions,
+};
 pub use single_object::{decode_event, decode_usage, encode_event, encode_usage};

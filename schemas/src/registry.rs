@@ -42,10 +42,15 @@ pub const USAGE_SOURCES: &[(u32, &str)] = &[
     (3, include_str!("../avro/usage_event.v3.avsc")),
 ];
 
-/// One known version of the usage schema.
+/// The source of every shipped audit entry schema version
+/// (`avro/audit_entry.v<N>.avsc`), oldest first; the same rules as
+/// [`USAGE_SOURCES`].
+pub const AUDIT_SOURCES: &[(u32, &str)] = &[(1, include_str!("../avro/audit_entry.v1.avsc"))];
+
+/// One known version of a schema (usage event or audit entry).
 #[derive(Debug, Clone)]
 pub struct SchemaVersion {
-    /// `N` of `usage_event.vN.avsc`.
+    /// `N` of `usage_event.vN.avsc` (or `audit_entry.vN.avsc`).
     pub version: u32,
     /// The schema's JSON as shipped.
     pub source: &'static str,
@@ -61,7 +66,7 @@ impl SchemaVersion {
     /// Parses one schema version.
     pub fn parse(version: u32, source: &'static str) -> Result<Self, SchemaError> {
         let schema = Schema::parse_str(source)
-            .map_err(|e| SchemaError::Malformed(format!("usage schema v{version} does not parse: {e}")))?;
+            .map_err(|e| SchemaError::Malformed(format!("schema v{version} does not parse: {e}")))?;
         let canonical_form = canonical_form(&schema);
         let fingerprint = fingerprint_of_canonical(&canonical_form)?;
         Ok(SchemaVersion { version, source, schema, canonical_form, fingerprint })
@@ -97,6 +102,32 @@ pub fn usage_schema() -> &'static Schema {
 /// The known version with this fingerprint, if any.
 pub fn find_usage_schema(fingerprint: u64) -> Option<&'static SchemaVersion> {
     usage_schema_versions().iter().find(|v| v.fingerprint == fingerprint)
+}
+
+/// Every known version of the audit entry schema, oldest first; the last is
+/// the current one.
+pub fn audit_schema_versions() -> &'static [SchemaVersion] {
+    static VERSIONS: OnceLock<Vec<SchemaVersion>> = OnceLock::new();
+    VERSIONS.get_or_init(|| {
+        AUDIT_SOURCES
+            .iter()
+            .map(|(version, source)| {
+                // Invariant: as for the usage schemas, compiled in and parsed by the tests.
+                SchemaVersion::parse(*version, source).expect("a bundled audit schema parses")
+            })
+            .collect()
+    })
+}
+
+/// The current audit entry schema version: what the relay writes.
+pub fn audit_schema_version() -> &'static SchemaVersion {
+    // Invariant: AUDIT_SOURCES is a non-empty constant.
+    audit_schema_versions().last().expect("at least one audit schema version")
+}
+
+/// The known audit entry schema version with this fingerprint, if any.
+pub fn find_audit_schema(fingerprint: u64) -> Option<&'static SchemaVersion> {
+    audit_schema_versions().iter().find(|v| v.fingerprint == fingerprint)
 }
 
 const PRIMITIVES: [&str; 8] = ["null", "boolean", "int", "long", "float", "double", "bytes", "string"];
@@ -168,16 +199,38 @@ mod tests {
     #[test]
     fn every_schema_file_is_in_the_registry() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("avro");
+        let mut seen = 0;
         for entry in std::fs::read_dir(&dir).expect("avro dir") {
             let name = entry.expect("entry").file_name().into_string().expect("utf-8 name");
-            let Some(n) = name.strip_prefix("usage_event.v").and_then(|s| s.strip_suffix(".avsc")) else {
-                continue;
+            let (n, sources) = if let Some(n) = name.strip_prefix("usage_event.v") {
+                (n, USAGE_SOURCES)
+            } else if let Some(n) = name.strip_prefix("audit_entry.v") {
+                (n, AUDIT_SOURCES)
+            } else {
+                panic!("{name}: neither usage_event.v<N>.avsc nor audit_entry.v<N>.avsc");
             };
-            let n: u32 = n.parse().expect("usage_event.v<N>.avsc");
+            let n: u32 = n.strip_suffix(".avsc").and_then(|n| n.parse().ok()).expect("<name>.v<N>.avsc");
             let on_disk = std::fs::read_to_string(dir.join(&name)).expect("read");
-            let listed =
-                USAGE_SOURCES.iter().find(|(v, _)| *v == n).unwrap_or_else(|| panic!("{name} not in USAGE_SOURCES"));
+            let listed = sources.iter().find(|(v, _)| *v == n).unwrap_or_else(|| panic!("{name} not in the registry"));
             assert_eq!(listed.1, on_disk, "{name}");
+            seen += 1;
+        }
+        assert_eq!(seen, USAGE_SOURCES.len() + AUDIT_SOURCES.len(), "every listed version is on disk");
+    }
+
+    #[test]
+    fn audit_versions_parse_in_order_and_share_no_fingerprint_with_any_other_schema() {
+        let audit = audit_schema_versions();
+        for (i, v) in audit.iter().enumerate() {
+            assert_eq!(v.version as usize, i + 1, "versions are 1..=n, oldest first");
+            assert!(!v.canonical_form.contains("logicalType"));
+        }
+        for a in audit {
+            for b in audit.iter().chain(usage_schema_versions()) {
+                if !std::ptr::eq(a, b) {
+                    assert_ne!(a.fingerprint, b.fingerprint, "audit v{} and v{}", a.version, b.version);
+                }
+            }
         }
     }
 

@@ -26,7 +26,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use meter::{DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact};
+use meter::{
+    AuditEntry, AuditLog, DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact,
+};
 use rdkafka::admin::{
     AdminClient, AdminOptions, NewTopic, OwnedResourceSpecifier, ResourceSpecifier, TopicReplication,
 };
@@ -73,7 +75,8 @@ pub struct KafkaConfig {
     /// How long the dead-letter topic keeps records (forever by default:
     /// each is an acknowledged event the fold could not take).
     pub dlq_retention: Retention,
-    /// How long the audit topic keeps records (400 days by default).
+    /// How long the audit topic keeps records (forever by default: the audit
+    /// log is folded from it, and a rebuilt store gets back what it kept).
     pub audit_retention: Retention,
 }
 
@@ -122,7 +125,7 @@ impl KafkaConfig {
             publish: PublishOptions::default(),
             usage_retention: Retention::Forever,
             dlq_retention: Retention::Forever,
-            audit_retention: Retention::For(Duration::from_secs(400 * 86_400)),
+            audit_retention: Retention::Forever,
         }
     }
     pub fn usage_topic(&self) -> String {
@@ -320,6 +323,60 @@ impl Log for KafkaLog {
     }
 }
 
+/// How long an audit publish waits for its delivery reports. Nobody waits
+/// on the relay, so it is long (a busy broker is not an outage); records
+/// still in flight then may land later, and their republish is deduplicated.
+pub const AUDIT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Publishes audit entries to the audit topic ([`AuditLog`]): Avro single-object
+/// encoded ([`schemas::encode_audit`]), keyed by project, with the
+/// idempotent `acks=all` producer; a publish waits for every delivery
+/// report, at most [`AUDIT_PUBLISH_TIMEOUT`]. Nothing is queued: the audit relay
+/// publishes from the store's outbox again until it succeeds. Cheap to clone.
+#[derive(Clone)]
+pub struct KafkaAuditLog {
+    producer: FutureProducer,
+    topic: String,
+    timeout: Duration,
+}
+
+impl KafkaAuditLog {
+    pub fn new(config: &KafkaConfig) -> PortResult<Self> {
+        Ok(KafkaAuditLog { producer: config.producer()?, topic: config.audit_topic(), timeout: AUDIT_PUBLISH_TIMEOUT })
+    }
+}
+
+#[async_trait]
+impl AuditLog for KafkaAuditLog {
+    async fn publish_audit(&self, entries: &[AuditEntry]) -> PortResult<()> {
+        let mut sent = Vec::with_capacity(entries.len());
+        for e in entries {
+            let payload = schemas::encode_audit(e).map_err(|e| PortError::Permanent(e.to_string()))?;
+            let record = FutureRecord::to(&self.topic).key(e.project_id.as_str()).payload(&payload);
+            sent.push(self.producer.send_result(record).map_err(|(e, _)| kafka_err(e))?);
+        }
+        let reports = async {
+            for delivery in sent {
+                match delivery.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err((e, _))) => return Err(kafka_err(e)),
+                    Err(_) => return Err(PortError::Transient("the producer dropped a delivery report".into())),
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(self.timeout, reports)
+            .instrument(info_span!("datastore", op = "kafka.publish_audit", n = entries.len()))
+            .await
+        {
+            Ok(r) => r,
+            Err(_) => {
+                Err(PortError::Transient(format!("the audit topic did not acknowledge within {:?}", self.timeout)))
+            }
+        }
+    }
+}
+
 /// What a producer knows of its broker, from librdkafka's error callback and
 /// its delivery reports (see [`KafkaLog`]).
 #[derive(Debug, Default)]
@@ -459,7 +516,8 @@ impl Transport for KafkaSender {
     }
 }
 
-/// Reads the usage topic from explicit offsets, and dead-letters what cannot be folded.
+/// Reads the usage topic (or the audit topic, [`KafkaReader::audit`]) from
+/// explicit offsets, and dead-letters what cannot be folded.
 pub struct KafkaReader {
     consumer: StreamConsumer,
     dlq: FutureProducer,
@@ -475,7 +533,19 @@ const DLQ_SCAN_DEADLINE: Duration = Duration::from_secs(30);
 pub const DLQ_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl KafkaReader {
+    /// A reader of the usage topic.
     pub fn new(config: &KafkaConfig, group: &str) -> PortResult<Self> {
+        Self::on_topic(config, group, &config.usage_topic())
+    }
+
+    /// A reader of the audit topic (the audit folder's); what it cannot
+    /// decode goes to the same dead-letter topic, naming the audit topic
+    /// as its source.
+    pub fn audit(config: &KafkaConfig, group: &str) -> PortResult<Self> {
+        Self::on_topic(config, group, &config.audit_topic())
+    }
+
+    fn on_topic(config: &KafkaConfig, group: &str, topic: &str) -> PortResult<Self> {
         let consumer: StreamConsumer = config
             .client()
             .set("group.id", group)
@@ -510,7 +580,7 @@ impl KafkaReader {
             consumer,
             dlq,
             dlq_reader: Arc::new(dlq_reader),
-            topic: config.usage_topic(),
+            topic: topic.to_owned(),
             dlq_topic: config.dlq_topic(),
         })
     }

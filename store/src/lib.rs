@@ -31,7 +31,7 @@ pub mod sqlite_log;
 pub mod sqlite_store;
 
 #[cfg(feature = "kafka")]
-pub use kafka::{KafkaConfig, KafkaLog, KafkaReader, KafkaTail, ProducerState, Retention};
+pub use kafka::{KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, ProducerState, Retention};
 pub use memory_view::MemoryView;
 #[cfg(any(feature = "kafka", feature = "embedded"))]
 pub use outbox::PublishOptions;

@@ -6,7 +6,10 @@
 //! (`store/tests/log_conformance.rs`).
 //!
 //! - Records are usage facts, Avro single-object encoded by
-//!   [`schemas::encode_usage`], keyed by project id, in `log_records`. A topic
+//!   [`schemas::encode_usage`], keyed by project id, in `log_records`; the
+//!   audit topic (`<prefix>audit`, [`AuditLog`]) is in the same table,
+//!   entries encoded by [`schemas::encode_audit`], appended by a writer of
+//!   its own. A topic
 //!   has one partition, `0`, so its order is total (one project's facts are
 //!   in order a fortiori).
 //! - **Group commit.** One writer task per log (shared by its clones) makes
@@ -83,7 +86,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use meter::{DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact};
+use meter::{
+    AuditEntry, AuditLog, DlqMark, Log, LogReader, LogRecord, LogTail, PortError, PortResult, ProjectId, UsageFact,
+};
 use sqlx::Row;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -157,6 +162,8 @@ const SCHEMA: [&str; 4] = [
 #[derive(Debug, Clone)]
 pub struct SqliteLog {
     appender: Appender,
+    /// Appends to the audit topic (its own writer; not queued).
+    audit: Appender,
     dlq_topic: String,
     outbox: Outbox<Appender>,
 }
@@ -190,13 +197,21 @@ impl SqliteLog {
 
     /// [`SqliteLog::new`] with how publishes wait and queue.
     pub fn with_options(pool: SqlitePool, topic_prefix: &str, options: PublishOptions) -> SqliteLog {
+        let published = Arc::new(Notify::new());
         let appender = Appender {
-            pool,
+            pool: pool.clone(),
             topic: format!("{topic_prefix}usage"),
-            published: Arc::new(Notify::new()),
+            published: Arc::clone(&published),
             writer: Arc::new(Mutex::new(None)),
         };
-        SqliteLog { outbox: Outbox::new(appender.clone(), options), appender, dlq_topic: format!("{topic_prefix}dlq") }
+        let audit =
+            Appender { pool, topic: format!("{topic_prefix}audit"), published, writer: Arc::new(Mutex::new(None)) };
+        SqliteLog {
+            outbox: Outbox::new(appender.clone(), options),
+            appender,
+            audit,
+            dlq_topic: format!("{topic_prefix}dlq"),
+        }
     }
 
     /// Creates the log's tables if they are missing, and adds the append
@@ -235,6 +250,17 @@ impl SqliteLog {
 
     pub fn usage_topic(&self) -> &str {
         &self.appender.topic
+    }
+
+    /// A reader of the audit topic (the audit folder's), woken by this
+    /// log's audit publishes; its dead letters go to the same DLQ topic,
+    /// naming the audit topic as their source.
+    pub fn audit_reader(&self) -> SqliteLogReader {
+        SqliteLogReader { topic: self.audit.topic.clone(), ..self.reader() }
+    }
+
+    pub fn audit_topic(&self) -> &str {
+        &self.audit.topic
     }
 
     pub fn dlq_topic(&self) -> &str {
@@ -324,6 +350,21 @@ impl Log for SqliteLog {
 
     async fn flush(&self, timeout: Duration) -> PortResult<()> {
         self.outbox.flush(timeout).await
+    }
+}
+
+/// The audit topic in the same file: one publish is one transaction of the
+/// audit topic's writer (all of it or none), not queued: the audit relay
+/// publishes from the store's outbox again after a failure.
+#[async_trait]
+impl AuditLog for SqliteLog {
+    async fn publish_audit(&self, entries: &[AuditEntry]) -> PortResult<()> {
+        let mut records = Vec::with_capacity(entries.len());
+        for e in entries {
+            let payload = schemas::encode_audit(e).map_err(|e| PortError::Permanent(e.to_string()))?;
+            records.push((e.project_id.as_str().as_bytes().to_vec(), payload));
+        }
+        self.audit.append(records).await
     }
 }
 
@@ -438,7 +479,8 @@ impl LogTail for SqliteLog {
     }
 }
 
-/// Reads the usage topic from explicit offsets, and dead-letters what cannot be folded.
+/// Reads the usage topic (or the audit topic, [`SqliteLog::audit_reader`])
+/// from explicit offsets, and dead-letters what cannot be folded.
 #[derive(Debug)]
 pub struct SqliteLogReader {
     pool: SqlitePool,

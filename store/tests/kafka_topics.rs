@@ -32,19 +32,20 @@ async fn created_topics_carry_their_retention() {
     defaults.ensure_topics().await.expect("create topics");
     let names = [defaults.usage_topic(), defaults.dlq_topic(), defaults.audit_topic()];
     let got = retention_ms(&brokers, &names).await;
-    let want = [Some("-1".to_owned()), Some("-1".to_owned()), Some((400u64 * 86_400_000).to_string())];
-    assert_eq!(got, want, "usage and dlq kept forever, audit 400 days, by default");
+    let want = [Some("-1".to_owned()), Some("-1".to_owned()), Some("-1".to_owned())];
+    assert_eq!(got, want, "usage, dlq and audit kept forever by default");
 
     let mut custom = KafkaConfig::new(&brokers, testkit::topic_prefix("tg-topics"));
     custom.usage_retention = "90days".parse().expect("a retention");
     custom.dlq_retention = Retention::For(Duration::from_secs(3600));
-    custom.audit_retention = Retention::Forever;
+    custom.audit_retention = Retention::For(Duration::from_secs(400 * 86_400));
     custom.ensure_topics().await.expect("create topics");
     // Again: an existing topic is left as it is, without an error.
     custom.ensure_topics().await.expect("topics exist");
     let names = [custom.usage_topic(), custom.dlq_topic(), custom.audit_topic()];
     let got = retention_ms(&brokers, &names).await;
-    let want = [Some((90u64 * 86_400_000).to_string()), Some("3600000".to_owned()), Some("-1".to_owned())];
+    let want =
+        [Some((90u64 * 86_400_000).to_string()), Some("3600000".to_owned()), Some((400u64 * 86_400_000).to_string())];
     assert_eq!(got, want, "each topic as configured");
 }
 

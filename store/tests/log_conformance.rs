@@ -27,11 +27,16 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use meter::{ApiKeyId, EventId, EventKind, Log, LogReader, LogRecord, Outcome, PortError, ProjectId, UsageFact};
+use meter::{
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, AuditLog, EventId, EventKind, Log, LogReader, LogRecord,
+    Outcome, PortError, Principal, ProjectId, UsageFact,
+};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use store::{KafkaConfig, KafkaLog, KafkaReader, PublishOptions, SqliteLog, SqliteLogReader, SqliteStore};
+use store::{
+    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, PublishOptions, SqliteLog, SqliteLogReader, SqliteStore,
+};
 
 /// How long a test waits for records it knows are there.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -47,6 +52,14 @@ trait Harness: Send + Sync {
     /// The dead letters as (original payload, reason), once `expected` of
     /// them are there (or the deadline passed).
     async fn dead_letters(&self, expected: usize) -> Vec<(Vec<u8>, String)>;
+    /// The audit topic's writer (the suites' harnesses; not the outage ones').
+    fn audit_log(&self) -> &dyn AuditLog {
+        unreachable!("this harness has no audit topic")
+    }
+    /// A new reader of the audit topic (not yet positioned).
+    async fn audit_reader(&self) -> Box<dyn LogReader> {
+        unreachable!("this harness has no audit topic")
+    }
 }
 
 macro_rules! conformance {
@@ -73,6 +86,7 @@ macro_rules! suite {
             many_concurrent_publishers_are_each_read_back_once,
             every_record_carries_the_logs_timestamp,
             the_dlq_tells_which_records_it_holds_past_a_mark,
+            audit_entries_read_back_from_their_own_topic,
         );
     };
 }
@@ -297,6 +311,44 @@ async fn published_facts_read_back_in_order(h: &dyn Harness) {
         assert_eq!(r.key.as_deref(), Some(f.project_id.as_str().as_bytes()), "keyed by project");
         assert_eq!(r.payload, schemas::encode_usage(f).expect("encode"), "the bytes as encoded");
     }
+    assert_nothing_more(reader.as_mut()).await;
+}
+
+/// Audit entries go to the audit topic, read back in order with their
+/// project as the key, and usage facts stay on theirs: neither reader sees
+/// the other's records.
+async fn audit_entries_read_back_from_their_own_topic(h: &dyn Harness) {
+    let at = at();
+    let entries: Vec<AuditEntry> = (0..5)
+        .map(|n| AuditEntry {
+            id: AuditId::parse(format!("aud_{n:04}")).expect("id"),
+            project_id: ProjectId::parse(if n % 2 == 0 { "pa" } else { "pb" }).expect("id"),
+            action: AuditAction::CreateQuota,
+            principal: Some(Principal::new("admin", "api")),
+            resource: format!("quota_{n}"),
+            detail: AuditDetail::QuotaChange { before: None, after: None },
+            created_at: at + chrono::Duration::microseconds(n),
+        })
+        .collect();
+    let usage = facts(3);
+    h.log().publish(&usage).await.expect("publish usage");
+    h.audit_log().publish_audit(&entries[..2]).await.expect("publish audit");
+    h.audit_log().publish_audit(&entries[2..]).await.expect("publish audit");
+    h.audit_log().publish_audit(&[]).await.expect("publishing nothing is fine");
+
+    let mut audit = h.audit_reader().await;
+    let partitions = audit.partitions().await.expect("partitions");
+    audit.seek(&partitions.into_iter().map(|p| (p, 0)).collect()).await.expect("seek");
+    let got = read_n(audit.as_mut(), entries.len()).await;
+    let decoded: Vec<AuditEntry> = got.iter().map(|r| schemas::decode_audit(&r.payload).expect("an entry")).collect();
+    assert_eq!(decoded, entries);
+    for (r, e) in got.iter().zip(&entries) {
+        assert_eq!(r.key.as_deref(), Some(e.project_id.as_str().as_bytes()), "keyed by project");
+    }
+    assert_nothing_more(audit.as_mut()).await;
+
+    let mut reader = reader_at(h, 0).await;
+    assert_eq!(decode(&read_n(reader.as_mut(), usage.len()).await), usage);
     assert_nothing_more(reader.as_mut()).await;
 }
 
@@ -548,6 +600,7 @@ async fn assert_each_publish_read_back_once(h: &dyn Harness, sent: &[Vec<Vec<Usa
 struct KafkaHarness {
     config: KafkaConfig,
     log: KafkaLog,
+    audit: KafkaAuditLog,
 }
 
 impl KafkaHarness {
@@ -563,7 +616,8 @@ impl KafkaHarness {
         config.publish = PublishOptions { timeout: Duration::from_secs(30), ..PublishOptions::default() };
         config.ensure_topics().await.expect("create the test topics");
         let log = KafkaLog::new(&config).expect("producer");
-        Some(KafkaHarness { config, log })
+        let audit = KafkaAuditLog::new(&config).expect("audit producer");
+        Some(KafkaHarness { config, log, audit })
     }
 }
 
@@ -576,6 +630,15 @@ impl Harness for KafkaHarness {
     async fn reader(&self) -> Box<dyn LogReader> {
         let group = format!("{}reader-{}", self.config.topic_prefix, uuid::Uuid::new_v4().simple());
         Box::new(KafkaReader::new(&self.config, &group).expect("consumer"))
+    }
+
+    fn audit_log(&self) -> &dyn AuditLog {
+        &self.audit
+    }
+
+    async fn audit_reader(&self) -> Box<dyn LogReader> {
+        let group = format!("{}audit-{}", self.config.topic_prefix, uuid::Uuid::new_v4().simple());
+        Box::new(KafkaReader::audit(&self.config, &group).expect("consumer"))
     }
 
     async fn publish_raw(&self, key: &str, payload: &[u8]) {
@@ -659,6 +722,14 @@ impl Harness for SqliteHarness {
 
     async fn reader(&self) -> Box<dyn LogReader> {
         Box::new(self.log.reader())
+    }
+
+    fn audit_log(&self) -> &dyn AuditLog {
+        &self.log
+    }
+
+    async fn audit_reader(&self) -> Box<dyn LogReader> {
+        Box::new(self.log.audit_reader())
     }
 
     async fn publish_raw(&self, key: &str, payload: &[u8]) {

@@ -16,11 +16,11 @@ use std::path::PathBuf;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, DesiredQuota,
-    Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, Ledger, MeterType, Metric, Mode,
-    ModelUsageRow, MonitorBreach, OffsetMove, OnUnpriced, Outcome, Population, PortError, Price, PriceBook, PriceKey,
-    Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store, TenantStore,
-    TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditBatch, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey,
+    DesiredQuota, Dimension, EventId, EventKind, FoldBatch, FoldReport, Footprint, Grants, Ledger, MeterType, Metric,
+    Mode, ModelUsageRow, MonitorBreach, OffsetMove, OnUnpriced, Outcome, Population, PortError, Price, PriceBook,
+    PriceKey, Principal, Project, ProjectId, Quota, QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Store,
+    TenantStore, TokenUsage, Totals, UnpricedException, UnpricedRow, UsageFact, Usd, WindowKind,
 };
 use store::{PgStore, SqliteStore};
 
@@ -44,6 +44,8 @@ macro_rules! conformance {
             a_large_batch_folds_in_one_go,
             a_deleted_api_key_no_longer_reads_back,
             audit_entries_page_by_cursor_in_id_order,
+            the_audit_outbox_is_folded_into_the_log_once_per_entry,
+            a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all,
             a_monitor_breach_is_written_once_per_quota_and_window,
             apply_quotas_carries_out_a_plan_with_its_audit_entries,
             a_failing_plan_changes_nothing,
@@ -337,7 +339,7 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         exempt: false,
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
-    s.create_role(&role).await.expect("create role");
+    s.create_role(&role, &[]).await.expect("create role");
     assert_eq!(s.role(&role.id).await.expect("read role"), Some(role.clone()));
     let admins = meter::Role {
         id: meter::RoleId::parse("role_admins").expect("role id"),
@@ -345,7 +347,7 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         exempt: true,
         ..role.clone()
     };
-    s.create_role(&admins).await.expect("create role");
+    s.create_role(&admins, &[]).await.expect("create role");
     assert_eq!(s.role(&admins.id).await.expect("read role"), Some(admins));
     assert_eq!(s.role(&meter::RoleId::parse("role_none").expect("id")).await.expect("read"), None);
 
@@ -358,17 +360,20 @@ pub async fn projects_and_api_keys_round_trip(s: &dyn Store) {
         role_id: Some(role.id.clone()),
         created_at: utc("2026-01-02T03:04:05.123456Z"),
     };
-    s.create_api_key(&k, "hash-1").await.expect("create key");
+    s.create_api_key(&k, "hash-1", &[]).await.expect("create key");
     assert_eq!(s.api_key(&k.id).await.expect("read key"), Some(k.clone()));
     assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), Some(k.clone()));
     assert_eq!(s.api_key_by_secret_hash("hash-2").await.expect("by unknown hash"), None);
     assert_eq!(s.api_key(&ApiKeyId::parse("key_2").expect("id")).await.expect("missing key"), None);
 
     let other = ApiKey { id: ApiKeyId::parse("key_2").expect("id"), ..k.clone() };
-    assert!(matches!(s.create_api_key(&other, "hash-1").await, Err(PortError::Conflict(_))), "a secret hash is unique");
+    assert!(
+        matches!(s.create_api_key(&other, "hash-1", &[]).await, Err(PortError::Conflict(_))),
+        "a secret hash is unique"
+    );
     let orphan = ApiKey { id: ApiKeyId::parse("key_3").expect("id"), project_id: pid("nope"), ..k };
     assert!(
-        matches!(s.create_api_key(&orphan, "hash-3").await, Err(PortError::Permanent(_))),
+        matches!(s.create_api_key(&orphan, "hash-3", &[]).await, Err(PortError::Permanent(_))),
         "a key needs its project"
     );
 }
@@ -788,21 +793,96 @@ fn api_key(id: &str, project: &str) -> ApiKey {
 pub async fn a_deleted_api_key_no_longer_reads_back(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let k = api_key("key_1", "proj_1");
-    s.create_api_key(&k, "hash-1").await.expect("create key");
+    s.create_api_key(&k, "hash-1", &[]).await.expect("create key");
     let q = quota("q_key", "proj_1", Scope::ApiKey, Some("key_1"), WindowKind::Day);
     create_quota(s, &q).await.expect("quota on the key");
 
     let at = utc("2026-03-01T00:00:00Z");
-    assert!(s.delete_api_key(&k.id, at).await.expect("delete"));
+    assert!(s.delete_api_key(&k.id, at, &[]).await.expect("delete"));
     assert_eq!(s.api_key(&k.id).await.expect("read"), None);
     assert_eq!(s.api_key_by_secret_hash("hash-1").await.expect("by hash"), None, "a deleted key cannot authenticate");
-    assert!(!s.delete_api_key(&k.id, at).await.expect("delete again"), "already deleted");
-    assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at).await.expect("delete unknown"));
+    assert!(!s.delete_api_key(&k.id, at, &[]).await.expect("delete again"), "already deleted");
+    assert!(!s.delete_api_key(&ApiKeyId::parse("key_nope").expect("id"), at, &[]).await.expect("delete unknown"));
     // The quota naming it stays (inert), and can be deleted.
     assert_eq!(s.quota(&q.id).await.expect("quota"), Some(q.clone()));
     assert!(delete_quota(s, &q.id).await.expect("delete quota"));
     // A deleted key's secret hash is still taken.
-    assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1").await, Err(PortError::Conflict(_))));
+    assert!(matches!(s.create_api_key(&api_key("key_2", "proj_1"), "hash-1", &[]).await, Err(PortError::Conflict(_))));
+}
+
+/// The audit entry of an admin's change to `resource`.
+fn change(id: &str, action: AuditAction, resource: &str, detail: AuditDetail) -> AuditEntry {
+    meter::admin_change(
+        aid(id),
+        &pid("proj_1"),
+        action,
+        resource,
+        detail,
+        &Principal::new("admin", "test"),
+        utc("2026-03-01T00:00:00Z"),
+    )
+}
+
+/// A key created or deleted and a role created write their entries to the
+/// audit outbox in the change's transaction: a change refused writes none,
+/// a delete that deleted nothing writes none.
+pub async fn a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let k = api_key("key_1", "proj_1");
+    let created = change(
+        "aud_0001",
+        AuditAction::CreateApiKey,
+        "key_1",
+        AuditDetail::ApiKeyChange { before: None, after: Some(meter::KeyView::from(&k)) },
+    );
+    s.create_api_key(&k, "hash-1", std::slice::from_ref(&created)).await.expect("create key");
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![created.clone()]);
+
+    // Refused (the secret hash is taken): neither the key nor its entry.
+    let dup = api_key("key_2", "proj_1");
+    let refused = change(
+        "aud_0002",
+        AuditAction::CreateApiKey,
+        "key_2",
+        AuditDetail::ApiKeyChange { before: None, after: Some(meter::KeyView::from(&dup)) },
+    );
+    assert!(matches!(s.create_api_key(&dup, "hash-1", &[refused]).await, Err(PortError::Conflict(_))));
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![created.clone()], "no entry without its change");
+
+    let deleted = change(
+        "aud_0003",
+        AuditAction::DeleteApiKey,
+        "key_1",
+        AuditDetail::ApiKeyChange { before: Some(meter::KeyView::from(&k)), after: None },
+    );
+    let at = utc("2026-03-01T00:00:00Z");
+    assert!(s.delete_api_key(&k.id, at, std::slice::from_ref(&deleted)).await.expect("delete"));
+    let again = AuditEntry { id: aid("aud_0004"), ..deleted.clone() };
+    assert!(!s.delete_api_key(&k.id, at, &[again]).await.expect("delete again"), "already deleted");
+
+    let role = meter::Role {
+        id: meter::RoleId::parse("role_1").expect("role id"),
+        project_id: pid("proj_1"),
+        name: "partner".into(),
+        grants: Grants::default(),
+        quota: None,
+        exempt: false,
+        created_at: at,
+    };
+    let role_made = change(
+        "aud_0005",
+        AuditAction::CreateRole,
+        "role_1",
+        AuditDetail::RoleChange { before: None, after: Some(meter::RoleView::from(&role)) },
+    );
+    s.create_role(&role, std::slice::from_ref(&role_made)).await.expect("create role");
+    let twice = AuditEntry { id: aid("aud_0006"), ..role_made.clone() };
+    assert!(s.create_role(&role, &[twice]).await.is_err(), "a role id is unique");
+    assert_eq!(
+        s.unpublished_audit(10).await.expect("outbox"),
+        vec![created, deleted, role_made],
+        "one entry per change made, in order"
+    );
 }
 
 fn breach(quota: &str, window_key: &str, observed: u64) -> MonitorBreach {
@@ -822,6 +902,86 @@ fn aid(s: &str) -> AuditId {
     AuditId::parse(s).expect("audit id")
 }
 
+/// The consumer and topic the suite folds the audit outbox under.
+const AUDIT_CONSUMER: &str = "conformance-audit";
+const AUDIT_TOPIC: &str = "tollgate.audit";
+
+/// What the audit relay and folder do, the topic aside: the outbox's
+/// pending entries folded into the audit log (one offset per entry on a
+/// pretend partition 0) and marked published. Returns how many were new.
+async fn relay_and_fold(s: &dyn Store) -> usize {
+    let pending = s.unpublished_audit(10_000).await.expect("the outbox");
+    let from = s.offsets(AUDIT_CONSUMER, AUDIT_TOPIC).await.expect("offsets").get(&0).copied().unwrap_or(0);
+    let to = from + i64::try_from(pending.len()).expect("a small outbox");
+    let batch = AuditBatch {
+        consumer: AUDIT_CONSUMER.into(),
+        topic: AUDIT_TOPIC.into(),
+        entries: pending.clone(),
+        offsets: vec![OffsetMove { partition: 0, from, to }],
+    };
+    let new = s.fold_audit(&batch).await.expect("fold the audit entries");
+    let ids: Vec<AuditId> = pending.into_iter().map(|e| e.id).collect();
+    s.audit_published(&ids, utc("2026-01-01T00:00:00Z")).await.expect("mark published");
+    new
+}
+
+/// The audit log as `GET /v1/audit` reads it once the outbox is folded.
+async fn folded_audit(
+    s: &dyn Store,
+    project: &ProjectId,
+    after: Option<&AuditId>,
+    limit: usize,
+) -> meter::PortResult<Vec<AuditEntry>> {
+    relay_and_fold(s).await;
+    s.audit(project, after, limit).await
+}
+
+/// The outbox holds what writers wrote, in order, until it is published;
+/// the log holds what was folded, once per id and once-key, with the
+/// folder's offsets moved in the same transaction.
+pub async fn the_audit_outbox_is_folded_into_the_log_once_per_entry(s: &dyn Store) {
+    let at = utc("2026-07-07T12:31:10.123456Z");
+    let first = breach("q_1", "w1", 6).entry(aid("aud_0002"), at);
+    let second = breach("q_2", "w1", 7).entry(aid("aud_0001"), at);
+    assert!(s.record_audit(&first).await.expect("record"));
+    assert!(s.record_audit(&second).await.expect("record"));
+    assert!(!s.record_audit(&first).await.expect("the same id again"), "an id is written once");
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![first.clone(), second.clone()], "write order");
+    assert_eq!(s.unpublished_audit(1).await.expect("outbox"), vec![first.clone()], "at most the limit");
+    // Nothing is in the log before it is folded (no project is needed).
+    assert!(s.audit(&pid("proj_1"), None, 10).await.expect("log").is_empty());
+
+    s.audit_published(&[first.id.clone(), aid("aud_nope")], at).await.expect("published");
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![second.clone()]);
+    // Published, its once-key still holds: a breach of the same window is not written again.
+    let again = breach("q_1", "w1", 9).entry(aid("aud_0009"), at);
+    assert!(!s.record_audit(&again).await.expect("again"), "once, before the log");
+
+    // The folder: both entries, offsets 0 → 2; in id order in the log.
+    let fold = |entries: Vec<AuditEntry>, from: i64, to: i64| AuditBatch {
+        consumer: AUDIT_CONSUMER.into(),
+        topic: AUDIT_TOPIC.into(),
+        entries,
+        offsets: vec![OffsetMove { partition: 0, from, to }],
+    };
+    assert_eq!(s.fold_audit(&fold(vec![first.clone(), second.clone()], 0, 2)).await.expect("fold"), 2);
+    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log"), vec![second.clone(), first.clone()]);
+    assert_eq!(s.offsets(AUDIT_CONSUMER, AUDIT_TOPIC).await.expect("offsets"), BTreeMap::from([(0, 2)]));
+    // Published again (a relay killed before its mark): nothing new, offsets on.
+    assert_eq!(s.fold_audit(&fold(vec![second.clone(), first.clone()], 2, 4)).await.expect("refold"), 0);
+    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log").len(), 2);
+    // Another id with a once-key the log holds (an outbox rebuilt from scratch): skipped.
+    assert_eq!(s.fold_audit(&fold(vec![again.clone()], 4, 5)).await.expect("same once-key"), 0);
+    // A redelivered batch is fenced and changes nothing.
+    let third = breach("q_3", "w1", 6).entry(aid("aud_0003"), at);
+    let e = s.fold_audit(&fold(vec![third.clone()], 2, 3)).await;
+    assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
+    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log").len(), 2);
+    assert_eq!(s.offsets(AUDIT_CONSUMER, AUDIT_TOPIC).await.expect("offsets"), BTreeMap::from([(0, 5)]));
+    // The folder's offsets are its own: the projector's are untouched.
+    assert!(s.offsets("tollgate-projector", AUDIT_TOPIC).await.expect("offsets").is_empty());
+}
+
 pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
@@ -835,19 +995,19 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
     other.project_id = pid("proj_2");
     s.record_audit(&other).await.expect("other project");
 
-    let all = s.audit(&pid("proj_1"), None, 100).await.expect("all");
+    let all = folded_audit(s, &pid("proj_1"), None, 100).await.expect("all");
     let ids: Vec<&str> = all.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids, ["aud_0000", "aud_0001", "aud_0002", "aud_0003", "aud_0004"]);
     assert_eq!(all[1], breach("q_1", "w1", 7).entry(aid("aud_0001"), at), "round trip");
 
-    let first = s.audit(&pid("proj_1"), None, 2).await.expect("page 1");
+    let first = folded_audit(s, &pid("proj_1"), None, 2).await.expect("page 1");
     assert_eq!(first.len(), 2);
-    let second = s.audit(&pid("proj_1"), Some(&first[1].id), 2).await.expect("page 2");
+    let second = folded_audit(s, &pid("proj_1"), Some(&first[1].id), 2).await.expect("page 2");
     assert_eq!(second.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), ["aud_0002", "aud_0003"]);
-    let last = s.audit(&pid("proj_1"), Some(&second[1].id), 2).await.expect("page 3");
+    let last = folded_audit(s, &pid("proj_1"), Some(&second[1].id), 2).await.expect("page 3");
     assert_eq!(last.len(), 1);
-    assert!(s.audit(&pid("proj_1"), Some(&last[0].id), 2).await.expect("past the end").is_empty());
-    assert_eq!(s.audit(&pid("proj_2"), None, 100).await.expect("other project"), vec![other]);
+    assert!(folded_audit(s, &pid("proj_1"), Some(&last[0].id), 2).await.expect("past the end").is_empty());
+    assert_eq!(folded_audit(s, &pid("proj_2"), None, 100).await.expect("other project"), vec![other]);
 
     // A change entry with a principal round-trips too.
     let q = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
@@ -861,7 +1021,7 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
         created_at: at,
     };
     assert!(s.record_audit(&change).await.expect("change"));
-    let got = s.audit(&pid("proj_1"), Some(&aid("aud_0004")), 10).await.expect("after");
+    let got = folded_audit(s, &pid("proj_1"), Some(&aid("aud_0004")), 10).await.expect("after");
     assert_eq!(got, vec![change]);
 }
 
@@ -886,7 +1046,7 @@ pub async fn a_monitor_breach_is_written_once_per_quota_and_window(s: &dyn Store
     let written = futures::future::join_all(racers).await;
     assert_eq!(written.iter().filter(|w| **w).count(), 1, "{written:?}");
 
-    let all = s.audit(&pid("proj_1"), None, 100).await.expect("read");
+    let all = folded_audit(s, &pid("proj_1"), None, 100).await.expect("read");
     let kept: Vec<(&str, &str)> =
         all.iter().map(|e| (e.resource.as_str(), e.id.as_str())).filter(|(r, _)| *r != "q_3").collect();
     assert_eq!(kept, [("q_1", "aud_1"), ("q_1", "aud_3"), ("q_2", "aud_4")]);
@@ -940,7 +1100,7 @@ pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Stor
     let stored = s.quotas(&pid("proj_1")).await.expect("list");
     let created: Vec<Quota> = plan.creates.iter().map(|c| c.quota.clone()).collect();
     assert_eq!(stored, created);
-    let log = s.audit(&pid("proj_1"), None, 100).await.expect("audit");
+    let log = folded_audit(s, &pid("proj_1"), None, 100).await.expect("audit");
     assert_eq!(log, audit);
     assert!(log.iter().all(|e| e.action == AuditAction::CreateQuota));
 
@@ -966,8 +1126,7 @@ pub async fn apply_quotas_carries_out_a_plan_with_its_audit_entries(s: &dyn Stor
     let key = stored.iter().find(|q| q.spec.scope == Scope::ApiKey).expect("key quota");
     assert_eq!(key.spec.mode, Mode::Monitor);
     assert!(stored.iter().all(|q| q.spec.scope != Scope::Actor), "removed");
-    let actions: Vec<&str> = s
-        .audit(&pid("proj_1"), Some(&aid("aud_a003")), 100)
+    let actions: Vec<&str> = folded_audit(s, &pid("proj_1"), Some(&aid("aud_a003")), 100)
         .await
         .expect("audit")
         .iter()
@@ -1001,7 +1160,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
     let (plan, audit) = plan_for(s, &want, "2026-03-01T00:00:00Z", "a").await;
     s.apply_quotas(&plan, &audit).await.expect("apply");
     let before = s.quotas(&pid("proj_1")).await.expect("list");
-    let log_before = s.audit(&pid("proj_1"), None, 100).await.expect("audit");
+    let log_before = folded_audit(s, &pid("proj_1"), None, 100).await.expect("audit");
 
     // (1) A plan whose last step fails (a create colliding with a stored
     // identity): the delete, the update and the audit entries before it are
@@ -1019,7 +1178,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
     let e = s.apply_quotas(&bad, &audit).await;
     assert!(matches!(e, Err(PortError::Conflict(_))), "{e:?}");
     assert_eq!(s.quotas(&pid("proj_1")).await.expect("list"), before, "nothing changed");
-    assert_eq!(s.audit(&pid("proj_1"), None, 100).await.expect("audit"), log_before);
+    assert_eq!(folded_audit(s, &pid("proj_1"), None, 100).await.expect("audit"), log_before);
 
     // (2) A plan made from a set that has moved since: fenced, nothing changed.
     let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "c").await;
@@ -1030,7 +1189,7 @@ pub async fn a_failing_plan_changes_nothing(s: &dyn Store) {
     let e = s.apply_quotas(&stale, &audit).await;
     assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
     assert_eq!(s.quotas(&pid("proj_1")).await.expect("list"), moved);
-    assert_eq!(s.audit(&pid("proj_1"), None, 100).await.expect("audit"), log_before);
+    assert_eq!(folded_audit(s, &pid("proj_1"), None, 100).await.expect("audit"), log_before);
     // A quota created behind the plan's back fences it too.
     let (stale, audit) = plan_for(s, &next, "2026-03-02T00:00:00Z", "d").await;
     create_quota(s, &quota("q_sneak", "proj_1", Scope::Project, None, WindowKind::Rolling1h))
@@ -1065,7 +1224,7 @@ pub async fn two_applies_racing_from_the_same_set_one_wins(s: &dyn Store) {
         assert_eq!(stored.iter().map(|q| (q.spec.metric, q.spec.limit)).collect::<Vec<_>>(), [(Metric::Rows, 2)]);
     }
     // Only the winner's audit entries were written.
-    let log = s.audit(&pid("proj_1"), Some(&aid("aud_a999")), 100).await.expect("audit");
+    let log = folded_audit(s, &pid("proj_1"), Some(&aid("aud_a999")), 100).await.expect("audit");
     let winner = if l.is_ok() { &left_audit } else { &right_audit };
     assert_eq!(&log, winner);
 }
@@ -2155,7 +2314,7 @@ pub async fn a_correction_amends_or_voids_its_original_as_the_difference(s: &dyn
     assert_eq!(s.correction_target(&pid("proj_1"), &eid("nope")).await.expect("target"), None);
 
     // One audit entry per correction, naming both ids.
-    let audit = s.audit(&pid("proj_1"), None, 10).await.expect("audit");
+    let audit = folded_audit(s, &pid("proj_1"), None, 10).await.expect("audit");
     let named: Vec<_> = audit
         .iter()
         .filter_map(|e| match &e.detail {
@@ -2174,7 +2333,7 @@ pub async fn a_correction_amends_or_voids_its_original_as_the_difference(s: &dyn
     let again = s.fold_batch(&sourced(5, vec![amend, void])).await.expect("refold");
     assert_eq!(again.duplicates.len(), 2);
     assert_eq!(total(s, "proj_1", day).await, after);
-    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("audit").len(), audit.len());
+    assert_eq!(folded_audit(s, &pid("proj_1"), None, 10).await.expect("audit").len(), audit.len());
 }
 
 /// A correction of an unknown event, of another project's, of a voided one,

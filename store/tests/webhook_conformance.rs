@@ -35,6 +35,7 @@ macro_rules! suite {
     ($fixture:expr) => {
         conformance!($fixture;
             endpoints_round_trip_and_change,
+            an_endpoint_change_writes_its_audit_entry_only_if_it_happened,
             a_notification_is_enqueued_once_to_the_endpoints_that_want_it,
             a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses,
             an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next,
@@ -107,13 +108,58 @@ fn attempt(d: &DueDelivery, status: Option<u16>, at: DateTime<Utc>) -> Attempt {
     Attempt { number: d.attempts + 1, at, status_code: status, latency_ms: 7, response: "ok".into() }
 }
 
+/// An admin's change to an endpoint, audited.
+fn change(id: &str, action: AuditAction, before: Option<&Endpoint>, after: Option<&Endpoint>) -> AuditEntry {
+    meter::admin_change(
+        AuditId::parse(id).expect("id"),
+        &ProjectId::parse("proj_1").expect("id"),
+        action,
+        "wh_a",
+        AuditDetail::WebhookChange { before: before.map(Into::into), after: after.map(Into::into) },
+        &meter::Principal::new("admin", "test"),
+        utc(T0),
+    )
+}
+
+/// Subscribing, changing and deleting an endpoint write their entries to the
+/// audit outbox in the same transaction; a change that finds no endpoint,
+/// or a create that is refused, writes none.
+async fn an_endpoint_change_writes_its_audit_entry_only_if_it_happened(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1"]).await;
+    let a = endpoint("wh_a", "proj_1", &["*"]);
+    let created = change("aud_1", AuditAction::CreateWebhook, None, Some(&a));
+    s.create_endpoint(&a, std::slice::from_ref(&created)).await.expect("create");
+    assert!(s.create_endpoint(&a, &[change("aud_2", AuditAction::CreateWebhook, None, Some(&a))]).await.is_err());
+    let mut off = a.clone();
+    off.enabled = false;
+    let updated = change("aud_3", AuditAction::UpdateWebhook, Some(&a), Some(&off));
+    assert!(s.update_endpoint(&off, std::slice::from_ref(&updated)).await.expect("update"));
+    let deleted = change("aud_4", AuditAction::DeleteWebhook, Some(&off), None);
+    assert!(s.delete_endpoint(&a.id, std::slice::from_ref(&deleted)).await.expect("delete"));
+    assert!(
+        !s.delete_endpoint(&a.id, &[change("aud_5", AuditAction::DeleteWebhook, Some(&off), None)])
+            .await
+            .expect("again")
+    );
+    assert!(
+        !s.update_endpoint(&off, &[change("aud_6", AuditAction::UpdateWebhook, Some(&a), Some(&off))])
+            .await
+            .expect("gone")
+    );
+    let outbox = s.unpublished_audit(10).await.expect("outbox");
+    assert_eq!(outbox, vec![created, updated, deleted]);
+    // No secret is in an entry.
+    let json = serde_json::to_string(&outbox[0].detail).expect("json");
+    assert!(!json.contains("whsec_"), "{json}");
+}
+
 async fn endpoints_round_trip_and_change(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1", "proj_2"]).await;
     let a = endpoint("wh_a", "proj_1", &["quota.*"]);
     let b = endpoint("wh_b", "proj_1", &["*"]);
     let c = endpoint("wh_c", "proj_2", &["quota.exceeded"]);
     for e in [&b, &a, &c] {
-        s.create_endpoint(e).await.expect("create");
+        s.create_endpoint(e, &[]).await.expect("create");
     }
     assert_eq!(s.endpoint(&a.id).await.expect("read"), Some(a.clone()));
     assert_eq!(s.endpoints(&a.project_id).await.expect("list"), vec![a.clone(), b.clone()], "in id order");
@@ -124,13 +170,13 @@ async fn endpoints_round_trip_and_change(s: Arc<dyn Store>) {
     changed.enabled = false;
     changed.previous_secret = Some(("whsec_old".into(), utc(T0) + Duration::hours(24)));
     changed.updated_at = utc(T0) + Duration::minutes(1);
-    assert!(s.update_endpoint(&changed).await.expect("update"));
+    assert!(s.update_endpoint(&changed, &[]).await.expect("update"));
     assert_eq!(s.endpoint(&a.id).await.expect("read"), Some(changed.clone()));
-    assert!(s.delete_endpoint(&a.id).await.expect("delete"));
-    assert!(!s.delete_endpoint(&a.id).await.expect("delete again"));
+    assert!(s.delete_endpoint(&a.id, &[]).await.expect("delete"));
+    assert!(!s.delete_endpoint(&a.id, &[]).await.expect("delete again"));
     assert_eq!(s.endpoint(&a.id).await.expect("read"), None);
-    assert!(!s.update_endpoint(&changed).await.expect("update a deleted one"));
-    assert!(s.create_endpoint(&b).await.is_err(), "an id is unique");
+    assert!(!s.update_endpoint(&changed, &[]).await.expect("update a deleted one"));
+    assert!(s.create_endpoint(&b, &[]).await.is_err(), "an id is unique");
 }
 
 async fn a_notification_is_enqueued_once_to_the_endpoints_that_want_it(s: Arc<dyn Store>) {
@@ -142,7 +188,7 @@ async fn a_notification_is_enqueued_once_to_the_endpoints_that_want_it(s: Arc<dy
     off.enabled = false;
     let other = endpoint("wh_other", "proj_2", &["*"]);
     for e in [&all, &exceeded, &nearly, &off, &other] {
-        s.create_endpoint(e).await.expect("create");
+        s.create_endpoint(e, &[]).await.expect("create");
     }
     let at = utc(T0);
     let n = notification("msg_1", "proj_1", QUOTA_EXCEEDED, "2026-07-07", at);
@@ -173,7 +219,7 @@ async fn a_notification_is_enqueued_once_to_the_endpoints_that_want_it(s: Arc<dy
 
 async fn a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
-    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"])).await.expect("create");
+    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"]), &[]).await.expect("create");
     let at = utc(T0);
     s.enqueue(&notification("msg_1", "proj_1", QUOTA_EXCEEDED, "w1", at), None).await.expect("enqueue");
     let lease = Duration::seconds(60);
@@ -221,7 +267,7 @@ async fn a_claimed_delivery_is_not_claimed_again_until_its_claim_lapses(s: Arc<d
 async fn an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
     let e = endpoint("wh_a", "proj_1", &["*"]);
-    s.create_endpoint(&e).await.expect("create");
+    s.create_endpoint(&e, &[]).await.expect("create");
     let at = utc(T0);
     s.enqueue(&notification("msg_1", "proj_1", QUOTA_EXCEEDED, "w1", at), None).await.expect("enqueue");
     let lease = Duration::seconds(60);
@@ -282,7 +328,7 @@ async fn an_attempt_is_recorded_only_by_the_claimant_and_schedules_the_next(s: A
 async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
     let e = endpoint("wh_a", "proj_1", &["*"]);
-    s.create_endpoint(&e).await.expect("create");
+    s.create_endpoint(&e, &[]).await.expect("create");
     let at = utc(T0);
     for (i, w) in ["w1", "w2", "w3"].iter().enumerate() {
         s.enqueue(&notification(&format!("msg_{i}"), "proj_1", QUOTA_EXCEEDED, w, at), None).await.expect("enqueue");
@@ -309,7 +355,8 @@ async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s
         .await
         .expect("record");
     assert_eq!(second, Some(false), "already disabled");
-    let entries = s.audit(&e.project_id, None, 10).await.expect("audit");
+    // In the audit outbox, in the attempt's transaction (the relay takes it to the topic).
+    let entries = s.unpublished_audit(10).await.expect("audit outbox");
     assert_eq!(entries, vec![audit("aud_1")]);
     let stored = s.endpoint(&e.id).await.expect("read").expect("there");
     assert!(!stored.enabled);
@@ -318,14 +365,14 @@ async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s
     let later = at + Duration::hours(1);
     assert!(s.claim_deliveries("n1", later, later + Duration::seconds(60), 10).await.expect("claim").is_empty());
     let enabled = Endpoint { enabled: true, disabled_reason: None, ..stored };
-    s.update_endpoint(&enabled).await.expect("enable");
+    s.update_endpoint(&enabled, &[]).await.expect("enable");
     assert_eq!(s.claim_deliveries("n1", later, later + Duration::seconds(60), 10).await.expect("claim").len(), 1);
 }
 
 async fn the_delivery_log_pages_by_message_and_resend_and_recover_requeue(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
     let e = endpoint("wh_a", "proj_1", &["*"]);
-    s.create_endpoint(&e).await.expect("create");
+    s.create_endpoint(&e, &[]).await.expect("create");
     let at = utc(T0);
     for i in 0..5 {
         let n =
@@ -363,7 +410,7 @@ async fn the_delivery_log_pages_by_message_and_resend_and_recover_requeue(s: Arc
 
 async fn concurrent_claims_never_share_a_delivery(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
-    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"])).await.expect("create");
+    s.create_endpoint(&endpoint("wh_a", "proj_1", &["*"]), &[]).await.expect("create");
     let at = utc(T0);
     for i in 0..200 {
         let n = notification(&format!("msg_{i:03}"), "proj_1", QUOTA_EXCEEDED, &format!("w{i}"), at);
@@ -450,7 +497,7 @@ async fn claimed(s: &dyn Store, at: DateTime<Utc>) -> Vec<(String, serde_json::V
 /// seen again is a dedup hit: nothing is enqueued twice.
 async fn a_fold_enqueues_its_quota_alerts_once_however_often_its_facts_come(s: Arc<dyn Store>) {
     setup(s.as_ref(), &["proj_1"]).await;
-    s.create_endpoint(&endpoint("wh_q", "proj_1", &["quota.*"])).await.expect("endpoint");
+    s.create_endpoint(&endpoint("wh_q", "proj_1", &["quota.*"]), &[]).await.expect("endpoint");
     let enforce = day_quota("q_calls", Metric::Calls, Mode::Enforce, 5);
     let monitor = day_quota("q_req", Metric::Requests, Mode::Monitor, 2);
     for q in [&enforce, &monitor] {
@@ -514,7 +561,8 @@ async fn a_fold_enqueues_its_quota_alerts_once_however_often_its_facts_come(s: A
         (got[0].1["data"]["mode"].as_str(), got[0].1["data"]["observed_value"].as_u64()),
         (Some("monitor"), Some(3))
     );
-    let audit = s.audit(&ProjectId::parse("proj_1").expect("id"), None, 100).await.expect("audit");
+    // The breach's entry, in the audit outbox with the fold (the relay takes it to the topic).
+    let audit = s.unpublished_audit(100).await.expect("audit outbox");
     let breaches: Vec<&AuditEntry> = audit.iter().filter(|e| e.action == AuditAction::MonitorBreach).collect();
     assert_eq!(breaches.len(), 1, "{audit:?}");
     assert_eq!(breaches[0].resource, "q_req");

@@ -393,6 +393,51 @@ impl Env {
         sqlx::SqlitePool::connect_with(opts).await.expect("open the dev data file")
     }
 
+    /// A project's audit log as `GET /v1/audit` answers it (up to 1,000
+    /// entries), once `ready` holds of it. An entry appears there once the
+    /// audit folder (beside the projector) has folded it from the audit
+    /// topic, about a poll after it was made: a bounded poll, at most `secs`.
+    pub async fn audit_when(
+        &self,
+        project: &str,
+        secs: u64,
+        what: &str,
+        ready: impl Fn(&[Value]) -> bool,
+    ) -> Vec<Value> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+        loop {
+            let (s, log) = self.admin_get(&format!("/v1/audit?project_id={project}&limit=1000")).await;
+            assert_eq!(s, 200, "{log}");
+            let entries = log["data"].as_array().cloned().unwrap_or_default();
+            if ready(&entries) {
+                return entries;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {entries:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every entry on the audit topic (Kafka's, or the embedded log's), decoded.
+    pub async fn audit_topic(&self) -> Vec<meter::AuditEntry> {
+        match self.mode {
+            Mode::Distributed => crate::invariants::read_topic(&self.brokers, &format!("{}audit", self.topic_prefix))
+                .into_iter()
+                .map(|r| schemas::decode_audit(&r.payload).expect("an audit entry on the audit topic"))
+                .collect(),
+            Mode::Dev => {
+                let pool = self.sqlite().await;
+                let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
+                    r#"SELECT payload FROM log_records WHERE topic = 'tollgate.audit' ORDER BY "offset""#,
+                )
+                .fetch_all(&pool)
+                .await
+                .expect("the audit topic");
+                pool.close().await;
+                rows.iter().map(|(p,)| schemas::decode_audit(p).expect("an audit entry on the audit topic")).collect()
+            }
+        }
+    }
+
     /// Waits until `f` holds, polling, or panics after `secs`.
     pub async fn eventually<F, Fut>(&self, secs: u64, what: &str, mut f: F)
     where

@@ -2,6 +2,7 @@
 //! and a Kafka-protocol broker (see `scripts/test`).
 
 mod alerts;
+mod audit;
 mod corrections;
 mod faults_fold;
 mod faults_outage;
@@ -565,6 +566,7 @@ async fn quota_set(env: &Env, pid: &str) -> std::collections::BTreeMap<String, (
 async fn declarative(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
+    env.start_projector();
     let (pid, kid, secret) = env.project_with_key("UTC").await;
     let dir = std::env::temp_dir().join(format!("tg-apply-{}", env.id));
     std::fs::create_dir_all(&dir).expect("a directory for the file");
@@ -687,12 +689,10 @@ async fn declarative(mode: Mode) {
     assert_eq!(s, 404);
     assert_eq!(quota_set(&env, &pid).await, third, "refusals changed nothing");
 
-    // Every change is in the audit log, with who made it.
-    let (s, log) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1000")).await;
-    assert_eq!(s, 200, "{log}");
-    let actions: Vec<(String, String)> = log["data"]
-        .as_array()
-        .expect("entries")
+    // Every change is in the audit log, with who made it, once folded from
+    // the audit topic: the key the project started with, then the quotas.
+    let log = env.audit_when(&pid, 30, "seven audit entries", |e| e.len() >= 7).await;
+    let actions: Vec<(String, String)> = log
         .iter()
         .map(|e| {
             (e["action"].as_str().expect("action").to_owned(), e["principal_id"].as_str().unwrap_or("").to_owned())
@@ -703,7 +703,8 @@ async fn declarative(mode: Mode) {
     assert_eq!(count("quotas:UpdateQuota", "cli"), 1, "{actions:?}");
     assert_eq!(count("quotas:DeleteQuota", "cli"), 1, "{actions:?}");
     assert_eq!(count("quotas:UpdateQuota", "admin_token"), 1, "{actions:?}");
-    assert_eq!(actions.len(), 6, "{actions:?}");
+    assert_eq!(count("keys:CreateApiKey", "admin_token"), 1, "{actions:?}");
+    assert_eq!(actions.len(), 7, "{actions:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -722,7 +723,9 @@ async fn monitor_breach_is_audited_once_per_window_dev() {
 async fn monitor_audit(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
-    // The entry is written by the fold, from the request events' breaches.
+    // The entry is written by the fold, from the request events' breaches,
+    // to the audit outbox; the audit relay and folder beside the projector
+    // bring it to the topic and the audit log.
     env.start_projector();
     let (pid, _, secret) = env.project_with_key(safe_timezone()).await;
     let qid = env
@@ -743,7 +746,7 @@ async fn monitor_audit(mode: Mode) {
             .cloned()
             .collect::<Vec<Value>>()
     };
-    env.eventually(10, "the monitor breach in the audit log", || async { !breaches().await.is_empty() }).await;
+    env.eventually(30, "the monitor breach in the audit log", || async { !breaches().await.is_empty() }).await;
     // More breaching checks in the same window add nothing.
     for _ in 0..5 {
         assert_eq!(check(&env.http, env.gw(), &secret, json!({})).await.status().as_u16(), 200);
@@ -764,16 +767,22 @@ async fn monitor_audit(mode: Mode) {
     assert_eq!(d["meter_type"], Value::Null);
     assert!(d["window_key"].as_str().is_some_and(|k| k.len() == 10), "a day key: {d}");
 
-    // Paging: the quota's creation, then the breach; by cursor and by page.
+    // Paging: the key's creation, the quota's, then the breach; by cursor
+    // and by page.
+    env.audit_when(&pid, 30, "three entries", |e| e.len() >= 3).await;
     let (_, p1) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1")).await;
-    assert_eq!(p1["data"][0]["action"], "quotas:CreateQuota", "{p1}");
+    assert_eq!(p1["data"][0]["action"], "keys:CreateApiKey", "{p1}");
     assert_eq!(p1["data"][0]["principal_type"], "admin");
     let next = p1["next"].as_str().expect("a cursor").to_owned();
     let (_, p2) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&after={next}")).await;
-    assert_eq!(p2["data"][0]["action"], "quotas:MonitorBreach", "{p2}");
-    assert_eq!(p2["next"], Value::Null, "the last page: {p2}");
-    let (_, by_page) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&page=2")).await;
-    assert_eq!(by_page["data"], p2["data"]);
+    assert_eq!(p2["data"][0]["action"], "quotas:CreateQuota", "{p2}");
+    assert_eq!(p2["data"][0]["principal_type"], "admin");
+    let next = p2["next"].as_str().expect("a cursor").to_owned();
+    let (_, p3) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&after={next}")).await;
+    assert_eq!(p3["data"][0]["action"], "quotas:MonitorBreach", "{p3}");
+    assert_eq!(p3["next"], Value::Null, "the last page: {p3}");
+    let (_, by_page) = env.admin_get(&format!("/v1/audit?project_id={pid}&limit=1&page=3")).await;
+    assert_eq!(by_page["data"], p3["data"]);
     for (q, field) in [
         ("limit=1000&page=11", "page"),
         ("limit=0", "limit"),
@@ -813,6 +822,7 @@ async fn deleted_key_leaves_an_inert_quota_dev() {
 async fn inert_quota(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
+    env.start_projector();
     let (pid, kid, secret) = env.project_with_key("UTC").await;
     let qid = env
         .quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 5}))
@@ -850,10 +860,13 @@ async fn inert_quota(mode: Mode) {
     assert_eq!(s, 204);
     let (s, _) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
     assert_eq!(s, 404);
-    let (_, log) = env.admin_get(&format!("/v1/audit?project_id={pid}")).await;
-    let actions: Vec<&str> =
-        log["data"].as_array().expect("entries").iter().filter_map(|e| e["action"].as_str()).collect();
-    assert_eq!(actions, ["quotas:CreateQuota", "quotas:DeleteQuota"], "{log}");
+    let log = env.audit_when(&pid, 30, "four entries", |e| e.len() >= 4).await;
+    let actions: Vec<&str> = log.iter().filter_map(|e| e["action"].as_str()).collect();
+    assert_eq!(
+        actions,
+        ["keys:CreateApiKey", "quotas:CreateQuota", "keys:DeleteApiKey", "quotas:DeleteQuota"],
+        "{log:?}"
+    );
 }
 
 /// `/metrics` on the gateway and the projector (and `tollgate dev`), in the

@@ -42,12 +42,12 @@ pub(crate) fn replay(env: &Env, args: &[&str]) -> Output {
     out
 }
 
-fn stdout(o: &Output) -> String {
+pub(crate) fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// A replay that found no difference.
-fn assert_identical(o: &Output) {
+pub(crate) fn assert_identical(o: &Output) {
     let out = stdout(o);
     assert!(
         o.status.success() && out.contains("no differences"),

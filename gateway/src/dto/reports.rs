@@ -233,12 +233,15 @@ impl TryFrom<AuditParams> for AuditQuery {
 pub struct AuditEntryView {
     pub id: String,
     pub project_id: String,
-    /// `quotas:CreateQuota`, `quotas:UpdateQuota`, `quotas:DeleteQuota`, `quotas:MonitorBreach`…
+    /// `quotas:CreateQuota`, `quotas:UpdateQuota`, `quotas:DeleteQuota`, `quotas:MonitorBreach`,
+    /// `keys:CreateApiKey`, `keys:DeleteApiKey`, `roles:CreateRole`, `webhooks:CreateEndpoint`,
+    /// `webhooks:UpdateEndpoint`, `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`,
+    /// `events:CorrectEvent`, `webhook.endpoint_disabled`.
     pub action: String,
     /// `admin`, or `null` for what the system recorded itself.
     pub principal_type: Option<String>,
     pub principal_id: Option<String>,
-    /// The quota the entry is about.
+    /// What the entry is about: a quota, key, role, webhook endpoint or event id.
     pub resource: String,
     /// What happened, tagged by `kind`.
     #[schema(value_type = Object)]

@@ -10,6 +10,7 @@ use crate::dto::errors::ErrorBody;
 use crate::dto::tenants::{ApiKeyBody, IssuedKeyView, KeyDetailView, ProjectBody, ProjectView, RoleBody, RoleView};
 use crate::dto::{Body, path_id};
 use crate::error::ApiResult;
+use crate::service::admin_api;
 use crate::service::provisioning::{self, NewApiKey, NewProject, NewRole};
 use crate::state::AppState;
 
@@ -62,7 +63,7 @@ pub async fn create_api_key(
     Body(body): Body<ApiKeyBody>,
 ) -> ApiResult<(StatusCode, Json<IssuedKeyView>)> {
     let project = path_id("project", id, ProjectId::parse)?;
-    let issued = provisioning::create_api_key(&s, &project, NewApiKey::try_from(body)?).await?;
+    let issued = provisioning::create_api_key(&s, &project, NewApiKey::try_from(body)?, &admin_api()).await?;
     Ok((StatusCode::CREATED, Json(IssuedKeyView::from(&issued))))
 }
 
@@ -91,7 +92,7 @@ pub async fn get_api_key(
     ))]
 pub async fn delete_api_key(_: AdminAuth, State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
     let id = path_id("api key", id, ApiKeyId::parse)?;
-    provisioning::delete_api_key(&s, &id).await?;
+    provisioning::delete_api_key(&s, &id, &admin_api()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -112,7 +113,7 @@ pub async fn create_role(
     Body(body): Body<RoleBody>,
 ) -> ApiResult<(StatusCode, Json<RoleView>)> {
     let project = path_id("project", id, ProjectId::parse)?;
-    let role = provisioning::create_role(&s, &project, NewRole::try_from(body)?).await?;
+    let role = provisioning::create_role(&s, &project, NewRole::try_from(body)?, &admin_api()).await?;
     Ok((StatusCode::CREATED, Json(RoleView::from(&role))))
 }
 

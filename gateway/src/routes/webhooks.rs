@@ -14,6 +14,7 @@ use crate::dto::webhooks::{
 };
 use crate::dto::{Body, Params, path_id};
 use crate::error::ApiResult;
+use crate::service::admin_api;
 use crate::service::webhooks::{self, DeliveriesQuery, EndpointPatch, NewEndpoint};
 use crate::state::AppState;
 
@@ -34,7 +35,7 @@ pub async fn create_webhook(
     Body(body): Body<EndpointBody>,
 ) -> ApiResult<(StatusCode, Json<EndpointWithSecretView>)> {
     let project = path_id("project", id, ProjectId::parse)?;
-    let made = webhooks::create(&s, &project, NewEndpoint::try_from(body)?).await?;
+    let made = webhooks::create(&s, &project, NewEndpoint::try_from(body)?, &admin_api()).await?;
     Ok((StatusCode::CREATED, Json(EndpointWithSecretView::from(&made))))
 }
 
@@ -88,7 +89,7 @@ pub async fn patch_webhook(
     Body(body): Body<EndpointPatchBody>,
 ) -> ApiResult<Json<EndpointView>> {
     let id = path_id("webhook", id, WebhookId::parse)?;
-    let changed = webhooks::patch(&s, &id, EndpointPatch::try_from(body)?).await?;
+    let changed = webhooks::patch(&s, &id, EndpointPatch::try_from(body)?, &admin_api()).await?;
     Ok(Json(EndpointView::from(&changed)))
 }
 
@@ -101,7 +102,7 @@ pub async fn patch_webhook(
     ))]
 pub async fn delete_webhook(_: AdminAuth, State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
     let id = path_id("webhook", id, WebhookId::parse)?;
-    webhooks::delete(&s, &id).await?;
+    webhooks::delete(&s, &id, &admin_api()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -118,7 +119,7 @@ pub async fn rotate_secret(
     Path(id): Path<String>,
 ) -> ApiResult<Json<EndpointWithSecretView>> {
     let id = path_id("webhook", id, WebhookId::parse)?;
-    Ok(Json(EndpointWithSecretView::from(&webhooks::rotate_secret(&s, &id).await?)))
+    Ok(Json(EndpointWithSecretView::from(&webhooks::rotate_secret(&s, &id, &admin_api()).await?)))
 }
 
 #[utoipa::path(get, path = "/v1/webhooks/{id}/deliveries", tag = "admin", security(("admin_token" = [])),

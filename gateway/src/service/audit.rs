@@ -2,6 +2,10 @@
 //! order, paged by cursor (`after`), or by page number while the page stays
 //! within the first [`MAX_PAGED_ROWS`] rows (deeper offsets cost the store
 //! a scan each; a cursor does not).
+//!
+//! It reads what the audit folder folded from the audit topic (see
+//! `meter::audit`): an entry made by a change appears here about one poll
+//! of the folder later, and every entry survives a rebuild of the store.
 
 use meter::{AuditEntry, AuditId, ProjectId};
 

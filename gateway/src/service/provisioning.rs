@@ -6,15 +6,21 @@
 //! key, and a quota on that key" that `tollgate dev`'s demo, the examples,
 //! the tests and the benchmarks start from, written once, through the same
 //! operations the admin API runs.
+//!
+//! A key created or deleted and a role created are audited as whoever made
+//! the change: the entry is written to the audit outbox in the change's own
+//! transaction (see `meter::audit`), and reaches `GET /v1/audit` through the
+//! audit topic.
 
 use chrono_tz::Tz;
 use meter::{
-    ApiKey, ApiKeyId, CounterKey, Dimension, Grants, Metric, Mode, OnUnpriced, Principal, Project, ProjectId, Quota,
-    QuotaSpec, Role, RoleId, RoleQuota, Scope, WindowKind,
+    ApiKey, ApiKeyId, AuditAction, AuditDetail, CounterKey, Dimension, Grants, KeyView, Metric, Mode, OnUnpriced,
+    Principal, Project, ProjectId, Quota, QuotaSpec, Role, RoleId, RoleQuota, RoleView, Scope, WindowKind,
+    admin_change,
 };
 
 use super::{Error, Result, now_micros, quotas};
-use crate::state::{AppState, hash_secret, new_api_key_id, new_project_id, new_role_id, random_token};
+use crate::state::{AppState, hash_secret, new_api_key_id, new_audit_id, new_project_id, new_role_id, random_token};
 
 /// A project to create.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,8 +86,8 @@ pub async fn project(s: &AppState, id: &ProjectId) -> Result<Project> {
 }
 
 /// Creates a key in a project (404 if there is no such project; its role,
-/// if it names one, must be the project's).
-pub async fn create_api_key(s: &AppState, project_id: &ProjectId, new: NewApiKey) -> Result<IssuedKey> {
+/// if it names one, must be the project's), audited as `by`.
+pub async fn create_api_key(s: &AppState, project_id: &ProjectId, new: NewApiKey, by: &Principal) -> Result<IssuedKey> {
     project(s, project_id).await?;
     if let Some(rid) = &new.role_id {
         match s.stores.tenants.role(rid).await? {
@@ -97,9 +103,18 @@ pub async fn create_api_key(s: &AppState, project_id: &ProjectId, new: NewApiKey
         prefix: secret[..10].to_owned(),
         grants: new.grants,
         role_id: new.role_id,
-        created_at: s.clock.now(),
+        created_at: now_micros(s.clock.as_ref()),
     };
-    s.stores.tenants.create_api_key(&key, &hash_secret(&secret)).await?;
+    let entry = admin_change(
+        new_audit_id(),
+        project_id,
+        AuditAction::CreateApiKey,
+        key.id.as_str(),
+        AuditDetail::ApiKeyChange { before: None, after: Some(KeyView::from(&key)) },
+        by,
+        key.created_at,
+    );
+    s.stores.tenants.create_api_key(&key, &hash_secret(&secret), &[entry]).await?;
     Ok(IssuedKey { key, secret })
 }
 
@@ -123,17 +138,29 @@ pub async fn api_key(s: &AppState, id: &ApiKeyId) -> Result<KeyDetail> {
 }
 
 /// Deletes a key: it no longer authenticates, and quotas naming it go
-/// inert (404 if there is no live key with this id).
-pub async fn delete_api_key(s: &AppState, id: &ApiKeyId) -> Result<()> {
-    if !s.stores.tenants.delete_api_key(id, now_micros(s.clock.as_ref())).await? {
+/// inert (404 if there is no live key with this id); audited as `by`.
+pub async fn delete_api_key(s: &AppState, id: &ApiKeyId, by: &Principal) -> Result<()> {
+    let key = s.stores.tenants.api_key(id).await?.ok_or_else(|| Error::not_found("api key", id.as_str()))?;
+    let at = now_micros(s.clock.as_ref());
+    let entry = admin_change(
+        new_audit_id(),
+        &key.project_id,
+        AuditAction::DeleteApiKey,
+        id.as_str(),
+        AuditDetail::ApiKeyChange { before: Some(KeyView::from(&key)), after: None },
+        by,
+        at,
+    );
+    // Deleted meanwhile by someone else: theirs is the entry, this is a 404.
+    if !s.stores.tenants.delete_api_key(id, at, &[entry]).await? {
         return Err(Error::not_found("api key", id.as_str()));
     }
     s.invalidate_key(id);
     Ok(())
 }
 
-/// Creates a role in a project (404 if there is no such project).
-pub async fn create_role(s: &AppState, project_id: &ProjectId, new: NewRole) -> Result<Role> {
+/// Creates a role in a project (404 if there is no such project), audited as `by`.
+pub async fn create_role(s: &AppState, project_id: &ProjectId, new: NewRole, by: &Principal) -> Result<Role> {
     project(s, project_id).await?;
     let role = Role {
         id: new_role_id(),
@@ -144,7 +171,16 @@ pub async fn create_role(s: &AppState, project_id: &ProjectId, new: NewRole) -> 
         exempt: new.exempt,
         created_at: now_micros(s.clock.as_ref()),
     };
-    s.stores.tenants.create_role(&role).await?;
+    let entry = admin_change(
+        new_audit_id(),
+        project_id,
+        AuditAction::CreateRole,
+        role.id.as_str(),
+        AuditDetail::RoleChange { before: None, after: Some(RoleView::from(&role)) },
+        by,
+        role.created_at,
+    );
+    s.stores.tenants.create_role(&role, &[entry]).await?;
     Ok(role)
 }
 
@@ -180,10 +216,10 @@ pub struct Provisioned {
     pub quota: Option<Quota>,
 }
 
-/// Creates a starter's project, key and quota, the quota audited as `by`.
+/// Creates a starter's project, key and quota, the key and quota audited as `by`.
 pub async fn provision(s: &AppState, starter: Starter, by: &Principal) -> Result<Provisioned> {
     let project = create_project(s, starter.project).await?;
-    let IssuedKey { key, secret } = create_api_key(s, &project.id, starter.key).await?;
+    let IssuedKey { key, secret } = create_api_key(s, &project.id, starter.key, by).await?;
     let quota = match starter.quota {
         None => None,
         Some(q) => Some(key_quota(s, &key, q, by).await?),

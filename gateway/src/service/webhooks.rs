@@ -7,14 +7,21 @@
 //! (they depend on configuration: private addresses are refused unless
 //! [`Settings::webhook_allow_private`](crate::Settings::webhook_allow_private)),
 //! and again by the notifier at delivery.
+//!
+//! An admin's change to an endpoint (subscribe, change, delete, rotate the
+//! secret) is audited as whoever made it, in the change's own transaction;
+//! the entry never holds a secret.
 
 use chrono::{DateTime, Utc};
 use meter::webhook::ROTATION_OVERLAP;
-use meter::{DeliveryLog, Endpoint, EventTypes, MessageId, Notification, ProjectId, WebhookId};
+use meter::{
+    AuditAction, AuditDetail, AuditEntry, DeliveryLog, Endpoint, EndpointView, EventTypes, MessageId, Notification,
+    Principal, ProjectId, WebhookId, admin_change,
+};
 use projector::notify::{check_url, new_secret};
 
 use super::{Error, Page, Result, now_micros};
-use crate::state::{AppState, new_message_id, new_webhook_id};
+use crate::state::{AppState, new_audit_id, new_message_id, new_webhook_id};
 
 /// Most endpoints per project.
 pub const MAX_ENDPOINTS: usize = 100;
@@ -62,8 +69,14 @@ async fn endpoint_of(s: &AppState, id: &WebhookId) -> Result<Endpoint> {
     s.stores.webhooks.endpoint(id).await?.ok_or_else(|| Error::not_found("webhook", id.as_str()))
 }
 
-/// Subscribes an endpoint to a project's notifications; answers its secret.
-pub async fn create(s: &AppState, project: &ProjectId, new: NewEndpoint) -> Result<WithSecret> {
+/// The audit entry of an admin's change to endpoint `e`.
+fn entry(e: &Endpoint, action: AuditAction, detail: AuditDetail, by: &Principal, at: DateTime<Utc>) -> AuditEntry {
+    admin_change(new_audit_id(), &e.project_id, action, e.id.as_str(), detail, by, at)
+}
+
+/// Subscribes an endpoint to a project's notifications, audited as `by`;
+/// answers its secret.
+pub async fn create(s: &AppState, project: &ProjectId, new: NewEndpoint, by: &Principal) -> Result<WithSecret> {
     let url = url(s, &new.url)?;
     if s.stores.tenants.project(project).await?.is_none() {
         return Err(Error::not_found("project", project.as_str()));
@@ -86,7 +99,14 @@ pub async fn create(s: &AppState, project: &ProjectId, new: NewEndpoint) -> Resu
         created_at: now,
         updated_at: now,
     };
-    s.stores.webhooks.create_endpoint(&endpoint).await?;
+    let audit = entry(
+        &endpoint,
+        AuditAction::CreateWebhook,
+        AuditDetail::WebhookChange { before: None, after: Some(EndpointView::from(&endpoint)) },
+        by,
+        now,
+    );
+    s.stores.webhooks.create_endpoint(&endpoint, &[audit]).await?;
     Ok(WithSecret { endpoint })
 }
 
@@ -102,10 +122,11 @@ pub async fn get(s: &AppState, id: &WebhookId) -> Result<Endpoint> {
     endpoint_of(s, id).await
 }
 
-/// Changes an endpoint. Enabling one that delivery disabled clears why, and
-/// its pending deliveries go out again.
-pub async fn patch(s: &AppState, id: &WebhookId, patch: EndpointPatch) -> Result<Endpoint> {
+/// Changes an endpoint, audited as `by`. Enabling one that delivery
+/// disabled clears why, and its pending deliveries go out again.
+pub async fn patch(s: &AppState, id: &WebhookId, patch: EndpointPatch, by: &Principal) -> Result<Endpoint> {
     let mut e = endpoint_of(s, id).await?;
+    let before = EndpointView::from(&e);
     if let Some(raw) = &patch.url {
         e.url = url(s, raw)?;
     }
@@ -123,27 +144,52 @@ pub async fn patch(s: &AppState, id: &WebhookId, patch: EndpointPatch) -> Result
         e.enabled = enabled;
     }
     e.updated_at = now_micros(s.clock.as_ref());
-    if !s.stores.webhooks.update_endpoint(&e).await? {
+    let after = EndpointView::from(&e);
+    let audit = entry(
+        &e,
+        AuditAction::UpdateWebhook,
+        AuditDetail::WebhookChange { before: Some(before), after: Some(after) },
+        by,
+        e.updated_at,
+    );
+    if !s.stores.webhooks.update_endpoint(&e, &[audit]).await? {
         return Err(Error::not_found("webhook", id.as_str()));
     }
     Ok(e)
 }
 
-pub async fn delete(s: &AppState, id: &WebhookId) -> Result<()> {
-    if !s.stores.webhooks.delete_endpoint(id).await? {
+/// Deletes an endpoint and its deliveries, audited as `by`.
+pub async fn delete(s: &AppState, id: &WebhookId, by: &Principal) -> Result<()> {
+    let e = endpoint_of(s, id).await?;
+    let audit = entry(
+        &e,
+        AuditAction::DeleteWebhook,
+        AuditDetail::WebhookChange { before: Some(EndpointView::from(&e)), after: None },
+        by,
+        now_micros(s.clock.as_ref()),
+    );
+    if !s.stores.webhooks.delete_endpoint(id, &[audit]).await? {
         return Err(Error::not_found("webhook", id.as_str()));
     }
     Ok(())
 }
 
-/// A new secret; the old one keeps signing beside it for 24 h.
-pub async fn rotate_secret(s: &AppState, id: &WebhookId) -> Result<WithSecret> {
+/// A new secret, audited as `by`; the old one keeps signing beside it for 24 h.
+pub async fn rotate_secret(s: &AppState, id: &WebhookId, by: &Principal) -> Result<WithSecret> {
     let mut e = endpoint_of(s, id).await?;
     let now = now_micros(s.clock.as_ref());
     let old = std::mem::replace(&mut e.secret, new_secret());
-    e.previous_secret = Some((old, now + ROTATION_OVERLAP));
+    let previous_valid_until = now + ROTATION_OVERLAP;
+    e.previous_secret = Some((old, previous_valid_until));
     e.updated_at = now;
-    if !s.stores.webhooks.update_endpoint(&e).await? {
+    let audit = entry(
+        &e,
+        AuditAction::RotateWebhookSecret,
+        AuditDetail::WebhookSecretRotated { previous_valid_until },
+        by,
+        now,
+    );
+    if !s.stores.webhooks.update_endpoint(&e, &[audit]).await? {
         return Err(Error::not_found("webhook", id.as_str()));
     }
     Ok(WithSecret { endpoint: e })

@@ -1,12 +1,15 @@
 //! Configuration over SQL: projects, API keys and roles, quotas (changed
 //! only by a plan, with its audit entries, in one transaction), and the
-//! audit log.
+//! audit trail: its outbox (`audit_outbox`, which every writer fills through
+//! [`insert_audit`] in its own transaction and the audit relay publishes to
+//! the audit topic) and the audit log (`audit_log`, which only the audit
+//! folder writes, from that topic, and `GET /v1/audit` reads).
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{
-    ApiKey, ApiKeyId, AuditEntry, AuditId, AuditStore, PortError, PortResult, Principal, Project, ProjectId, Quota,
-    QuotaId, QuotaPlan, QuotaSpec, QuotaStore, Role, RoleId, TenantStore,
+    ApiKey, ApiKeyId, AuditBatch, AuditEntry, AuditId, AuditStore, PortError, PortResult, Principal, Project,
+    ProjectId, Quota, QuotaId, QuotaPlan, QuotaSpec, QuotaStore, Role, RoleId, TenantStore,
 };
 use meter::{OnUnpriced, Scope};
 
@@ -100,11 +103,21 @@ fn audit<B: Backend>(r: &Rec<'_, B>) -> PortResult<AuditEntry> {
     })
 }
 
-/// Inserting an entry; one whose once-key is already there is skipped.
+/// Writing an entry to the audit outbox, in the caller's transaction: the
+/// one way an audit entry is made (admin changes, the fold's corrections and
+/// monitor breaches, a disabled endpoint). One whose once-key or id is there
+/// already is skipped, published or not, so "once" holds before the log.
 pub(crate) fn insert_audit(entry: &AuditEntry) -> PortResult<Stmt> {
+    into_audit_table("audit_outbox", entry)
+}
+
+/// An `INSERT … ON CONFLICT DO NOTHING` of an entry (with its once-key)
+/// into the outbox or the folded log: any uniqueness hit (id, once-key)
+/// skips it.
+fn into_audit_table(table: &str, entry: &AuditEntry) -> PortResult<Stmt> {
     Ok(Stmt::new(format!(
-        "INSERT INTO audit_log ({AUDIT_COLUMNS}, once_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-         ON CONFLICT (once_key) DO NOTHING"
+        "INSERT INTO {table} ({AUDIT_COLUMNS}, once_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+         ON CONFLICT DO NOTHING"
     ))
     .text(entry.id.as_str())
     .text(entry.project_id.as_str())
@@ -136,7 +149,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_api_key"))]
-    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str) -> PortResult<()> {
+    async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!(
             "INSERT INTO api_keys ({API_KEY_COLUMNS}, secret_hash) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
         ))
@@ -148,7 +161,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
         .opt_text(key.role_id.as_ref().map(RoleId::as_str))
         .time(key.created_at)
         .text(secret_hash);
-        self.run(stmt).await.map(drop)
+        self.run_audited(stmt, audit).await.map(drop)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "api_key"))]
@@ -167,15 +180,15 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "delete_api_key"))]
-    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>) -> PortResult<bool> {
+    async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>, audit: &[AuditEntry]) -> PortResult<bool> {
         let stmt = Stmt::new("UPDATE api_keys SET deleted_at = $2 WHERE id = $1 AND deleted_at IS NULL")
             .text(id.as_str())
             .time(at);
-        Ok(self.run(stmt).await? > 0)
+        Ok(self.run_audited(stmt, audit).await? > 0)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_role"))]
-    async fn create_role(&self, role: &Role) -> PortResult<()> {
+    async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!("INSERT INTO roles ({ROLE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"))
             .text(role.id.as_str())
             .text(role.project_id.as_str())
@@ -184,7 +197,7 @@ impl<B: Backend> TenantStore for SqlStore<B> {
             .opt_json(role.quota.as_ref())?
             .flag(role.exempt)
             .time(role.created_at);
-        self.run(stmt).await.map(drop)
+        self.run_audited(stmt, audit).await.map(drop)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "role"))]
@@ -318,5 +331,49 @@ impl<B: Backend> AuditStore for SqlStore<B> {
         .opt_text(after.map(AuditId::as_str))
         .int(super::limit(limit));
         each(&self.all(stmt).await?, audit::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "unpublished_audit"))]
+    async fn unpublished_audit(&self, limit: usize) -> PortResult<Vec<AuditEntry>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {AUDIT_COLUMNS} FROM audit_outbox WHERE published_at IS NULL ORDER BY seq LIMIT $1"
+        ))
+        .int(super::limit(limit));
+        each(&self.all(stmt).await?, audit::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "audit_published", n = ids.len()))]
+    async fn audit_published(&self, ids: &[AuditId], at: DateTime<Utc>) -> PortResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let rows = Rows::new().text("id", ids.iter().map(AuditId::as_str));
+        let stmt = Stmt::new(
+            "UPDATE audit_outbox SET published_at = $1 \
+             WHERE published_at IS NULL AND id IN (SELECT id FROM {rows} AS t)",
+        )
+        .time(at)
+        .rows(rows);
+        self.run(stmt).await.map(drop)
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = B::SPAN_DB, op = "fold_audit", entries = batch.entries.len(), partitions = batch.offsets.len())
+    )]
+    async fn fold_audit(&self, batch: &AuditBatch) -> PortResult<usize> {
+        // Dropping `tx` without committing rolls everything back.
+        let mut tx = B::begin(&self.pool).await.map_err(super::error::<B>)?;
+        super::ledger::fence_offsets::<B>(&mut *tx, &batch.consumer, &batch.topic, &batch.offsets).await?;
+        let mut new = 0;
+        // One statement per entry: the audit topic carries admin changes
+        // and breaches, a few a second at most, not usage.
+        for entry in &batch.entries {
+            new += B::execute(&mut *tx, into_audit_table("audit_log", entry)?).await? as usize;
+        }
+        tx.commit().await.map_err(super::error::<B>)?;
+        Ok(new)
     }
 }

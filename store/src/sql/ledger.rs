@@ -140,19 +140,32 @@ fn model_usage_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<ModelUsageRow> {
 
 /// (1) The fence: each partition must still be where the batch began.
 async fn fence<B: Backend>(c: &mut B::Connection, batch: &FoldBatch) -> PortResult<()> {
-    for m in &batch.offsets {
+    fence_offsets::<B>(c, &batch.consumer, &batch.topic, &batch.offsets).await
+}
+
+/// Moves a consumer's offsets on `topic` from where each move says the
+/// partition stands to where it ends, in the caller's transaction: a
+/// partition no longer at its `from` (another consumer moved it) is
+/// [`PortError::Fenced`]. Shared by the fold and the audit folder.
+pub(super) async fn fence_offsets<B: Backend>(
+    c: &mut B::Connection,
+    consumer: &str,
+    topic: &str,
+    offsets: &[meter::OffsetMove],
+) -> PortResult<()> {
+    for m in offsets {
         if m.to < m.from {
             return Err(PortError::Permanent(format!(
                 "offsets of {}[{}] would move backwards from {} to {}",
-                batch.topic, m.partition, m.from, m.to
+                topic, m.partition, m.from, m.to
             )));
         }
         let moved = Stmt::new(
             r#"UPDATE consumer_offsets SET next_offset = $5
                WHERE consumer = $1 AND topic = $2 AND "partition" = $3 AND next_offset = $4"#,
         )
-        .text(&batch.consumer)
-        .text(&batch.topic)
+        .text(consumer)
+        .text(topic)
         .int(m.partition.into())
         .int(m.from)
         .int(m.to);
@@ -165,14 +178,14 @@ async fn fence<B: Backend>(c: &mut B::Connection, batch: &FoldBatch) -> PortResu
             r#"INSERT INTO consumer_offsets (consumer, topic, "partition", next_offset)
                VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
         )
-        .text(&batch.consumer)
-        .text(&batch.topic)
+        .text(consumer)
+        .text(topic)
         .int(m.partition.into())
         .int(m.to);
         if m.from != 0 || B::execute(c, create).await? != 1 {
             return Err(PortError::Fenced(format!(
                 "consumer {} on {}[{}] is no longer at offset {}",
-                batch.consumer, batch.topic, m.partition, m.from
+                consumer, topic, m.partition, m.from
             )));
         }
     }

@@ -174,6 +174,22 @@ impl<B: Backend> SqlStore<B> {
     async fn run(&self, stmt: Stmt) -> PortResult<u64> {
         B::execute(&mut *self.conn().await?, stmt).await
     }
+
+    /// Runs a statement and, if it changed a row, writes `audit` to the
+    /// audit outbox, in one transaction: the change and its audit entries
+    /// commit together or not at all. How many rows it changed.
+    async fn run_audited(&self, stmt: Stmt, audit: &[meter::AuditEntry]) -> PortResult<u64> {
+        // Dropping `tx` without committing rolls everything back.
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
+        let changed = B::execute(&mut *tx, stmt).await?;
+        if changed > 0 {
+            for entry in audit {
+                B::execute(&mut *tx, config::insert_audit(entry)?).await?;
+            }
+        }
+        tx.commit().await.map_err(error::<B>)?;
+        Ok(changed)
+    }
 }
 
 /// Sorts a driver error, once: a uniqueness violation is a conflict; a

@@ -17,6 +17,11 @@
 //!   reading where that stretch ends: every record before that end was on
 //!   the log, so received, before the copy, and a price recorded after the
 //!   copy is newer than its receipt (the fold would not use it anyway).
+//! - **The audit log** ([`AUDIT_TABLES`]) is the audit folder's, not the
+//!   fold's: a replay rebuilds it from the audit topic and compares it, but
+//!   never swaps it. The shadow's fold writes the entries it makes
+//!   (corrections, monitor breaches) to the shadow's audit outbox, which
+//!   nothing relays: a replay publishes nothing.
 //! - **A consistent cut of the live side**: [`SqlStore::snapshot`] opens a
 //!   read-only snapshot (PostgreSQL `REPEATABLE READ`, a SQLite read
 //!   transaction) in which the live offsets and every live table are read
@@ -51,6 +56,9 @@ use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ty {
     Text,
+    OptText,
+    /// A JSON document, compared as the database prints it.
+    Json,
     Int,
     Bool,
     Time,
@@ -170,6 +178,27 @@ pub const FOLD_TABLES: &[FoldTable] = &[
     },
 ];
 
+/// The audit log, which the audit folder writes from the audit topic: a
+/// replay rebuilds it in the shadow from that topic, to the live audit
+/// folder's offsets, and compares it. It is never swapped: the live folder
+/// already wrote every entry the topic holds, idempotently, and a swap
+/// would have to hold the audit folder's offsets too.
+pub const AUDIT_TABLES: &[FoldTable] = &[FoldTable {
+    name: "audit_log",
+    key: &[("id", Text)],
+    values: &[
+        ("project_id", Text),
+        ("action", Text),
+        ("principal_type", OptText),
+        ("principal_id", OptText),
+        ("resource", Text),
+        ("detail", Json),
+        ("once_key", OptText),
+        ("created_at", Time),
+    ],
+    scope: Scope::All,
+}];
+
 /// Tables the fold reads and never writes, copied into the shadow.
 pub const INPUT_TABLES: &[&str] = &["projects", "prices", "quotas"];
 
@@ -193,6 +222,11 @@ fn notification_keys_stmt() -> Stmt {
 
 fn keys<B: Backend>(rows: &[B::Row]) -> PortResult<BTreeSet<String>> {
     Ok(each(rows, |r: &Rec<'_, B>| r.text("dedup_key"))?.into_iter().collect())
+}
+
+/// The audit tables are read whole: no consumer or cutoff applies.
+fn audit_cut() -> Cut {
+    Cut { consumer: String::new(), topic: String::new(), processed_since: DateTime::<Utc>::UNIX_EPOCH }
 }
 
 /// One compared value.
@@ -287,9 +321,14 @@ fn render(cols: &[(&str, Ty)], cells: &[Cell]) -> String {
 
 /// Row by row, every difference between the live state and the shadow's.
 pub fn diff(live: &FoldState, shadow: &FoldState) -> Vec<Difference> {
+    diff_in(FOLD_TABLES, live, shadow)
+}
+
+/// [`diff`] over the given tables ([`FOLD_TABLES`], [`AUDIT_TABLES`]).
+pub fn diff_in(tables: &'static [FoldTable], live: &FoldState, shadow: &FoldState) -> Vec<Difference> {
     let empty = TableRows::new();
     let mut out = Vec::new();
-    for t in FOLD_TABLES {
+    for t in tables {
         let l = live.tables.get(t.name).unwrap_or(&empty);
         let s = shadow.tables.get(t.name).unwrap_or(&empty);
         let keys: BTreeSet<&Vec<Cell>> = l.keys().chain(s.keys()).collect();
@@ -321,6 +360,7 @@ fn select(t: &FoldTable, cut: &Cut) -> Stmt {
         .chain(t.values)
         .map(|(c, ty)| match ty {
             Int => format!("CAST(\"{c}\" AS BIGINT) AS \"{c}\""),
+            Json => format!("CAST(\"{c}\" AS TEXT) AS \"{c}\""),
             _ => format!("\"{c}\""),
         })
         .collect();
@@ -336,7 +376,8 @@ fn select(t: &FoldTable, cut: &Cut) -> Stmt {
 
 fn cell<B: Backend>(r: &Rec<'_, B>, column: &str, ty: Ty) -> PortResult<Cell> {
     Ok(match ty {
-        Text => Cell::Text(r.text(column)?),
+        Text | Json => Cell::Text(r.text(column)?),
+        OptText => r.get::<Option<String>>(column)?.map_or(Cell::Null, Cell::Text),
         Int => Cell::Int(r.int(column)?),
         Bool => Cell::Bool(r.get(column)?),
         Time => Cell::Time(r.time(column)?),
@@ -347,8 +388,16 @@ fn cell<B: Backend>(r: &Rec<'_, B>, column: &str, ty: Ty) -> PortResult<Cell> {
 }
 
 async fn read_state<B: Backend>(c: &mut B::Connection, cut: &Cut) -> PortResult<FoldState> {
+    read_tables::<B>(c, FOLD_TABLES, cut).await
+}
+
+async fn read_tables<B: Backend>(
+    c: &mut B::Connection,
+    tables: &'static [FoldTable],
+    cut: &Cut,
+) -> PortResult<FoldState> {
     let mut state = FoldState::default();
-    for t in FOLD_TABLES {
+    for t in tables {
         let rows = B::fetch(&mut *c, select(t, cut)).await?;
         let decoded = each(&rows, |r: &Rec<'_, B>| {
             let key = t.key.iter().map(|(c, ty)| cell(r, c, *ty)).collect::<PortResult<Vec<_>>>()?;
@@ -430,6 +479,11 @@ impl<B: Backend> Snapshot<B> {
         keys::<B>(&B::fetch(&mut *self.tx, notification_keys_stmt()).await?)
     }
 
+    /// The audit log ([`AUDIT_TABLES`]), as of the snapshot.
+    pub async fn audit_state(&mut self) -> PortResult<FoldState> {
+        read_tables::<B>(&mut self.tx, AUDIT_TABLES, &audit_cut()).await
+    }
+
     /// Ends the snapshot.
     pub async fn close(self) -> PortResult<()> {
         self.tx.rollback().await.map_err(error::<B>)
@@ -452,6 +506,11 @@ impl<B: Backend> SqlStore<B> {
     /// The dedup keys of the quota notifications this store holds.
     pub async fn notification_keys(&self) -> PortResult<BTreeSet<String>> {
         keys::<B>(&self.all(notification_keys_stmt()).await?)
+    }
+
+    /// The audit log ([`AUDIT_TABLES`]), as it stands.
+    pub async fn audit_state(&self) -> PortResult<FoldState> {
+        read_tables::<B>(&mut *self.conn().await?, AUDIT_TABLES, &audit_cut()).await
     }
 
     /// The newest receipt a consumer folded.
@@ -543,6 +602,7 @@ const CONFIG_TABLES: &[&str] = &[
     "api_keys",
     "roles",
     "audit_log",
+    "audit_outbox",
     "quota_exceptions",
     "_sqlx_migrations",
     "log_records",

@@ -210,8 +210,8 @@ impl<B: Backend> SqlStore<B> {
 #[async_trait]
 impl<B: Backend> WebhookStore for SqlStore<B> {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_endpoint"))]
-    async fn create_endpoint(&self, endpoint: &Endpoint) -> PortResult<()> {
-        self.run(insert_endpoint(endpoint)?).await.map(drop)
+    async fn create_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<()> {
+        self.run_audited(insert_endpoint(endpoint)?, audit).await.map(drop)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "endpoint"))]
@@ -230,12 +230,12 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "update_endpoint"))]
-    async fn update_endpoint(&self, endpoint: &Endpoint) -> PortResult<bool> {
-        Ok(self.run(update_endpoint(endpoint)?).await? == 1)
+    async fn update_endpoint(&self, endpoint: &Endpoint, audit: &[AuditEntry]) -> PortResult<bool> {
+        Ok(self.run_audited(update_endpoint(endpoint)?, audit).await? == 1)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "delete_endpoint"))]
-    async fn delete_endpoint(&self, id: &WebhookId) -> PortResult<bool> {
+    async fn delete_endpoint(&self, id: &WebhookId, audit: &[AuditEntry]) -> PortResult<bool> {
         let mut tx = B::begin(self.pool()).await.map_err(error::<B>)?;
         // Attempts and deliveries first: SQLite enforces the cascade only
         // where foreign keys are on, so nothing relies on it.
@@ -245,6 +245,11 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
         B::execute(&mut *tx, deliveries).await?;
         let gone =
             B::execute(&mut *tx, Stmt::new("DELETE FROM webhook_endpoints WHERE id = $1").text(id.as_str())).await?;
+        if gone == 1 {
+            for entry in audit {
+                B::execute(&mut *tx, insert_audit(entry)?).await?;
+            }
+        }
         tx.commit().await.map_err(error::<B>)?;
         Ok(gone == 1)
     }
