@@ -18,14 +18,13 @@
 //! - Every failure is a [`SchemaError`], permanent: the audit folder
 //!   dead-letters the record with its `Display` as the reason.
 
-use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value};
 use chrono::DateTime;
 use meter::{AuditAction, AuditDetail, AuditEntry, AuditId, Principal, ProjectId};
 use serde::{Deserialize, Serialize};
 
 use crate::SchemaError;
 use crate::registry::{audit_schema_version, find_audit_schema};
-use crate::single_object::{HEADER_LEN, MARKER, split_header};
+use crate::single_object::{frame, unframe};
 
 /// One `tollgate.AuditEntry` record, field for field.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,16 +89,7 @@ impl TryFrom<AuditRecord> for AuditEntry {
 /// [`SchemaError::Encode`] if the entry does not fit the schema (a bug, not
 /// a property of the entry).
 pub fn encode_audit(entry: &AuditEntry) -> Result<Vec<u8>, SchemaError> {
-    let current = audit_schema_version();
-    let value = to_value(AuditRecord::of(entry)?)
-        .and_then(|v| v.resolve(&current.schema))
-        .map_err(|e| SchemaError::Encode(e.to_string()))?;
-    let datum = to_avro_datum(&current.schema, value).map_err(|e| SchemaError::Encode(e.to_string()))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + datum.len());
-    out.extend_from_slice(&MARKER);
-    out.extend_from_slice(&current.fingerprint.to_le_bytes());
-    out.extend_from_slice(&datum);
-    Ok(out)
+    frame(audit_schema_version(), AuditRecord::of(entry)?)
 }
 
 /// Decodes a single-object audit entry of any known audit schema version.
@@ -110,17 +100,8 @@ pub fn encode_audit(entry: &AuditEntry) -> Result<Vec<u8>, SchemaError> {
 /// fingerprint, a malformed datum, or (with the field) a value that is not
 /// a valid entry. All permanent.
 pub fn decode_audit(bytes: &[u8]) -> Result<AuditEntry, SchemaError> {
-    let (fingerprint, mut body) = split_header(bytes)?;
-    let writer = find_audit_schema(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
-    let current = audit_schema_version();
-    let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
-    let value = from_avro_datum(&writer.schema, &mut body, reader)
-        .map_err(|e| SchemaError::Malformed(format!("as audit schema v{}: {e}", writer.version)))?;
-    if !body.is_empty() {
-        return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", body.len())));
-    }
     let record: AuditRecord =
-        from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the audit entry: {e}")))?;
+        unframe(bytes, find_audit_schema, audit_schema_version(), ("audit schema", "audit entry"))?;
     AuditEntry::try_from(record)
 }
 
@@ -131,6 +112,7 @@ mod tests {
     use meter::{Metric, MonitorBreach, QuotaId, WindowKind};
 
     use super::*;
+    use crate::single_object::{MARKER, split_header};
 
     fn at() -> DateTime<Utc> {
         DateTime::parse_from_rfc3339("2026-07-07T12:31:10.123456Z").expect("ts").with_timezone(&Utc)

@@ -20,8 +20,10 @@
 
 use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value};
 use meter::UsageFact;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
-use crate::registry::{find_usage_schema, usage_schema_version};
+use crate::registry::{SchemaVersion, find_usage_schema, usage_schema_version};
 use crate::{SchemaError, UsageEvent};
 
 /// The two bytes every single-object message starts with.
@@ -65,15 +67,7 @@ pub fn decode_usage(bytes: &[u8]) -> Result<UsageFact, SchemaError> {
 ///
 /// [`SchemaError::Encode`] if the event does not fit the current schema.
 pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
-    let current = usage_schema_version();
-    let value =
-        to_value(event).and_then(|v| v.resolve(&current.schema)).map_err(|e| SchemaError::Encode(e.to_string()))?;
-    let datum = to_avro_datum(&current.schema, value).map_err(|e| SchemaError::Encode(e.to_string()))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + datum.len());
-    out.extend_from_slice(&MARKER);
-    out.extend_from_slice(&current.fingerprint.to_le_bytes());
-    out.extend_from_slice(&datum);
-    Ok(out)
+    frame(usage_schema_version(), event)
 }
 
 /// Decodes a single-object usage event of any known schema version, resolved
@@ -83,17 +77,40 @@ pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
 ///
 /// As [`decode_usage`], except [`SchemaError::Invalid`].
 pub fn decode_event(bytes: &[u8]) -> Result<UsageEvent, SchemaError> {
+    unframe(bytes, find_usage_schema, usage_schema_version(), ("usage schema", "usage event"))
+}
+
+/// Writes `record` with `current`, framed as a single object (usage events
+/// and audit entries alike).
+pub(crate) fn frame<T: Serialize>(current: &SchemaVersion, record: T) -> Result<Vec<u8>, SchemaError> {
+    let value =
+        to_value(record).and_then(|v| v.resolve(&current.schema)).map_err(|e| SchemaError::Encode(e.to_string()))?;
+    let datum = to_avro_datum(&current.schema, value).map_err(|e| SchemaError::Encode(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + datum.len());
+    out.extend_from_slice(&MARKER);
+    out.extend_from_slice(&current.fingerprint.to_le_bytes());
+    out.extend_from_slice(&datum);
+    Ok(out)
+}
+
+/// Reads a single object written with any version `find` knows, resolved to
+/// `current`; `what` names the schema family and the record in errors.
+pub(crate) fn unframe<T: DeserializeOwned>(
+    bytes: &[u8],
+    find: fn(u64) -> Option<&'static SchemaVersion>,
+    current: &SchemaVersion,
+    what: (&str, &str),
+) -> Result<T, SchemaError> {
     let (fingerprint, mut body) = split_header(bytes)?;
-    let writer = find_usage_schema(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
-    let current = usage_schema_version();
+    let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
     // Resolution is only needed when the writer used another version.
     let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
     let value = from_avro_datum(&writer.schema, &mut body, reader)
-        .map_err(|e| SchemaError::Malformed(format!("as usage schema v{}: {e}", writer.version)))?;
+        .map_err(|e| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version)))?;
     if !body.is_empty() {
         return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", body.len())));
     }
-    from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the usage event: {e}")))
+    from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the {}: {e}", what.1)))
 }
 
 /// Splits a single-object message into its writer fingerprint and datum.
