@@ -132,12 +132,9 @@ impl<R: LogReader> AuditFolder<R> {
 
     /// Positions the reader at the offsets the store holds (0 where it holds none).
     pub async fn start(&mut self) -> PortResult<()> {
-        let stored = self.store.offsets(&self.config.consumer, &self.config.topic).await?;
-        let mut positions = BTreeMap::new();
-        for p in self.reader.partitions().await? {
-            positions.insert(p, stored.get(&p).copied().unwrap_or(0));
-        }
-        self.reader.seek(&positions).await?;
+        let positions =
+            crate::seek_to_stored(&mut self.reader, self.store.as_ref(), &self.config.consumer, &self.config.topic)
+                .await?;
         info!(consumer = %self.config.consumer, ?positions, "audit folder positioned");
         self.positions = positions;
         Ok(())

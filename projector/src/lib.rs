@@ -170,6 +170,23 @@ const CLAIM: usize = 500;
 /// The longest wait between two attempts to publish dead letters.
 const MAX_DLQ_BACKOFF: Duration = Duration::from_secs(5);
 
+/// Seeks `reader` to the offsets `store` holds for `consumer` on `topic`
+/// (0 on a partition it holds none for); answers where it now stands.
+pub(crate) async fn seek_to_stored<R: LogReader>(
+    reader: &mut R,
+    store: &dyn Store,
+    consumer: &str,
+    topic: &str,
+) -> PortResult<BTreeMap<i32, i64>> {
+    let stored = store.offsets(consumer, topic).await?;
+    let mut positions = BTreeMap::new();
+    for p in reader.partitions().await? {
+        positions.insert(p, stored.get(&p).copied().unwrap_or(0));
+    }
+    reader.seek(&positions).await?;
+    Ok(positions)
+}
+
 /// The projector: a log reader, the store and the view.
 pub struct Projector<R: LogReader> {
     reader: R,
@@ -227,12 +244,8 @@ impl<R: LogReader> Projector<R> {
 
     /// Positions the reader at the offsets the store holds (0 where it holds none).
     pub async fn start(&mut self) -> PortResult<()> {
-        let stored = self.store.offsets(&self.config.consumer, &self.config.topic).await?;
-        let mut positions = BTreeMap::new();
-        for p in self.reader.partitions().await? {
-            positions.insert(p, stored.get(&p).copied().unwrap_or(0));
-        }
-        self.reader.seek(&positions).await?;
+        let positions =
+            seek_to_stored(&mut self.reader, self.store.as_ref(), &self.config.consumer, &self.config.topic).await?;
         info!(consumer = %self.config.consumer, ?positions, "projector positioned");
         self.positions = positions;
         Ok(())
