@@ -49,6 +49,9 @@ pub struct DevArgs {
     /// How long one webhook delivery attempt may take.
     #[arg(long, env = "TOLLGATE_WEBHOOK_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
     webhook_timeout: Duration,
+    /// Permits are kept in this process's memory under `dev`.
+    #[command(flatten)]
+    permit: crate::PermitArgs,
 }
 
 /// Tokens kept across restarts so curl lines keep working.
@@ -99,6 +102,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     settings.config_ttl = args.config_ttl;
     settings.instance = "dev".into();
     settings.webhook_allow_private = args.webhook_allow_private;
+    args.permit.apply(&mut settings, gateway::state::DEFAULT_POOL_SIZE)?;
     let db = args.data_dir.join("tollgate.db");
     let embedded =
         Embedded::open(&db, settings, clock.clone()).await.with_context(|| format!("opening {}", db.display()))?;

@@ -14,7 +14,7 @@ use gateway::{AppState, Settings, ViewDownPolicy};
 use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
 use store::{
-    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgStore, PublishOptions, RedisView, Retention,
+    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgPermits, PgStore, PublishOptions, RedisView, Retention,
 };
 use tracing::info;
 
@@ -148,6 +148,45 @@ enum ViewDown {
     Deny,
 }
 
+/// Where the concurrency permits (`max_concurrent`) are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PermitsBackend {
+    /// A sorted set per caller in the view's Redis, reap-then-claim in one script.
+    Redis,
+    /// The UNLOGGED `heavy_permit` table (ADR-0196).
+    Postgres,
+}
+
+/// The concurrency permits' settings, shared by `serve` and `dev`.
+#[derive(Args, Clone)]
+pub(crate) struct PermitArgs {
+    /// The server's query timeout, which a key's or role's `query_timeout`
+    /// narrows (never widens): a permit's lease is the narrowest of them
+    /// plus 30 s, so a holder that dies frees its slot then.
+    #[arg(long, env = "TOLLGATE_QUERY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub(crate) query_timeout: Duration,
+    /// The installation-wide cap on all permits together, every key's and
+    /// user's (checked in the same step as the caller's own); by default a
+    /// quarter of the PostgreSQL pool (16 connections), at least one.
+    #[arg(long, env = "TOLLGATE_PERMITS_CAP")]
+    pub(crate) permits_cap: Option<u32>,
+}
+
+impl PermitArgs {
+    /// Sets them, with the installation's cap a quarter of `pool_size` unless given.
+    pub(crate) fn apply(&self, settings: &mut Settings, pool_size: u32) -> anyhow::Result<()> {
+        if self.query_timeout.is_zero() {
+            bail!("TOLLGATE_QUERY_TIMEOUT must be positive");
+        }
+        if self.permits_cap == Some(0) {
+            bail!("TOLLGATE_PERMITS_CAP must be at least 1");
+        }
+        settings.query_timeout = self.query_timeout;
+        settings.installation_permits = meter::permit::installation_cap(pool_size, self.permits_cap);
+        Ok(())
+    }
+}
+
 #[derive(Args)]
 struct ServeArgs {
     #[command(flatten)]
@@ -189,6 +228,12 @@ struct ServeArgs {
     /// What a check does when Redis cannot be reached.
     #[arg(long, env = "TOLLGATE_VIEW_DOWN", value_enum, default_value = "deny")]
     view_down: ViewDown,
+    /// Where the concurrency permits are kept, shared by every gateway:
+    /// `redis` (the view's Redis) or `postgres` (the `heavy_permit` table).
+    #[arg(long, env = "TOLLGATE_PERMITS", value_enum, default_value = "redis")]
+    permits: PermitsBackend,
+    #[command(flatten)]
+    permit: PermitArgs,
     /// This instance's name on the events it emits.
     #[arg(long, env = "TOLLGATE_INSTANCE")]
     instance: Option<String>,
@@ -319,6 +364,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         settings.instance = i;
     }
     settings.webhook_allow_private = args.notifier.webhook_allow_private;
+    args.permit.apply(&mut settings, store.pool().options().get_max_connections())?;
+    let permits: Arc<dyn meter::Permits> = match args.permits {
+        PermitsBackend::Redis => Arc::new(view.permits()),
+        PermitsBackend::Postgres => Arc::new(PgPermits::new(store.pool().clone())),
+    };
+    info!(backend = ?args.permits, installation_cap = settings.installation_permits, "permits");
     let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
     let tail = gateway::seeding::TailSource {
         tail: Arc::new(KafkaTail::new(&kafka)),
@@ -331,7 +382,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store = Arc::new(store);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
-    let state = AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail);
+    let state =
+        AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail).with_permits(permits);
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use meter::{BreachKind, FieldError, PortError};
 
 use crate::dto::errors::{
-    ErrorBody, ErrorDetail, ErrorMeta, ExceededMeta, FieldMeta, NoMeta, StorageMeta, UnenforceableMeta,
+    ConcurrencyMeta, ErrorBody, ErrorDetail, ErrorMeta, ExceededMeta, FieldMeta, NoMeta, StorageMeta, UnenforceableMeta,
 };
 use crate::dto::prices::PriceKeyView;
 use crate::dto::quotas::LimitView;
@@ -166,6 +166,21 @@ impl From<service::Error> for ApiError {
                 }
             }
             E::Refused(r) => refusal(&r),
+            E::TooManyConcurrent { limit, whose, owner } => {
+                let message = match &owner {
+                    Some(id) => {
+                        format!("Too many concurrent calls: {} {id} holds its {limit} permits.", whose.as_str())
+                    }
+                    None => format!("Too many concurrent calls: the installation holds its {limit} permits."),
+                };
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "TOO_MANY_CONCURRENT", message)
+                    .with_meta(ErrorMeta::Concurrency(Box::new(ConcurrencyMeta {
+                        limit,
+                        whose: whose.as_str().to_owned(),
+                        id: owner,
+                    })))
+                    .header("retry-after", "1")
+            }
             e @ E::QuotaConflict => ApiError::new(StatusCode::CONFLICT, "QUOTA_CONFLICT", e.to_string()),
             E::Conflict(m) => ApiError::new(StatusCode::CONFLICT, "CONFLICT", m),
             e @ E::LogUnavailable => ApiError::unavailable("LOG_UNAVAILABLE", e.to_string()),

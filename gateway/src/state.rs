@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use meter::{
-    ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PortError, PortResult, PriceBook, PriceStore,
-    Project, ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId, Store, TenantStore, View,
-    WebhookStore,
+    ApiKey, ApiKeyId, AuditId, AuditStore, Clock, EventId, Ledger, Log, PermitId, Permits, PortError, PortResult,
+    PriceBook, PriceStore, Project, ProjectId, Quota, QuotaId, QuotaStore, ReportStore, ReservationId, Role, RoleId,
+    Store, TenantStore, View, WebhookStore,
 };
 use rand::Rng;
 use rand::distr::Alphanumeric;
@@ -70,6 +70,15 @@ pub struct Settings {
     /// Accept webhook endpoints on private, loopback and link-local
     /// addresses (`TOLLGATE_WEBHOOK_ALLOW_PRIVATE`; off by default: SSRF).
     pub webhook_allow_private: bool,
+    /// The server's query timeout (`TOLLGATE_QUERY_TIMEOUT`, 30 s by
+    /// default), which a key's or role's `query_timeout` narrows: a
+    /// permit's lease is the narrowest of them plus 30 s
+    /// ([`meter::permit::lease`]).
+    pub query_timeout: Duration,
+    /// The installation's cap on all permits together
+    /// (`TOLLGATE_PERMITS_CAP`; by default a quarter of the PostgreSQL
+    /// pool, at least one: [`meter::permit::installation_cap`]).
+    pub installation_permits: u32,
 }
 
 impl std::fmt::Debug for Settings {
@@ -84,6 +93,8 @@ impl std::fmt::Debug for Settings {
             .field("view_down", &self.view_down)
             .field("instance", &self.instance)
             .field("webhook_allow_private", &self.webhook_allow_private)
+            .field("query_timeout", &self.query_timeout)
+            .field("installation_permits", &self.installation_permits)
             .finish()
     }
 }
@@ -101,9 +112,18 @@ impl Settings {
             view_down: ViewDownPolicy::Deny,
             instance: format!("gw-{}", random_token(6)),
             webhook_allow_private: false,
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
+            installation_permits: meter::permit::installation_cap(DEFAULT_POOL_SIZE, None),
         }
     }
 }
+
+/// The server's query timeout unless configured (`TOLLGATE_QUERY_TIMEOUT`).
+pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The PostgreSQL pool size the installation's permit cap defaults to a
+/// quarter of (`store::PgStore::connect`'s pool).
+pub const DEFAULT_POOL_SIZE: u32 = 16;
 
 /// A project with its quotas, as the hot path needs them.
 #[derive(Debug, Clone)]
@@ -233,6 +253,9 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
     pub settings: Arc<Settings>,
     pub cache: Arc<ConfigCache>,
+    /// The concurrency permits: in memory unless [`AppState::with_permits`]
+    /// gives the shared ones (Redis or PostgreSQL, `TOLLGATE_PERMITS`).
+    pub permits: Arc<dyn Permits>,
 }
 
 impl AppState {
@@ -252,7 +275,15 @@ impl AppState {
             clock,
             settings: Arc::new(settings),
             cache: Arc::default(),
+            permits: Arc::new(store::MemoryPermits::new()),
         }
+    }
+
+    /// The permits shared by every gateway of the installation (Redis or
+    /// PostgreSQL) in place of this process's memory.
+    pub fn with_permits(mut self, permits: Arc<dyn Permits>) -> Self {
+        self.permits = permits;
+        self
     }
 
     /// Seeds the view from the log's state — the durable totals and the log
@@ -442,6 +473,11 @@ pub fn new_reservation_id() -> ReservationId {
     ReservationId::parse(new_id("res")).expect("a new id is in the id alphabet")
 }
 
+/// A new permit id (same invariant as [`new_quota_id`]).
+pub fn new_permit_id() -> PermitId {
+    PermitId::parse(new_id("pmt")).expect("a new id is in the id alphabet")
+}
+
 /// A new event id with a type prefix (`req`, `evt`); same invariant as
 /// [`new_quota_id`] for a prefix in the id alphabet, as every caller's is.
 pub fn new_event_id(prefix: &'static str) -> EventId {
@@ -482,6 +518,7 @@ mod tests {
             agent: None,
             actor: None,
             storage_delta: None,
+            permit: false,
         }
     }
 

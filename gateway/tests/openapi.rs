@@ -345,6 +345,32 @@ async fn every_answer_matches_the_document() {
     let (s, c) = call(Method::POST, check_uri, check_uri, gw, Some(json!({"break_glass": true}))).await;
     assert_eq!((s, c["exempt"].clone()), (StatusCode::OK, json!(true)));
 
+    // A permit: taken, refused over the cap, renewed, released.
+    let (s, k3) = call(
+        Method::POST,
+        "/v1/projects/{id}/api-keys",
+        &keys,
+        adm,
+        Some(json!({"name": "heavy", "grants": {"max_concurrent": 1}})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED);
+    let heavy = json!({"api_key": k3["secret"], "permit": true});
+    let (s, c) = call(Method::POST, check_uri, check_uri, gw, Some(heavy.clone())).await;
+    assert_eq!(s, StatusCode::OK, "{c}");
+    let permit = c["permit"]["id"].as_str().expect("a permit").to_owned();
+    let (s, c) = call(Method::POST, check_uri, check_uri, gw, Some(heavy)).await;
+    assert_eq!((s, c["error"]["code"].clone()), (StatusCode::TOO_MANY_REQUESTS, json!("TOO_MANY_CONCURRENT")));
+    let renew = "/v1/permits/{id}/renew";
+    let (s, _) = call(Method::POST, renew, &format!("/v1/permits/{permit}/renew"), gw, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = call(Method::DELETE, "/v1/permits/{id}", &format!("/v1/permits/{permit}"), gw, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(Method::DELETE, "/v1/permits/{id}", &format!("/v1/permits/{permit}"), gw, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(Method::POST, renew, &format!("/v1/permits/{permit}/renew"), gw, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
     let now = chrono::Utc::now().to_rfc3339();
     let events = json!({"events": [
         {"id": "e1", "type": "call", "project_id": pid, "api_key_id": kid, "occurred_at": now, "rows": 3},

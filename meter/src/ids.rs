@@ -111,6 +111,10 @@ id_type!(
     /// resend and replay.
     MessageId
 );
+id_type!(
+    /// A concurrency permit (a slot of a caller's `max_concurrent`).
+    PermitId
+);
 
 #[cfg(test)]
 mod tests {

@@ -13,8 +13,9 @@
 //! it), [`admission`] (plan and verdict), [`apply`] (declarative quota
 //! plans), [`audit`], [`report`], [`view`] (with the view's reference model),
 //! [`webhook`] (endpoints, notifications, delivery rules), [`alert`] (the
-//! quota alerts a folded batch makes due), and
-//! [`ports`], which only declares traits over them. No module imports one
+//! quota alerts a folded batch makes due), [`permit`] (`max_concurrent`
+//! slots and their leases), and [`ports`], which only declares traits over
+//! them. No module imports one
 //! that imports it back.
 //!
 //! ## Accuracy
@@ -51,6 +52,13 @@
 //!   dedup key ([`alert`]). They follow the fold, so they fire when the
 //!   projector folds the crossing event, not at the check; and they judge by
 //!   the quotas as they stand when the fold runs.
+//! - **`max_concurrent` is exact across gateways** that share their
+//!   permits (Redis or PostgreSQL, [`permit`]): a slot is reaped and claimed
+//!   in one atomic step, so no more than the cap is ever held at once, and
+//!   the installation's cap likewise. A holder that dies keeps its slot
+//!   until its lease lapses (the effective `query_timeout` + 30 s), never
+//!   longer. The memory permits (`tollgate dev`, the embedded Layer) count
+//!   one process's permits only.
 //! - **Windows reset, they do not decay**: a `rolling_1m` cap of 60 admits 60
 //!   at 12:00:59 and 60 more at 12:01:00.
 //! - **Freshness**: a settled call is in the view before its event is
@@ -70,6 +78,7 @@ pub mod error;
 pub mod fold;
 pub mod ids;
 pub mod ledger;
+pub mod permit;
 pub mod ports;
 pub mod price;
 pub mod quota;
@@ -94,11 +103,14 @@ pub use clock::{Clock, ManualClock};
 pub use correction::{Counted, Target};
 pub use error::{FieldError, PortError, PortResult, UnknownName};
 pub use fold::{DeadLetter, DlqMark, FactSource, Fold, FoldBatch, FoldReport, OffsetMove, PendingDeadLetter};
-pub use ids::{ApiKeyId, AuditId, EventId, IdError, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
+pub use ids::{
+    ApiKeyId, AuditId, EventId, IdError, MessageId, PermitId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId,
+};
 pub use ledger::{
     BatchFold, FactOutcome, FootprintRead, ModelUsageAdd, ModelUsageChange, Posting, StorageFact, StorageKind,
     StoredFootprint, UnknownProject,
 };
+pub use permit::{Claimed, OwnCap, Permit, PermitClaim, PermitModel, Pool, Whose};
 pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};

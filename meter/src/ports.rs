@@ -24,7 +24,10 @@ use crate::apply::QuotaPlan;
 use crate::audit::{AuditBatch, AuditEntry};
 use crate::error::PortResult;
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
-use crate::ids::{ApiKeyId, AuditId, EventId, MessageId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId};
+use crate::ids::{
+    ApiKeyId, AuditId, EventId, MessageId, PermitId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId,
+};
+use crate::permit::{Claimed, Permit, PermitClaim};
 use crate::price::{Price, PriceKey};
 use crate::quota::Quota;
 use crate::report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
@@ -383,6 +386,24 @@ pub trait View: Send + Sync {
         counter: &CounterKey,
         at: DateTime<Utc>,
     ) -> PortResult<Option<CounterUsage>>;
+}
+
+/// Concurrency permits (see [`crate::permit`]): slots with leases, shared
+/// by every gateway of an installation (Redis, PostgreSQL), or one
+/// process's (memory, for `tollgate dev` and the embedded Layer). Every
+/// operation first reaps the permits whose lease lapsed at `at`.
+#[async_trait]
+pub trait Permits: Send + Sync {
+    /// Takes a slot of the claim's holder and one of the installation's in
+    /// one atomic step, or neither ([`Claimed::Full`] names the pool that
+    /// was full, the holder's first). Two gateways never take the same
+    /// slot. The claim's id is a new one.
+    async fn claim(&self, claim: &PermitClaim, at: DateTime<Utc>) -> PortResult<Claimed>;
+    /// Extends a live permit's lease to `at` plus its lease; `None` if it
+    /// is not held (released, lapsed or unknown).
+    async fn renew(&self, id: &PermitId, at: DateTime<Utc>) -> PortResult<Option<Permit>>;
+    /// Frees a permit's slots; false if it was not held.
+    async fn release(&self, id: &PermitId, at: DateTime<Utc>) -> PortResult<bool>;
 }
 
 /// The write side of the log.

@@ -3,7 +3,9 @@
 //! Each port `meter` declares has its implementations here, named by
 //! technology and role: [`KafkaLog`] and [`KafkaReader`] for the log,
 //! [`RedisView`] for the view, [`PgStore`] and [`SqliteStore`] for the
-//! store (one [`SqlStore`] over either database, see [`sql`]). Transient
+//! store (one [`SqlStore`] over either database, see [`sql`]), and
+//! [`RedisPermits`], [`PgPermits`] and [`MemoryPermits`] for the
+//! concurrency permits. Transient
 //! versus permanent is decided once, where a driver error is converted.
 //! Both logs publish through one bounded retry queue ([`outbox`]), so a log
 //! outage delays facts instead of losing them.
@@ -16,11 +18,16 @@
 
 #[cfg(feature = "kafka")]
 pub mod kafka;
+pub mod memory_permits;
 pub mod memory_view;
 #[cfg(any(feature = "kafka", feature = "embedded"))]
 pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod pg;
+#[cfg(feature = "postgres")]
+pub mod pg_permits;
+#[cfg(feature = "redis")]
+pub mod redis_permits;
 #[cfg(feature = "redis")]
 pub mod redis_view;
 #[cfg(any(feature = "postgres", feature = "embedded"))]
@@ -32,11 +39,16 @@ pub mod sqlite_store;
 
 #[cfg(feature = "kafka")]
 pub use kafka::{KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, ProducerState, Retention};
+pub use memory_permits::MemoryPermits;
 pub use memory_view::MemoryView;
 #[cfg(any(feature = "kafka", feature = "embedded"))]
 pub use outbox::PublishOptions;
 #[cfg(feature = "postgres")]
 pub use pg::PgStore;
+#[cfg(feature = "postgres")]
+pub use pg_permits::PgPermits;
+#[cfg(feature = "redis")]
+pub use redis_permits::RedisPermits;
 #[cfg(feature = "redis")]
 pub use redis_view::RedisView;
 #[cfg(any(feature = "postgres", feature = "embedded"))]

@@ -209,6 +209,12 @@ impl RedisView {
         Ok(RedisView { conn, prefix: prefix.into(), scripts: Arc::new(Scripts::new()) })
     }
 
+    /// The permits of this Redis, over this view's connection and prefix
+    /// (see [`crate::redis_permits`]).
+    pub fn permits(&self) -> crate::RedisPermits {
+        crate::RedisPermits::new(self.conn.clone(), &self.prefix)
+    }
+
     /// `P{p}:`, the start of every key of a project.
     fn base(&self, project: &ProjectId) -> String {
         format!("{}{{{}}}:", self.prefix, project.as_str())
@@ -445,7 +451,7 @@ fn glob_escape(s: &str) -> String {
 }
 
 /// Decides once whether retrying can help.
-fn classify(op: &str, e: &RedisError) -> PortError {
+pub(crate) fn classify(op: &str, e: &RedisError) -> PortError {
     let transient = e.is_io_error()
         || e.is_timeout()
         || e.is_connection_refusal()

@@ -10,6 +10,7 @@ mod faults_view;
 mod harness;
 mod invariants;
 mod model;
+mod permits;
 mod replay;
 mod roles;
 mod webhooks;

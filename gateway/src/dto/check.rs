@@ -3,8 +3,8 @@
 //! The body is parsed in one allocation-light pass straight into typed
 //! fields: the hot path pays for the strings it keeps and nothing else.
 
-use meter::{ApiKeyId, FieldError, RoleId};
-use serde::de::IgnoredAny;
+use chrono::{DateTime, Utc};
+use meter::{ApiKeyId, FieldError, Permit, RoleId};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -46,9 +46,15 @@ pub struct CheckBody {
     /// Bytes the call will store (negative: delete), for `storage_bytes` quotas.
     #[schema(value_type = Option<i64>)]
     pub storage_bytes_delta: Option<Whole>,
-    /// Reserved for concurrency permits; accepted and ignored by this release.
+    /// Take a concurrency permit with the reservation (both or neither),
+    /// for a caller with `max_concurrent` (its key's or role's): held until
+    /// `DELETE /v1/permits/{id}`, the settle of an event naming it
+    /// (`permit_id`), or its lease lapses (renew it with `POST
+    /// /v1/permits/{id}/renew`). Over the cap: 429 `TOO_MANY_CONCURRENT`.
+    /// A caller with no `max_concurrent`, an exempt role's and the
+    /// break-glass caller take none.
     #[schema(value_type = Option<bool>)]
-    pub permit: Option<IgnoredAny>,
+    pub permit: Option<Flag>,
 }
 
 impl TryFrom<CheckBody> for CheckRequest {
@@ -58,7 +64,8 @@ impl TryFrom<CheckBody> for CheckRequest {
         let actor = opt_id(b.actor_id, "actor_id")?;
         let storage_delta = b.storage_bytes_delta.map(|Whole(d)| d);
         let project = b.project_id.map(|Text(p)| p);
-        let req = |who| CheckRequest { who, project, agent, actor, storage_delta };
+        let permit = b.permit.is_some_and(|Flag(p)| p);
+        let req = |who| CheckRequest { who, project, agent, actor, storage_delta, permit };
         // The break-glass caller is never limited or counted (ADR-0011).
         if b.break_glass.is_some_and(|Flag(f)| f) {
             return Ok(req(Who::BreakGlass));
@@ -99,6 +106,28 @@ pub struct CallLimits {
     pub max_rows: Option<u64>,
 }
 
+/// A concurrency permit held: free it with `DELETE /v1/permits/{id}` (or
+/// name it as `permit_id` on the call's event), keep it with `POST
+/// /v1/permits/{id}/renew`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"id": "pmt_0197a3c7", "expires_at": "2026-07-07T12:01:00Z", "fencing_token": 42}))]
+pub struct PermitView {
+    pub id: String,
+    /// When its lease lapses unless renewed: the effective `query_timeout` + 30 s after the check (or renewal).
+    pub expires_at: DateTime<Utc>,
+    /// Greater than every permit's granted before it: what the permit
+    /// guards can refuse a holder whose lease lapsed and whose slot went to
+    /// a later one.
+    pub fencing_token: u64,
+}
+
+impl From<&Permit> for PermitView {
+    fn from(p: &Permit) -> Self {
+        PermitView { id: p.id.to_string(), expires_at: p.expires_at, fencing_token: p.token }
+    }
+}
+
 /// An admitted check. Settle it with the call's event (its
 /// `reservation_id`); an exempt caller has nothing to settle.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -113,6 +142,10 @@ pub struct CheckResponse {
     pub exempt: Option<bool>,
     /// `null` for an exempt caller.
     pub reservation_id: Option<String>,
+    /// The permit taken, for a check that asked for one from a caller with
+    /// `max_concurrent`; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub permit: Option<PermitView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<CallLimits>,
     /// Present (true) when the view was unreachable and policy admitted the
@@ -123,7 +156,14 @@ pub struct CheckResponse {
 
 impl CheckResponse {
     pub fn exempt() -> Self {
-        CheckResponse { allowed: true, exempt: Some(true), reservation_id: None, limits: None, degraded: None }
+        CheckResponse {
+            allowed: true,
+            exempt: Some(true),
+            reservation_id: None,
+            permit: None,
+            limits: None,
+            degraded: None,
+        }
     }
 }
 
@@ -141,7 +181,12 @@ mod tests {
     #[test]
     fn a_check_names_one_caller() {
         let r = parse(json!({"api_key": "tg_x", "actor_id": "alice", "permit": true})).expect("valid");
-        assert_eq!((r.who, r.actor.as_deref()), (Who::Key(KeyRef::Secret("tg_x".into())), Some("alice")));
+        assert_eq!(
+            (r.who, r.actor.as_deref(), r.permit),
+            (Who::Key(KeyRef::Secret("tg_x".into())), Some("alice"), true)
+        );
+        assert!(!parse(json!({"api_key": "tg_x", "permit": false})).expect("valid").permit);
+        assert!(!parse(json!({"api_key": "tg_x"})).expect("valid").permit);
         assert_eq!(parse(json!({"break_glass": true, "user": "alice"})).expect("valid").who, Who::BreakGlass);
         for (body, field) in [
             (json!({}), "api_key"),
@@ -154,6 +199,8 @@ mod tests {
             (json!({"api_key": "a", "actor_id": ""}), "actor_id"),
             (json!({"api_key": "a", "storage_bytes_delta": 1.5}), "storage_bytes_delta"),
             (json!({"api_key": "a", "break_glass": "yes"}), "break_glass"),
+            (json!({"api_key": "a", "permit": "yes"}), "permit"),
+            (json!({"api_key": "a", "permit": 1}), "permit"),
             (json!({"api_key": "a", "colour": "red"}), "colour"),
         ] {
             assert_eq!(parse(body.clone()).expect_err("refused").field, field, "{body}");

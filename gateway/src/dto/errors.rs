@@ -22,7 +22,7 @@ pub struct ErrorBody {
 #[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
     /// `INVALID_REQUEST`, `UNAUTHENTICATED`, `NOT_FOUND`, `QUOTA_EXCEEDED`,
-    /// `QUOTA_STORAGE_EXCEEDED`, `QUOTA_UNENFORCEABLE`, `QUOTA_CONFLICT`,
+    /// `QUOTA_STORAGE_EXCEEDED`, `QUOTA_UNENFORCEABLE`, `TOO_MANY_CONCURRENT`, `QUOTA_CONFLICT`,
     /// `CONFLICT`, `LOG_UNAVAILABLE`, `VIEW_UNAVAILABLE`, `UNAVAILABLE` or `INTERNAL`.
     #[schema(example = "QUOTA_EXCEEDED")]
     pub code: String,
@@ -41,6 +41,7 @@ pub enum ErrorMeta {
     Exceeded(Box<ExceededMeta>),
     Storage(Box<StorageMeta>),
     Unenforceable(Box<UnenforceableMeta>),
+    Concurrency(Box<ConcurrencyMeta>),
     None(NoMeta),
 }
 
@@ -92,4 +93,20 @@ pub struct UnenforceableMeta {
     pub window: String,
     /// Up to 10 (provider, model, component) rows that had no price.
     pub unpriced_rows: Vec<PriceKeyView>,
+}
+
+/// `TOO_MANY_CONCURRENT` (429, `Retry-After: 1`): a permit pool is full.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"limit": 5, "whose": "api_key", "id": "key_0197a3c3"}))]
+pub struct ConcurrencyMeta {
+    /// The cap reached: permits held at once.
+    pub limit: u32,
+    /// Whose cap it is: `api_key` (the key's own `max_concurrent`), `role`
+    /// (its role's, or a signed-in user's role's) or `installation` (all
+    /// permits together).
+    #[schema(example = "api_key")]
+    pub whose: String,
+    /// The key's or role's id; `null` for the installation's.
+    pub id: Option<String>,
 }

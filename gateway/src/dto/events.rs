@@ -6,7 +6,8 @@
 //! existing) is the service's, which also stamps the gateway's name.
 
 use meter::{
-    ApiKeyId, EventId, EventKind, FieldError, MeterType, Outcome, ProjectId, ReservationId, TokenUsage, UsageFact,
+    ApiKeyId, EventId, EventKind, FieldError, MeterType, Outcome, PermitId, ProjectId, ReservationId, TokenUsage,
+    UsageFact,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -87,6 +88,11 @@ pub struct EventBody {
     /// The check this call settles.
     #[schema(value_type = Option<String>)]
     pub reservation_id: Option<Text>,
+    /// On a `call` or `tokens` event: the permit its check took, released
+    /// once the event is recorded (the call has ended). Not on the log: a
+    /// permit is the gateway's, not a usage fact.
+    #[schema(value_type = Option<String>)]
+    pub permit_id: Option<Text>,
     /// `success` (default) or `failure`.
     #[schema(value_type = Option<String>)]
     pub outcome: Option<Text>,
@@ -195,17 +201,52 @@ pub struct EventsBody {
     pub events: Option<List<EventBody>>,
 }
 
-impl TryFrom<EventsBody> for Vec<UsageFact> {
+/// What a `/v1/events` reports: the facts, and the permits its events
+/// name (each once).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reported {
+    pub facts: Vec<UsageFact>,
+    pub permits: Vec<PermitId>,
+}
+
+impl TryFrom<EventsBody> for Reported {
     type Error = FieldError;
-    fn try_from(b: EventsBody) -> Result<Vec<UsageFact>, FieldError> {
+    fn try_from(b: EventsBody) -> Result<Reported, FieldError> {
         let List(list) = b.events.ok_or_else(|| FieldError::new("events", "must be a list"))?;
         if list.is_empty() || list.len() > MAX_EVENTS {
             return Err(FieldError::new("events", format!("must hold 1 to {MAX_EVENTS} events")));
         }
-        list.into_iter()
-            .enumerate()
-            .map(|(i, e)| UsageFact::try_from(e).map_err(|err| err.under(&format!("events[{i}]."))))
-            .collect()
+        let mut permits: Vec<PermitId> = Vec::new();
+        let mut facts = Vec::with_capacity(list.len());
+        for (i, mut e) in list.into_iter().enumerate() {
+            let at = |err: FieldError| err.under(&format!("events[{i}]."));
+            let permit = opt_id(e.permit_id.take(), "permit_id")
+                .and_then(|p| {
+                    p.map(PermitId::parse).transpose().map_err(|err| FieldError::new("permit_id", err.to_string()))
+                })
+                .map_err(at)?;
+            let fact = UsageFact::try_from(e).map_err(at)?;
+            if let Some(p) = permit {
+                if !matches!(fact.kind, EventKind::Call | EventKind::Tokens) {
+                    return Err(at(FieldError::new(
+                        "permit_id",
+                        "goes on the call or tokens event of the permit's check",
+                    )));
+                }
+                if !permits.contains(&p) {
+                    permits.push(p);
+                }
+            }
+            facts.push(fact);
+        }
+        Ok(Reported { facts, permits })
+    }
+}
+
+impl TryFrom<EventsBody> for Vec<UsageFact> {
+    type Error = FieldError;
+    fn try_from(b: EventsBody) -> Result<Vec<UsageFact>, FieldError> {
+        Reported::try_from(b).map(|r| r.facts)
     }
 }
 
@@ -218,11 +259,16 @@ pub struct EventsAccepted {
     pub accepted: usize,
     /// Events left out as repeats of an earlier one of the same request.
     pub duplicates: usize,
+    /// Present when events named permits (`permit_id`): how many of them
+    /// were held and are now released (one released before, or lapsed,
+    /// is not counted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub permits_released: Option<usize>,
 }
 
 impl From<Accepted> for EventsAccepted {
     fn from(a: Accepted) -> Self {
-        EventsAccepted { accepted: a.accepted, duplicates: a.duplicates }
+        EventsAccepted { accepted: a.accepted, duplicates: a.duplicates, permits_released: a.permits_released }
     }
 }
 
@@ -287,6 +333,17 @@ mod tests {
         assert_eq!(field(correction(json!({"actor_id": "u1"}))), "events[0].actor_id");
         assert_eq!(field(correction(json!({"corrects": "a b"}))), "events[0].corrects");
         assert_eq!(field(correction(json!({"void": "yes"}))), "events[0].void");
+        // A permit goes on the call (or tokens) event of its check, by a valid id.
+        let mut e = call(json!(1));
+        e["permit_id"] = json!("a b");
+        assert_eq!(field(json!([e])), "events[0].permit_id");
+        assert_eq!(field(correction(json!({"permit_id": "pmt_1", "rows": 3}))), "events[0].permit_id");
+        let (mut a, mut b) = (call(json!(1)), call(json!(2)));
+        a["permit_id"] = json!("pmt_1");
+        b["id"] = json!("e2");
+        b["permit_id"] = json!("pmt_1");
+        let r = Reported::try_from(from_value::<EventsBody>(json!({"events": [a, b]})).expect("body")).expect("valid");
+        assert_eq!((r.facts.len(), r.permits), (2, vec![PermitId::parse("pmt_1").expect("id")]));
         let ok: EventsBody = serde_json::from_value(json!({"events": correction(json!({"rows": 3}))})).expect("body");
         let facts = Vec::<UsageFact>::try_from(ok).expect("a valid amend");
         assert_eq!(

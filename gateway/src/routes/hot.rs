@@ -5,13 +5,12 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use meter::UsageFact;
 
 use crate::auth::GatewayAuth;
 use crate::dto::Body;
-use crate::dto::check::{CallLimits, CheckBody, CheckResponse};
+use crate::dto::check::{CallLimits, CheckBody, CheckResponse, PermitView};
 use crate::dto::errors::ErrorBody;
-use crate::dto::events::{EventsAccepted, EventsBody};
+use crate::dto::events::{EventsAccepted, EventsBody, Reported};
 use crate::error::{ApiResult, remaining_headers};
 use crate::service::admission::{self, CheckRequest, Checked};
 use crate::service::recording;
@@ -33,9 +32,11 @@ use crate::state::AppState;
         (status = 409, description = "QUOTA_STORAGE_EXCEEDED, or QUOTA_UNENFORCEABLE over a pricing blackout; no Retry-After", body = ErrorBody,
          example = json!({"error": {"code": "QUOTA_STORAGE_EXCEEDED", "message": "Storage quota quota_0197a3c4 exceeded: the project would store more than its 1000-byte limit.",
                                     "meta": {"quota_id": "quota_0197a3c4", "metric": "storage_bytes", "limit": 1000, "current_bytes": 600}}})),
-        (status = 429, description = "QUOTA_EXCEEDED, with Retry-After and the X-Quota-* headers", body = ErrorBody,
+        (status = 429, description = "QUOTA_EXCEEDED, with Retry-After and the X-Quota-* headers; or \
+            TOO_MANY_CONCURRENT (a check asking for a permit over `max_concurrent` or the installation's cap: \
+            `Retry-After: 1`, meta `{\"limit\", \"whose\": \"api_key\"|\"role\"|\"installation\", \"id\"}`; nothing reserved, never queued)", body = ErrorBody,
          headers(
-            ("retry-after" = u64, description = "Seconds until the window resets"),
+            ("retry-after" = u64, description = "Seconds until the window resets (1 for TOO_MANY_CONCURRENT)"),
             ("x-quota-remaining-calls" = u64, description = "Calls left under the tightest calls quota"),
             ("x-quota-remaining-rows" = u64, description = "Rows left under the tightest rows quota"),
             ("x-quota-reset" = String, description = "RFC 3339: when the tightest calls or rows quota resets"),
@@ -49,11 +50,12 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
     let req = CheckRequest::try_from(body)?;
     Ok(match admission::check(&s, req).await? {
         Checked::Exempt => Json(CheckResponse::exempt()).into_response(),
-        Checked::Admitted { reservation, limits, remaining, degraded } => {
+        Checked::Admitted { reservation, limits, remaining, degraded, permit } => {
             let body = CheckResponse {
                 allowed: true,
                 exempt: None,
                 reservation_id: Some(reservation.to_string()),
+                permit: permit.as_ref().map(PermitView::from),
                 limits: Some(CallLimits { query_timeout: limits.query_timeout, max_rows: limits.max_rows }),
                 degraded: degraded.then_some(true),
             };
@@ -65,7 +67,7 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
 #[utoipa::path(post, path = "/v1/events", tag = "hot path", security(("gateway_token" = [])),
     request_body = EventsBody,
     responses(
-        (status = 202, description = "Every event is on the log", body = EventsAccepted),
+        (status = 202, description = "Every event is on the log (and the permits they name are released)", body = EventsAccepted),
         (status = 400, description = "INVALID_REQUEST naming the event and field; nothing was written", body = ErrorBody,
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "events[1].rows: must be a whole number ≥ 0", "meta": {"field": "events[1].rows"}}})),
         (status = 503, description = "LOG_UNAVAILABLE: the log did not acknowledge; nothing was acknowledged, retry with the same ids", body = ErrorBody,
@@ -76,7 +78,7 @@ pub async fn events(
     State(s): State<AppState>,
     Body(body): Body<EventsBody>,
 ) -> ApiResult<(StatusCode, Json<EventsAccepted>)> {
-    let facts = Vec::<UsageFact>::try_from(body)?;
-    let accepted = recording::accept(&s, facts).await?;
+    let Reported { facts, permits } = Reported::try_from(body)?;
+    let accepted = recording::settle(&s, facts, &permits).await?;
     Ok((StatusCode::ACCEPTED, Json(accepted.into())))
 }

@@ -14,6 +14,7 @@
 
 mod hot;
 mod meta;
+mod permits;
 mod prices;
 mod quotas;
 mod reports;
@@ -55,6 +56,8 @@ table! {
     GET "/metrics" => meta::metrics,
     POST "/v1/check" => hot::check,
     POST "/v1/events" => hot::events,
+    POST "/v1/permits/{id}/renew" => permits::renew,
+    DELETE "/v1/permits/{id}" => permits::release,
     POST "/v1/projects" => tenants::create_project,
     GET "/v1/projects/{id}" => tenants::get_project,
     POST "/v1/projects/{id}/api-keys" => tenants::create_api_key,
@@ -110,6 +113,8 @@ pub fn app(state: AppState) -> Router {
         meta::metrics,
         hot::check,
         hot::events,
+        permits::renew,
+        permits::release,
         tenants::create_project,
         tenants::get_project,
         tenants::create_api_key,

@@ -14,18 +14,33 @@
 //! break-glass caller; [`check`] is `/v1/check`, which names any of them.
 //! An exempt role's callers and the break-glass caller are admitted with
 //! nothing checked or counted.
+//!
+//! **Permits** (`"permit": true`, for a caller with `max_concurrent`): the
+//! slot is taken first (the caller's pool and the installation's, in one
+//! step of the [`Permits`](meter::Permits) port), then the quotas are
+//! checked and the reservation made in the view. A full pool answers
+//! [`Error::TooManyConcurrent`] before the view is asked, so a refused slot
+//! reserves nothing, counts no request and logs no request event; a
+//! refused reservation (or a view refusing by policy, or any error after
+//! the slot was taken) releases the slot before the answer, so a refused
+//! reservation leaves no slot taken: both or neither. (Were the release
+//! itself to fail, the slot lapses with its lease.) A permit store that
+//! cannot be reached fails the check (503 `UNAVAILABLE`): a permit asked
+//! for is never granted uncounted.
 
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
+use meter::permit::{OwnCap, Whose};
 use meter::{
-    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, EventKind, Grants, Hold,
-    LoggedBreach, PortError, ProjectId, Quota, ReservationId, Role, RoleId, UnpricedException, UsageFact, Verdict,
+    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Claimed, EventKind, Grants,
+    Hold, LoggedBreach, Permit, PermitClaim, Pool, PortError, ProjectId, Quota, ReservationId, Role, RoleId,
+    UnpricedException, UsageFact, Verdict,
 };
 use tracing::warn;
 
 use super::{Error, Refusal, Result};
-use crate::state::{AppState, ViewDownPolicy, new_event_id, new_reservation_id};
+use crate::state::{AppState, ViewDownPolicy, new_event_id, new_permit_id, new_reservation_id};
 
 /// What the caller's headers report of its quotas (`X-Quota-Remaining-Calls`,
 /// `X-Quota-Remaining-Rows`, `X-Quota-Reset`), admitted or refused.
@@ -88,6 +103,8 @@ pub struct CheckRequest {
     pub actor: Option<String>,
     /// The bytes the call will add to (or, negative, remove from) storage.
     pub storage_delta: Option<i64>,
+    /// Take a concurrency permit with the reservation (see the module doc).
+    pub permit: bool,
 }
 
 /// What a `/v1/check` granted.
@@ -101,6 +118,9 @@ pub enum Checked {
         limits: Grants,
         remaining: Remaining,
         degraded: bool,
+        /// The permit taken, if the check asked for one and the caller has
+        /// `max_concurrent`.
+        permit: Option<Permit>,
     },
 }
 
@@ -118,6 +138,7 @@ struct Granted {
     remaining: Remaining,
     degraded: bool,
     exempt: bool,
+    permit: Option<Permit>,
 }
 
 /// The parts of a check that are neither the caller nor its quotas.
@@ -126,11 +147,43 @@ struct Context {
     agent: Option<String>,
     actor: Option<String>,
     storage_delta: Option<i64>,
+    /// The permit to take, when the check asked for one and the caller has
+    /// a cap.
+    permit: Option<PermitAsk>,
+}
+
+/// A permit a check is to take: the caller's cap (whose it is, and its
+/// owner's id for the refusal) and the lease.
+#[derive(Debug, Clone)]
+struct PermitAsk {
+    cap: OwnCap,
+    /// The key's or the role's id, as the refusal names it.
+    owner: String,
+    lease: std::time::Duration,
+}
+
+impl PermitAsk {
+    /// The permit a check asks for, if it asks and the caller has a cap:
+    /// `key` is the caller's key (`None` for a signed-in user), `limits`
+    /// the effective grants (the lease follows their `query_timeout`).
+    fn of(s: &AppState, asked: bool, key: Option<&ApiKey>, role: Option<&Role>, limits: &Grants) -> Option<Self> {
+        if !asked {
+            return None;
+        }
+        let cap = meter::permit::own_cap(key.map(|k| &k.grants), role)?;
+        let owner = match (cap.whose, key, role) {
+            (Whose::ApiKey, Some(k), _) => k.id.to_string(),
+            (_, _, Some(r)) => r.id.to_string(),
+            (_, Some(k), None) => k.id.to_string(),
+            (_, None, None) => return None,
+        };
+        Some(PermitAsk { cap, owner, lease: meter::permit::lease(limits.query_timeout, s.settings.query_timeout) })
+    }
 }
 
 /// `/v1/check`: identifies the caller, then runs its check.
 pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
-    let ctx = Context { agent: req.agent, actor: req.actor, storage_delta: req.storage_delta };
+    let mut ctx = Context { agent: req.agent, actor: req.actor, storage_delta: req.storage_delta, permit: None };
     match req.who {
         Who::BreakGlass => {
             metrics::counter!("tollgate_exempt_checks_total").increment(1);
@@ -144,6 +197,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
                 return Err(Error::invalid("project_id", "is not the role's project"));
             }
             let limits = role.grants.clone();
+            ctx.permit = PermitAsk::of(s, req.permit, None, Some(&role), &limits);
             let subject = Subject::User { project: role.project_id.clone(), user };
             let g = admit_subject(s, subject, Some(role), ctx).await?;
             Ok(checked(g, limits))
@@ -157,9 +211,14 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
             if req.project.as_deref().is_some_and(|p| p != key.project_id.as_str()) {
                 return Err(Error::invalid("project_id", "is not the api key's project"));
             }
-            let a = admit_with(s, key, ctx).await?;
-            let g =
-                Granted { reservation: a.reservation, remaining: a.remaining, degraded: a.degraded, exempt: a.exempt };
+            let (a, permit) = admit_key(s, key, ctx, req.permit).await?;
+            let g = Granted {
+                reservation: a.reservation,
+                remaining: a.remaining,
+                degraded: a.degraded,
+                exempt: a.exempt,
+                permit,
+            };
             Ok(checked(g, a.limits))
         }
     }
@@ -169,7 +228,13 @@ fn checked(g: Granted, limits: Grants) -> Checked {
     if g.exempt {
         return Checked::Exempt;
     }
-    Checked::Admitted { reservation: g.reservation, limits, remaining: g.remaining, degraded: g.degraded }
+    Checked::Admitted {
+        reservation: g.reservation,
+        limits,
+        remaining: g.remaining,
+        degraded: g.degraded,
+        permit: g.permit,
+    }
 }
 
 /// Runs one check for an API key (with its role, if it has one).
@@ -180,24 +245,29 @@ pub async fn admit(
     actor: Option<String>,
     storage_delta: Option<i64>,
 ) -> Result<Admission> {
-    admit_with(s, key, Context { agent, actor, storage_delta }).await
+    let ctx = Context { agent, actor, storage_delta, permit: None };
+    admit_key(s, key, ctx, false).await.map(|(a, _)| a)
 }
 
-async fn admit_with(s: &AppState, key: ApiKey, ctx: Context) -> Result<Admission> {
+/// Runs one check for an API key (with its role), taking a permit if
+/// `permit` asks for one and the key has a cap.
+async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) -> Result<(Admission, Option<Permit>)> {
     let role = match &key.role_id {
         Some(r) => s.role_by_id(r).await?,
         None => None,
     };
     let limits = meter::role::effective_grants(&key.grants, role.as_ref());
+    ctx.permit = PermitAsk::of(s, permit, Some(&key), role.as_ref(), &limits);
     let g = admit_subject(s, Subject::Key(key.clone()), role, ctx).await?;
-    Ok(Admission {
+    let admission = Admission {
         reservation: g.reservation,
         key,
         limits,
         remaining: g.remaining,
         degraded: g.degraded,
         exempt: g.exempt,
-    })
+    };
+    Ok((admission, g.permit))
 }
 
 /// Runs one check: one view round trip, the verdict, and the request event
@@ -211,7 +281,7 @@ async fn admit_subject(s: &AppState, subject: Subject, role: Option<Role>, ctx: 
         Ok(g) if g.exempt => "exempt",
         Ok(g) if g.degraded => "degraded",
         Ok(_) => "admitted",
-        Err(Error::Refused(_)) => "refused",
+        Err(Error::Refused(_) | Error::TooManyConcurrent { .. }) => "refused",
         Err(Error::ViewUnavailable) => "unavailable",
         Err(_) => "error",
     };
@@ -227,6 +297,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
             remaining: Remaining::default(),
             degraded: false,
             exempt: true,
+            permit: None,
         });
     }
     let (project, caller) = match &subject {
@@ -252,20 +323,84 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         _ => cfg.quotas.clone(),
     };
     let now = s.clock.now();
+    // The slot first: a full pool refuses before anything is reserved or counted.
+    let permit = match &ctx.permit {
+        Some(ask) => Some(take_permit(s, &project, &caller, ask, now).await?),
+        None => None,
+    };
     let plan =
         meter::plan_check(&quotas, cfg.project.timezone, &CheckInput { caller, storage_delta: ctx.storage_delta }, now);
+    let result = reserve(s, &subject, &quotas, &project, &plan, &ctx, now).await;
+    match (result, permit) {
+        (Ok(g), permit) => Ok(Granted { permit, ..g }),
+        (Err(e), Some(p)) => {
+            // Both or neither: the reservation was refused, so the slot goes back.
+            if let Err(re) = s.permits.release(&p.id, now).await {
+                warn!(error = %re, permit = %p.id, "permit of a refused check not released; it lapses with its lease");
+            }
+            Err(e)
+        }
+        (Err(e), None) => Err(e),
+    }
+}
+
+/// Takes the caller's slot and the installation's, or answers whose pool is full.
+async fn take_permit(
+    s: &AppState,
+    project: &ProjectId,
+    caller: &Caller,
+    ask: &PermitAsk,
+    now: DateTime<Utc>,
+) -> Result<Permit> {
+    let holder = meter::permit::holder(project, caller)
+        .ok_or_else(|| Error::invalid("permit", "a permit needs an api key or a signed-in user"))?;
+    let claim = PermitClaim {
+        id: new_permit_id(),
+        holder,
+        cap: ask.cap.limit,
+        installation_cap: s.settings.installation_permits,
+        lease: ask.lease,
+    };
+    match s.permits.claim(&claim, now).await? {
+        Claimed::Granted(p) => {
+            metrics::counter!("tollgate_permits_granted_total").increment(1);
+            Ok(p)
+        }
+        Claimed::Full(pool) => {
+            let (limit, whose, owner) = match pool {
+                Pool::Caller => (ask.cap.limit, ask.cap.whose, Some(ask.owner.clone())),
+                Pool::Installation => (s.settings.installation_permits, Whose::Installation, None),
+            };
+            metrics::counter!("tollgate_permits_refused_total", "whose" => whose.as_str()).increment(1);
+            Err(Error::TooManyConcurrent { limit, whose, owner })
+        }
+    }
+}
+
+/// The quotas' part of a check: the view's round trip, the verdict, and
+/// what follows from it (the request event, monitor breaches, exceptions).
+async fn reserve(
+    s: &AppState,
+    subject: &Subject,
+    quotas: &[Quota],
+    project: &ProjectId,
+    plan: &CheckPlan,
+    ctx: &Context,
+    now: DateTime<Utc>,
+) -> Result<Granted> {
+    let project = project.clone();
     let hold = Hold {
         reservation: new_reservation_id(),
         request_event: new_event_id("req"),
         lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
     };
-    let outcome = observe(s, &project, &plan, &hold, now).await?;
-    let verdict = outcome.as_ref().map(|o| meter::decide(&quotas, &plan, o, now));
+    let outcome = observe(s, &project, plan, &hold, now).await?;
+    let verdict = outcome.as_ref().map(|o| meter::decide(quotas, plan, o, now));
     // Requests are key-authenticated traffic only: a signed-in user's check
     // is not a counted request.
-    if let Subject::Key(key) = &subject {
-        let logged = logged_request(&quotas, &plan, outcome.as_ref(), verdict.as_ref(), &hold);
-        publish_request(s, key, ctx.agent, ctx.actor, &hold, logged, now);
+    if let Subject::Key(key) = subject {
+        let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
+        publish_request(s, key, ctx.agent.clone(), ctx.actor.clone(), &hold, logged, now);
     }
     let (Some(_), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
@@ -273,6 +408,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
             remaining: Remaining::default(),
             degraded: true,
             exempt: false,
+            permit: None,
         });
     };
     if !verdict.monitor_breaches.is_empty() {
@@ -282,11 +418,11 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         metrics::counter!("tollgate_monitor_breaches_total").increment(n);
     }
     if !verdict.unpriced.is_empty() {
-        file_exceptions(s, &project, &quotas, &verdict.unpriced, now);
+        file_exceptions(s, &project, quotas, &verdict.unpriced, now);
     }
     let remaining = Remaining::from(&verdict);
     match verdict.breach {
-        None => Ok(Granted { reservation: hold.reservation, remaining, degraded: false, exempt: false }),
+        None => Ok(Granted { reservation: hold.reservation, remaining, degraded: false, exempt: false, permit: None }),
         Some(breach) => {
             metrics::counter!("tollgate_check_refusals_total", "metric" => breach.metric.as_str()).increment(1);
             Err(refusal(s, project, breach, remaining).await)

@@ -16,6 +16,7 @@
 
 pub mod admission;
 pub mod audit;
+pub mod permits;
 pub mod pricing;
 pub mod provisioning;
 pub mod quotas;
@@ -44,6 +45,16 @@ pub enum Error {
     /// A quota refused the check (a refusal is a verdict, reported as one).
     #[error("refused by quota {}", .0.breach.quota_id)]
     Refused(Box<Refusal>),
+    /// A permit pool was full: the caller's own (its key's or role's
+    /// `max_concurrent`) or the installation's. Nothing was taken, reserved
+    /// or counted; never queued (429 `TOO_MANY_CONCURRENT`, `Retry-After: 1`).
+    #[error("too many concurrent calls: the {} limit of {limit} is reached", whose.as_str())]
+    TooManyConcurrent {
+        limit: u32,
+        whose: meter::Whose,
+        /// The key's or role's id (`None` for the installation's).
+        owner: Option<String>,
+    },
     /// A quota with the same identity exists.
     #[error("a quota with the same project, scope, scope_ref, metric, window and meter_type exists")]
     QuotaConflict,

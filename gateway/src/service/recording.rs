@@ -46,6 +46,9 @@ pub const MAX_EVENTS: usize = 5000;
 pub struct Accepted {
     pub accepted: usize,
     pub duplicates: usize,
+    /// Of the permits the events named, how many were held and are now
+    /// released (`None`: the events named none).
+    pub permits_released: Option<usize>,
 }
 
 /// Records facts a gateway reported (`/v1/events`). Each is checked before
@@ -109,7 +112,30 @@ pub async fn accept(s: &AppState, mut facts: Vec<UsageFact>) -> Result<Accepted>
     facts.retain(|f| seen.insert((f.project_id.clone(), f.id.clone())));
     record(s, &facts).await?;
     metrics::counter!("tollgate_events_accepted_total").increment(facts.len() as u64);
-    Ok(Accepted { accepted: facts.len(), duplicates: total - facts.len() })
+    Ok(Accepted { accepted: facts.len(), duplicates: total - facts.len(), permits_released: None })
+}
+
+/// `/v1/events`: [`accept`]s the facts, then releases the permits the
+/// events named (`permit_id`): the calls they guarded have ended. They are
+/// released once the facts are recorded — acknowledged, or kept in the view
+/// while the log is unavailable (the client's retry finds them released) —
+/// and never when the events were refused, which changes nothing.
+pub async fn settle(s: &AppState, facts: Vec<UsageFact>, permits: &[meter::PermitId]) -> Result<Accepted> {
+    let result = accept(s, facts).await;
+    if permits.is_empty() {
+        return result;
+    }
+    match result {
+        Ok(a) => {
+            let released = super::permits::release_settled(s, permits).await;
+            Ok(Accepted { permits_released: Some(released), ..a })
+        }
+        Err(Error::LogUnavailable) => {
+            super::permits::release_settled(s, permits).await;
+            Err(Error::LogUnavailable)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Settles facts into the view, then publishes them; returns once the log
