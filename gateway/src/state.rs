@@ -134,7 +134,59 @@ pub struct ProjectConfig {
     pub watched: Arc<meter::Watched>,
 }
 
-type Cached<T> = Mutex<HashMap<String, (Instant, T)>>;
+/// Entries by key, each with when it was loaded, and the loads under way.
+struct Cached<T> {
+    entries: Mutex<HashMap<String, (Instant, T)>>,
+    /// One lock per key being loaded: while entries are cached (a TTL above
+    /// zero), the lookups that miss one key together wait for the first
+    /// one's load and take its entry, instead of each asking the store — a
+    /// cold gateway under a burst would otherwise send the store one load
+    /// per request, time out, and take the store to be down.
+    loads: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl<T> Default for Cached<T> {
+    fn default() -> Self {
+        Cached { entries: Mutex::default(), loads: Mutex::default() }
+    }
+}
+
+impl<T> Cached<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Instant, T)>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until no other lookup is loading `key`, and holds that turn
+    /// until the returned guard is dropped.
+    async fn load_turn(&self, key: &str) -> LoadTurn<'_, T> {
+        let lock = {
+            let mut g = self.loads.lock().unwrap_or_else(|e| e.into_inner());
+            g.entry(key.to_owned()).or_default().clone()
+        };
+        let held = lock.clone().lock_owned().await;
+        LoadTurn { cached: self, key: key.to_owned(), lock, held: Some(held) }
+    }
+}
+
+/// A lookup's turn to load one key (see [`Cached::load_turn`]); the last
+/// one out removes the key's lock.
+struct LoadTurn<'a, T> {
+    cached: &'a Cached<T>,
+    key: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl<T> Drop for LoadTurn<'_, T> {
+    fn drop(&mut self) {
+        drop(self.held.take());
+        let mut g = self.cached.loads.lock().unwrap_or_else(|e| e.into_inner());
+        // Ours and the map's: nobody else waits for this key.
+        if Arc::strong_count(&self.lock) == 2 {
+            g.remove(&self.key);
+        }
+    }
+}
 
 /// How long the store is taken to be down after a load failed: lookups
 /// meanwhile serve what the cache holds, and the first one after it tries
@@ -194,7 +246,7 @@ impl ConfigCache {
 /// The entry under `k`, if any: whether it is fresh (younger than `ttl`),
 /// and its value if it is younger than `max_stale` (or fresh).
 fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration, max_stale: Duration) -> Option<(bool, T)> {
-    let g = m.lock().unwrap_or_else(|e| e.into_inner());
+    let g = m.lock();
     g.get(k).and_then(|(at, v)| {
         let age = at.elapsed();
         (age < ttl || age < max_stale).then(|| (age < ttl, v.clone()))
@@ -202,7 +254,7 @@ fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration, max_stale: Duration) -> 
 }
 
 fn put<T>(m: &Cached<T>, k: String, v: T) {
-    let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = m.lock();
     if g.len() > 100_000 {
         g.clear();
     }
@@ -306,11 +358,24 @@ impl AppState {
         key: &str,
         load: impl Future<Output = PortResult<T>>,
     ) -> PortResult<T> {
-        let found = get(map, key, self.settings.config_ttl, self.settings.config_max_stale);
-        let stale = match found {
+        let (ttl, max_stale) = (self.settings.config_ttl, self.settings.config_max_stale);
+        let mut stale = match get(map, key, ttl, max_stale) {
             Some((true, v)) => return Ok(v),
             Some((false, v)) => Some(v),
             None => None,
+        };
+        // With a TTL of zero every lookup reads the store itself.
+        let _turn = if ttl.is_zero() {
+            None
+        } else {
+            let turn = map.load_turn(key).await;
+            // Loaded by the lookup whose turn came before this one.
+            match get(map, key, ttl, max_stale) {
+                Some((true, v)) => return Ok(v),
+                Some((false, v)) => stale = Some(v),
+                None => {}
+            }
+            Some(turn)
         };
         let failure = if self.cache.may_try_store() {
             match tokio::time::timeout(self.settings.store_timeout, load).await {
@@ -379,19 +444,19 @@ impl AppState {
 
     /// Forgets the cached price book after a change.
     pub fn invalidate_prices(&self) {
-        let mut g = self.cache.prices.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.cache.prices.lock();
         g.clear();
     }
 
     /// Forgets a project's cached configuration after an admin change.
     pub fn invalidate_project(&self, id: &ProjectId) {
-        let mut g = self.cache.projects.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.cache.projects.lock();
         g.remove(id.as_str());
     }
 
     /// Forgets a key's cached lookups after it was deleted.
     pub fn invalidate_key(&self, id: &ApiKeyId) {
-        let mut g = self.cache.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.cache.keys.lock();
         g.retain(|k, (_, v)| k != &format!("id:{id}") && v.as_ref().is_none_or(|key| &key.id != id));
     }
 
@@ -524,6 +589,44 @@ mod tests {
 
     fn status(e: Error) -> u16 {
         ApiError::from(e).status.as_u16()
+    }
+
+    async fn state_with_ttl(ttl: Duration) -> AppState {
+        let dir = std::env::temp_dir().join(format!("tollgate-cache-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
+        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+        let mut settings = Settings::new("adm", "gw");
+        settings.config_ttl = ttl;
+        AppState::new(Arc::new(store), Arc::new(MemoryView::new()), Arc::new(log), Arc::new(SystemClock), settings)
+    }
+
+    /// Lookups of one key that miss together, `n` of them at once, each
+    /// with a load that takes 50 ms: how many loads reached the store.
+    async fn loads_of_a_burst(s: &AppState, n: usize) -> usize {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let map = Cached::<u32>::default();
+        let loads = AtomicUsize::new(0);
+        let lookups = (0..n).map(|_| {
+            s.cached(&map, "k", async {
+                loads.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Ok(7)
+            })
+        });
+        for v in futures::future::join_all(lookups).await {
+            assert_eq!(v.expect("loaded"), 7);
+        }
+        assert!(map.loads.lock().unwrap_or_else(|e| e.into_inner()).is_empty(), "no load lock is left behind");
+        loads.load(Ordering::SeqCst)
+    }
+
+    /// A cold gateway under a burst asks the store once per key while
+    /// entries are cached; with a TTL of zero every lookup reads the store.
+    #[tokio::test]
+    async fn concurrent_misses_of_one_key_share_one_load() {
+        assert_eq!(loads_of_a_burst(&state_with_ttl(Duration::from_secs(1)).await, 16).await, 1);
+        assert_eq!(loads_of_a_burst(&state_with_ttl(Duration::ZERO).await, 16).await, 16);
     }
 
     /// PostgreSQL's outage, played by closing the store's pool: checks and
