@@ -14,7 +14,8 @@ use gateway::{AppState, Settings, ViewDownPolicy};
 use meter::{Clock, Log};
 use projector::{Projector, ProjectorConfig};
 use store::{
-    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgPermits, PgStore, PublishOptions, RedisView, Retention,
+    KafkaAuditLog, KafkaConfig, KafkaLog, KafkaReader, KafkaTail, PgPermits, PgStore, PublishOptions, RedisView,
+    Retention,
 };
 use tracing::info;
 

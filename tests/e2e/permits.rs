@@ -88,11 +88,9 @@ async fn max_concurrent_holds(backend: &str) {
     let Some(mut env) = Env::new().await else { return };
     env.extra_env.push(("TOLLGATE_PERMITS".into(), backend.into()));
     env.extra_env.push(("TOLLGATE_PERMITS_CAP".into(), "100".into()));
-    // 64 clients on four gateways on a small machine: configuration cached
-    // (1 s) and PostgreSQL waited for longer than the 1 s default, so a slow
-    // configuration load is not a 503.
+    // As deployed (the default TTL, where the harness reads the store on
+    // every lookup): 16 clients per cold gateway share each first load.
     env.extra_env.push(("TOLLGATE_CONFIG_TTL".into(), "1s".into()));
-    env.extra_env.push(("TOLLGATE_STORE_TIMEOUT".into(), "10s".into()));
     for _ in 0..4 {
         env.start_gateway().await;
     }
@@ -102,20 +100,16 @@ async fn max_concurrent_holds(backend: &str) {
     let qid = env
         .quota(json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 100000}))
         .await;
-    // Every gateway sees the quota (past the configuration TTL).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
 
     let held = Arc::new(AtomicU64::new(0));
     let most = Arc::new(AtomicU64::new(0));
     let granted = Arc::new(AtomicU64::new(0));
     let refused = Arc::new(AtomicU64::new(0));
-    let unavailable = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for c in 0..64 {
         let gw = env.gateways[c % env.gateways.len()].clone();
         let (http, secret, pid, kid) = (env.http.clone(), secret.clone(), pid.clone(), kid.clone());
         let (held, most, granted, refused) = (held.clone(), most.clone(), granted.clone(), refused.clone());
-        let unavailable = unavailable.clone();
         tasks.push(tokio::spawn(async move {
             let mut mine = 0;
             let mut tries = 0;
@@ -149,14 +143,6 @@ async fn max_concurrent_holds(backend: &str) {
                         assert_too_many(429, &headers, &body, 5, "api_key", Some(&kid));
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
-                    // The documented answer of an overloaded backend (both
-                    // backends' tests run at once on a small machine): no
-                    // permit, retry.
-                    503 => {
-                        assert_eq!(body["error"]["code"], "UNAVAILABLE", "{body}");
-                        unavailable.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
                     other => panic!("unexpected status {other}: {body}"),
                 }
             }
@@ -170,8 +156,6 @@ async fn max_concurrent_holds(backend: &str) {
     assert!(most >= 4, "the clients reached the cap ({most} at most)");
     assert!(granted.load(Ordering::SeqCst) >= 64, "every client got permits: {granted:?}");
     assert!(refused.load(Ordering::SeqCst) > 0, "64 clients on 5 slots were refused at times");
-    let (unavailable, refused) = (unavailable.load(Ordering::SeqCst), refused.load(Ordering::SeqCst));
-    assert!(unavailable * 10 <= refused, "{unavailable} answers 503 for {refused} 429");
 
     // Every permit was given back: exactly 5 again, and each refusal
     // reserved nothing (the quota counts the granted checks only).
