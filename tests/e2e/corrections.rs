@@ -163,9 +163,12 @@ async fn corrections(mode: Mode) {
     assert_eq!(named, vec![("c1".into(), "x1".into(), false), ("c2".into(), "x2".into(), true)]);
 
     // Quota checks see the corrected usage: 3 of 5 used, so two more are
-    // admitted and the third is refused.
-    let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
-    assert_eq!(q["current_usage"]["count"], 3, "{q}");
+    // admitted and the third is refused. The view has the fold's totals
+    // just after the store commits them, which the usage above read.
+    env.eventually(30, "the view has the corrected usage", || async {
+        env.admin_get(&format!("/v1/quotas/{qid}")).await.1["current_usage"]["count"] == 3
+    })
+    .await;
     let mut statuses = Vec::new();
     for _ in 0..3 {
         statuses.push(check(&http, &gw, &secret, json!({})).await.status().as_u16());
