@@ -21,7 +21,7 @@ use chrono::{Timelike, Utc};
 use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
 use gateway::state::SystemClock;
 use gateway::{AppState, Settings, TollgateLayer};
-use meter::{ApiKey, CounterKey, Dimension, Metric, Principal, Project, Quota, View, WindowKind, window_at};
+use meter::{ApiKey, CounterKey, Dimension, Grants, Metric, Principal, Project, Quota, View, WindowKind, window_at};
 use serde_json::Value;
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 use tower::ServiceExt;
@@ -216,6 +216,118 @@ impl Env {
     }
 }
 
+impl Env {
+    /// Another key of this project, with these grants: its secret.
+    async fn key_with(&self, grants: Grants) -> String {
+        let new = NewApiKey { name: "capped".into(), role_id: None, grants };
+        provisioning::create_api_key(&self.state, &self.project.id, new, &tester()).await.expect("create key").secret
+    }
+}
+
+async fn send(app: &Router, path: &str, secret: &str) -> Response {
+    let req = Request::get(path).header("authorization", format!("Bearer {secret}")).body(Body::empty());
+    app.clone().oneshot(req.expect("request")).await.expect("infallible")
+}
+
+/// Asks `path` until it is answered 200 (a permit freed by a finished or
+/// dropped body is released by a task of its own), for at most 5 s.
+async fn admitted_soon(app: &Router, path: &str, secret: &str) -> Response {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let res = send(app, path, secret).await;
+        if res.status() == StatusCode::OK || tokio::time::Instant::now() > deadline {
+            return res;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn assert_too_many_concurrent(res: Response) {
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&res, "retry-after"), Some("1"));
+    let body = body_json(res).await;
+    assert_eq!(body["error"]["code"], "TOO_MANY_CONCURRENT", "{body}");
+    assert_eq!(
+        (body["error"]["meta"]["limit"].clone(), body["error"]["meta"]["whose"].clone()),
+        (1.into(), "api_key".into()),
+        "{body}"
+    );
+}
+
+/// `max_concurrent` 1: a response whose body is still being sent holds the
+/// key's slot; the body's end frees it, and so does a body dropped unread.
+async fn a_permit_is_held_for_the_life_of_the_response_body(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let secret = env.key_with(Grants { max_concurrent: Some(1), ..Grants::default() }).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<axum::body::Bytes>(1);
+    let rx = Arc::new(tokio::sync::Mutex::new(Some(rx)));
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(move || {
+                let rx = rx.clone();
+                async move {
+                    let rx = rx.lock().await.take().expect("one stream");
+                    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+                        rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+                    }))
+                }
+            }),
+        )
+        .route("/nothing", get(|| async { "ok" }))
+        .layer(TollgateLayer::new(env.state.clone()));
+
+    let streaming = send(&app, "/stream", &secret).await;
+    assert_eq!(streaming.status(), StatusCode::OK);
+    assert_too_many_concurrent(send(&app, "/nothing", &secret).await).await;
+    // Still held a while later: nothing but the body's end frees it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_too_many_concurrent(send(&app, "/nothing", &secret).await).await;
+    tx.send(axum::body::Bytes::from_static(b"part")).await.expect("the stream reads");
+    drop(tx);
+    let bytes = axum::body::to_bytes(streaming.into_body(), 1024).await.expect("body");
+    assert_eq!(&bytes[..], b"part");
+
+    let unread = admitted_soon(&app, "/nothing", &secret).await;
+    assert_eq!(unread.status(), StatusCode::OK, "the finished body freed the slot");
+    // Its body, not read yet, holds the slot; dropping it frees it.
+    assert_too_many_concurrent(send(&app, "/nothing", &secret).await).await;
+    drop(unread);
+    let res = admitted_soon(&app, "/nothing", &secret).await;
+    assert_eq!(res.status(), StatusCode::OK, "the dropped body freed the slot");
+}
+
+/// A handler past the key's `query_timeout` is cancelled and answered
+/// `503 heavy-request-timed-out`; the call counts nothing.
+async fn a_handler_past_its_query_timeout_is_cancelled(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let secret = env.key_with(Grants { query_timeout: Some(1), ..Grants::default() }).await;
+    let finished = Arc::new(AtomicUsize::new(0));
+    let f = finished.clone();
+    let app = Router::new()
+        .route(
+            "/slow",
+            get(move || {
+                let f = f.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                    f.fetch_add(1, Ordering::SeqCst);
+                    "late"
+                }
+            }),
+        )
+        .layer(TollgateLayer::new(env.state.clone()));
+    let started = std::time::Instant::now();
+    let res = send(&app, "/slow", &secret).await;
+    let took = started.elapsed();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = body_json(res).await;
+    assert_eq!(body["error"]["code"], "heavy-request-timed-out", "{body}");
+    assert!(took >= Duration::from_millis(950) && took < Duration::from_secs(3), "answered after {took:?}");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(finished.load(Ordering::SeqCst), 0, "the handler was cancelled, not left running");
+}
+
 async fn body_json(res: Response) -> Value {
     let bytes = axum::body::to_bytes(res.into_body(), 1 << 20).await.expect("body");
     serde_json::from_slice(&bytes).expect("json body")
@@ -397,4 +509,24 @@ async fn concurrent_calls_admit_exactly_the_quota_distributed() {
 #[tokio::test]
 async fn concurrent_calls_admit_exactly_the_quota_embedded() {
     concurrent_calls_admit_exactly_the_quota(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_permit_is_held_for_the_life_of_the_response_body_distributed() {
+    a_permit_is_held_for_the_life_of_the_response_body(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_permit_is_held_for_the_life_of_the_response_body_embedded() {
+    a_permit_is_held_for_the_life_of_the_response_body(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_handler_past_its_query_timeout_is_cancelled_distributed() {
+    a_handler_past_its_query_timeout_is_cancelled(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_handler_past_its_query_timeout_is_cancelled_embedded() {
+    a_handler_past_its_query_timeout_is_cancelled(Backend::Embedded).await;
 }

@@ -16,8 +16,18 @@
 //!    `Retry-After` and the `X-Quota-*` headers, `503` by the view-down
 //!    policy, …) is answered with the same body and headers as `/v1/check`,
 //!    and the service is not called;
+//!    The check also takes a permit when the key (or its role) has a
+//!    `max_concurrent` cap, together with its reservation: over the cap the
+//!    answer is `429 TOO_MANY_CONCURRENT` with `Retry-After: 1`, never
+//!    queued. The permit is held for the life of the response body and
+//!    freed when the body ends or is dropped (its lease, the effective
+//!    `query_timeout` + 30 s, frees it if the process dies first);
 //! 3. calls the service, with the [`Admission`] in the request's extensions
-//!    (so a handler can read the key and its `max_rows`);
+//!    (so a handler can read the key and its `max_rows`), for at most the
+//!    effective `query_timeout` (the key's or role's grant, narrowed by the
+//!    server's `TOLLGATE_QUERY_TIMEOUT`): a handler that has not answered by
+//!    then is cancelled (its future dropped) and the caller is answered
+//!    `503 heavy-request-timed-out`; the call is settled as failed;
 //! 4. settles the call from the response: a 2xx is a successful `call` with
 //!    the rows the service reported in the rows header (default
 //!    `x-tollgate-rows`, removed before the response leaves); anything else is
@@ -44,7 +54,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 use axum::response::{IntoResponse, Response};
-use meter::{ApiKey, EventKind, Outcome, ProjectId, ReservationId, UsageFact, View};
+use meter::{ApiKey, EventKind, Outcome, PermitId, ProjectId, ReservationId, UsageFact, View};
 use tower::{Layer, Service};
 use tracing::warn;
 
@@ -194,7 +204,7 @@ where
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let admission = match admission::admit(&state, key, None, actor.clone(), None).await {
+    let (admission, permit) = match admission::admit_holding(&state, key, actor.clone()).await {
         Ok(a) => a,
         Err(e) => return ApiError::from(e).into_response(),
     };
@@ -211,11 +221,21 @@ where
         project: admission.key.project_id.clone(),
         reservation: Some(admission.reservation.clone()),
     };
+    let held = PermitGuard { state: state.clone(), permit: permit.map(|p| p.id) };
+    let deadline = meter::permit::query_timeout(admission.limits.query_timeout, state.settings.query_timeout);
     req.extensions_mut().insert(admission.clone());
 
-    let mut res = match inner.call(req).await {
-        Ok(r) => r,
-        Err(never) => match never {},
+    let mut res = match tokio::time::timeout(deadline, inner.call(req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(never)) => match never {},
+        Err(_) => {
+            metrics::counter!("tollgate_layer_timeouts_total").increment(1);
+            ApiError::unavailable(
+                "heavy-request-timed-out",
+                format!("the service did not answer within its query_timeout of {} ms", deadline.as_millis()),
+            )
+            .into_response()
+        }
     };
 
     let reported = res.headers_mut().remove(&config.rows_header);
@@ -242,7 +262,70 @@ where
     }
 
     res.headers_mut().extend(remaining_headers(&admission.remaining));
-    res
+    if held.permit.is_none() {
+        return res;
+    }
+    res.map(|body| Body::new(HeldBody { inner: body, held }))
+}
+
+/// A permit held for the life of a response body: freed when the body has
+/// sent its last frame, or when it is dropped unfinished (the client went
+/// away).
+struct PermitGuard {
+    state: AppState,
+    permit: Option<PermitId>,
+}
+
+impl PermitGuard {
+    fn release(&mut self) {
+        let Some(id) = self.permit.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let permits = self.state.permits.clone();
+        let now = self.state.clock.now();
+        rt.spawn(async move {
+            match permits.release(&id, now).await {
+                Ok(_) => metrics::counter!("tollgate_permits_released_total", "by" => "layer").increment(1),
+                Err(e) => warn!(error = %e, permit = %id, "layer: permit not released; it lapses with its lease"),
+            }
+        });
+    }
+}
+
+impl Drop for PermitGuard {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A response body that holds its call's permit until it ends.
+struct HeldBody {
+    inner: Body,
+    held: PermitGuard,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            this.held.release();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// The caller's key and actor, or the 401/400 to answer with.

@@ -100,8 +100,13 @@ pub fn holder(project: &ProjectId, caller: &Caller) -> Option<String> {
 /// A permit's lease: the effective `query_timeout` — the grant's (seconds),
 /// narrowed by the server's — plus [`LEASE_MARGIN`].
 pub fn lease(grant_secs: Option<u64>, server: Duration) -> Duration {
-    let timeout = grant_secs.map_or(server, |s| Duration::from_secs(s).min(server));
-    timeout.saturating_add(LEASE_MARGIN)
+    query_timeout(grant_secs, server).saturating_add(LEASE_MARGIN)
+}
+
+/// The effective `query_timeout`: a key's or role's grant (whole seconds)
+/// narrows the server's, never widens it.
+pub fn query_timeout(grant_secs: Option<u64>, server: Duration) -> Duration {
+    grant_secs.map_or(server, |s| Duration::from_secs(s).min(server))
 }
 
 /// The installation's cap on all permits together: `configured`, or a
@@ -240,6 +245,15 @@ impl PermitModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grant_narrows_the_query_timeout_and_never_widens_it() {
+        let server = Duration::from_secs(30);
+        assert_eq!(query_timeout(None, server), server);
+        assert_eq!(query_timeout(Some(5), server), Duration::from_secs(5));
+        assert_eq!(query_timeout(Some(60), server), server);
+        assert_eq!(lease(Some(5), server), Duration::from_secs(35));
+    }
     use crate::ids::{ApiKeyId, RoleId};
 
     fn t(s: i64) -> DateTime<Utc> {

@@ -249,6 +249,13 @@ pub async fn admit(
     admit_key(s, key, ctx, false).await.map(|(a, _)| a)
 }
 
+/// [`admit`], also taking a permit when the key (or its role) has a
+/// `max_concurrent` cap: both or neither. What the tower Layer runs.
+pub async fn admit_holding(s: &AppState, key: ApiKey, actor: Option<String>) -> Result<(Admission, Option<Permit>)> {
+    let ctx = Context { agent: None, actor, storage_delta: None, permit: None };
+    admit_key(s, key, ctx, true).await
+}
+
 /// Runs one check for an API key (with its role), taking a permit if
 /// `permit` asks for one and the key has a cap.
 async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) -> Result<(Admission, Option<Permit>)> {
