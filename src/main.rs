@@ -166,6 +166,14 @@ pub(crate) struct PermitArgs {
     /// plus 30 s, so a holder that dies frees its slot then.
     #[arg(long, env = "TOLLGATE_QUERY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub(crate) query_timeout: Duration,
+    /// The rows of one page, which a key's or role's `max_rows` narrows:
+    /// the tower Layer cuts a page to it.
+    #[arg(long, env = "TOLLGATE_MAX_PAGE_SIZE", default_value_t = gateway::state::DEFAULT_MAX_PAGE_SIZE)]
+    pub(crate) max_page_size: u64,
+    /// The rows of one streamed response, which `max_rows` narrows too: the
+    /// tower Layer stops a stream there.
+    #[arg(long, env = "TOLLGATE_STREAM_MAX_ROWS", default_value_t = gateway::state::DEFAULT_STREAM_MAX_ROWS)]
+    pub(crate) stream_max_rows: u64,
     /// The installation-wide cap on all permits together, every key's and
     /// user's (checked in the same step as the caller's own); by default a
     /// quarter of the PostgreSQL pool (16 connections), at least one.
@@ -182,7 +190,12 @@ impl PermitArgs {
         if self.permits_cap == Some(0) {
             bail!("TOLLGATE_PERMITS_CAP must be at least 1");
         }
+        if self.max_page_size == 0 || self.stream_max_rows == 0 {
+            bail!("TOLLGATE_MAX_PAGE_SIZE and TOLLGATE_STREAM_MAX_ROWS must be at least 1");
+        }
         settings.query_timeout = self.query_timeout;
+        settings.max_page_size = self.max_page_size;
+        settings.stream_max_rows = self.stream_max_rows;
         settings.installation_permits = meter::permit::installation_cap(pool_size, self.permits_cap);
         Ok(())
     }

@@ -75,6 +75,14 @@ pub struct Settings {
     /// permit's lease is the narrowest of them plus 30 s
     /// ([`meter::permit::lease`]).
     pub query_timeout: Duration,
+    /// The rows of one page (`TOLLGATE_MAX_PAGE_SIZE`, 1,000 by default),
+    /// which a key's or role's `max_rows` narrows: the tower Layer cuts a
+    /// page to it.
+    pub max_page_size: u64,
+    /// The rows of one streamed response (`TOLLGATE_STREAM_MAX_ROWS`,
+    /// 100,000 by default), which `max_rows` narrows too: the Layer stops a
+    /// stream there.
+    pub stream_max_rows: u64,
     /// The installation's cap on all permits together
     /// (`TOLLGATE_PERMITS_CAP`; by default a quarter of the PostgreSQL
     /// pool, at least one: [`meter::permit::installation_cap`]).
@@ -94,6 +102,8 @@ impl std::fmt::Debug for Settings {
             .field("instance", &self.instance)
             .field("webhook_allow_private", &self.webhook_allow_private)
             .field("query_timeout", &self.query_timeout)
+            .field("max_page_size", &self.max_page_size)
+            .field("stream_max_rows", &self.stream_max_rows)
             .field("installation_permits", &self.installation_permits)
             .finish()
     }
@@ -113,10 +123,28 @@ impl Settings {
             instance: format!("gw-{}", random_token(6)),
             webhook_allow_private: false,
             query_timeout: DEFAULT_QUERY_TIMEOUT,
+            max_page_size: DEFAULT_MAX_PAGE_SIZE,
+            stream_max_rows: DEFAULT_STREAM_MAX_ROWS,
             installation_permits: meter::permit::installation_cap(DEFAULT_POOL_SIZE, None),
         }
     }
 }
+
+impl Settings {
+    /// The server's bounds on a call, which grants narrow.
+    pub fn bounds(&self) -> meter::Bounds {
+        meter::Bounds {
+            query_timeout: self.query_timeout,
+            max_rows: self.max_page_size,
+            stream_max_rows: self.stream_max_rows,
+        }
+    }
+}
+
+/// The server's page size unless configured (`TOLLGATE_MAX_PAGE_SIZE`).
+pub const DEFAULT_MAX_PAGE_SIZE: u64 = 1000;
+/// The server's stream bound unless configured (`TOLLGATE_STREAM_MAX_ROWS`).
+pub const DEFAULT_STREAM_MAX_ROWS: u64 = 100_000;
 
 /// The server's query timeout unless configured (`TOLLGATE_QUERY_TIMEOUT`).
 pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(30);

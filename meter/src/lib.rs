@@ -115,7 +115,7 @@ pub use ports::*;
 pub use price::{Component, MeterType, Price, PriceBook, PriceKey, PriceVersion, Priced, TokenUsage, Usd};
 pub use quota::{Metric, Mode, OnUnpriced, Quota, QuotaDraft, QuotaPatch, QuotaSpec, Scope};
 pub use report::{ModelUsageRow, Population, UnpricedException, UnpricedRow};
-pub use role::{Per, Role, RoleQuota};
+pub use role::{Bounds, Per, Role, RoleQuota};
 pub use tenant::{ApiKey, Grants, Project};
 pub use usage::{
     Counter, CounterKey, Dimension, EventKind, Field, Footprint, LoggedBreach, Outcome, Totals, UsageFact,

@@ -91,6 +91,31 @@ fn narrow<T: Ord + Copy>(a: Option<T>, b: Option<T>) -> Option<T> {
     }
 }
 
+/// The bounds one call runs under: the server's (`TOLLGATE_QUERY_TIMEOUT`,
+/// `TOLLGATE_MAX_PAGE_SIZE`, `TOLLGATE_STREAM_MAX_ROWS`), narrowed by the
+/// caller's effective grants and never widened by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub query_timeout: std::time::Duration,
+    /// The rows of one page.
+    pub max_rows: u64,
+    /// The rows of one streamed response.
+    pub stream_max_rows: u64,
+}
+
+impl Bounds {
+    /// These (the server's) narrowed by a caller's effective grants: a
+    /// grant's `max_rows` bounds pages and streams alike.
+    pub fn narrowed(&self, grants: &Grants) -> Bounds {
+        let rows = |server: u64| grants.max_rows.map_or(server, |g| g.min(server));
+        Bounds {
+            query_timeout: crate::permit::query_timeout(grants.query_timeout, self.query_timeout),
+            max_rows: rows(self.max_rows),
+            stream_max_rows: rows(self.stream_max_rows),
+        }
+    }
+}
+
 /// The limits that apply: each the smallest of the key's own and its role's.
 pub fn effective_grants(own: &Grants, role: Option<&Role>) -> Grants {
     let Some(r) = role else { return own.clone() };
@@ -140,6 +165,22 @@ mod tests {
     use chrono_tz::Tz;
 
     use super::*;
+
+    #[test]
+    fn grants_narrow_the_servers_bounds_and_never_widen_them() {
+        let server = Bounds { query_timeout: std::time::Duration::from_secs(30), max_rows: 1000, stream_max_rows: 100_000 };
+        assert_eq!(server.narrowed(&Grants::default()), server);
+        let narrow = Grants { max_concurrent: None, query_timeout: Some(5), max_rows: Some(500) };
+        assert_eq!(
+            server.narrowed(&narrow),
+            Bounds { query_timeout: std::time::Duration::from_secs(5), max_rows: 500, stream_max_rows: 500 }
+        );
+        let wide = Grants { max_concurrent: None, query_timeout: Some(300), max_rows: Some(5000) };
+        assert_eq!(
+            server.narrowed(&wide),
+            Bounds { query_timeout: std::time::Duration::from_secs(30), max_rows: 1000, stream_max_rows: 5000 }
+        );
+    }
     use crate::admission::{CheckInput, CheckOutcome, decide, plan_check};
     use crate::ids::ApiKeyId;
     use crate::usage::Dimension;

@@ -97,13 +97,29 @@ impl TryFrom<CheckBody> for CheckRequest {
     }
 }
 
-/// The limits an admitted call runs under (`null` where none applies).
+/// The bounds an admitted call runs under: the server's
+/// (`TOLLGATE_QUERY_TIMEOUT`, `TOLLGATE_MAX_PAGE_SIZE`,
+/// `TOLLGATE_STREAM_MAX_ROWS`) narrowed by the key's and role's grants.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CallLimits {
-    /// Seconds.
-    pub query_timeout: Option<u64>,
-    pub max_rows: Option<u64>,
+    /// Seconds (rounded up).
+    pub query_timeout: u64,
+    /// The rows of one page.
+    pub max_rows: u64,
+    /// The rows of one streamed response.
+    pub stream_max_rows: u64,
+}
+
+impl From<meter::Bounds> for CallLimits {
+    fn from(b: meter::Bounds) -> Self {
+        CallLimits { query_timeout: whole_secs(b.query_timeout), max_rows: b.max_rows, stream_max_rows: b.stream_max_rows }
+    }
+}
+
+/// Seconds, rounded up (a bound of 1.5 s is shown as 2).
+pub fn whole_secs(d: std::time::Duration) -> u64 {
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
 /// A concurrency permit held: free it with `DELETE /v1/permits/{id}` (or
@@ -133,7 +149,7 @@ impl From<&Permit> for PermitView {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"allowed": true, "reservation_id": "res_0197a3c6",
-                          "limits": {"query_timeout": 30, "max_rows": 500}}))]
+                          "limits": {"query_timeout": 30, "max_rows": 500, "stream_max_rows": 500}}))]
 pub struct CheckResponse {
     /// Always true: a refusal is an error answer.
     pub allowed: bool,

@@ -123,13 +123,19 @@ impl From<&Grants> for GrantsView {
     }
 }
 
-/// The limits that apply: every grant, `null` where none applies.
+/// The limits that apply: the key's grants narrowed by its role's and by
+/// the server's bounds (a grant wider than the server's is shown in
+/// `grants` and narrowed here); `max_concurrent` is `null` when none applies.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EffectiveLimits {
     pub max_concurrent: Option<u32>,
-    pub query_timeout: Option<u64>,
-    pub max_rows: Option<u64>,
+    /// Seconds (rounded up).
+    pub query_timeout: u64,
+    /// The rows of one page.
+    pub max_rows: u64,
+    /// The rows of one streamed response.
+    pub stream_max_rows: u64,
 }
 
 /// `POST /v1/projects/{id}/api-keys`.
@@ -221,7 +227,7 @@ pub struct PeriodUsage {
 #[schema(example = json!({"id": "key_0197a3c3", "project_id": "proj_0197a3c2", "name": "partner",
     "prefix": "tg_8fK2xQp", "grants": {"max_rows": 1000}, "role_id": "role_0197a3c5",
     "created_at": "2026-07-07T12:00:00Z",
-    "effective_limits": {"max_concurrent": null, "query_timeout": 30, "max_rows": 500},
+    "effective_limits": {"max_concurrent": null, "query_timeout": 30, "max_rows": 500, "stream_max_rows": 500},
     "quota": {"calls": 2, "rows": null, "per": "day", "from_role": "role_0197a3c5"},
     "usage_this_period": {"calls": 1, "rows": 3, "period_start": "2026-07-07T00:00:00Z",
                           "resets_at": "2026-07-08T00:00:00Z"}}))]
@@ -255,8 +261,9 @@ impl From<&KeyDetail> for KeyDetailView {
             created_at: k.created_at,
             effective_limits: EffectiveLimits {
                 max_concurrent: d.effective.max_concurrent,
-                query_timeout: d.effective.query_timeout,
-                max_rows: d.effective.max_rows,
+                query_timeout: crate::dto::check::whole_secs(d.bounds.query_timeout),
+                max_rows: d.bounds.max_rows,
+                stream_max_rows: d.bounds.stream_max_rows,
             },
             quota: d.quota.map(|q| KeyQuotaView {
                 calls: q.calls,

@@ -50,13 +50,13 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
     let req = CheckRequest::try_from(body)?;
     Ok(match admission::check(&s, req).await? {
         Checked::Exempt => Json(CheckResponse::exempt()).into_response(),
-        Checked::Admitted { reservation, limits, remaining, degraded, permit } => {
+        Checked::Admitted { reservation, bounds, remaining, degraded, permit } => {
             let body = CheckResponse {
                 allowed: true,
                 exempt: None,
                 reservation_id: Some(reservation.to_string()),
                 permit: permit.as_ref().map(PermitView::from),
-                limits: Some(CallLimits { query_timeout: limits.query_timeout, max_rows: limits.max_rows }),
+                limits: Some(CallLimits::from(bounds)),
                 degraded: degraded.then_some(true),
             };
             (remaining_headers(&remaining), Json(body)).into_response()

@@ -66,6 +66,8 @@ pub struct Admission {
     pub key: ApiKey,
     /// The limits that apply: the key's grants narrowed by its role's.
     pub limits: Grants,
+    /// The bounds the call runs under: the server's, narrowed by `limits`.
+    pub bounds: meter::Bounds,
     pub remaining: Remaining,
     /// True when the view was unreachable and policy let the call through.
     pub degraded: bool,
@@ -114,8 +116,9 @@ pub enum Checked {
     Exempt,
     Admitted {
         reservation: ReservationId,
-        /// The limits the call runs under.
-        limits: Grants,
+        /// The bounds the call runs under: the server's, narrowed by the
+        /// caller's grants.
+        bounds: meter::Bounds,
         remaining: Remaining,
         degraded: bool,
         /// The permit taken, if the check asked for one and the caller has
@@ -200,7 +203,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
             ctx.permit = PermitAsk::of(s, req.permit, None, Some(&role), &limits);
             let subject = Subject::User { project: role.project_id.clone(), user };
             let g = admit_subject(s, subject, Some(role), ctx).await?;
-            Ok(checked(g, limits))
+            Ok(checked(g, s.settings.bounds().narrowed(&limits)))
         }
         Who::Key(key) => {
             let key = match key {
@@ -219,18 +222,18 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
                 exempt: a.exempt,
                 permit,
             };
-            Ok(checked(g, a.limits))
+            Ok(checked(g, a.bounds))
         }
     }
 }
 
-fn checked(g: Granted, limits: Grants) -> Checked {
+fn checked(g: Granted, bounds: meter::Bounds) -> Checked {
     if g.exempt {
         return Checked::Exempt;
     }
     Checked::Admitted {
         reservation: g.reservation,
-        limits,
+        bounds,
         remaining: g.remaining,
         degraded: g.degraded,
         permit: g.permit,
@@ -269,6 +272,7 @@ async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) ->
     let admission = Admission {
         reservation: g.reservation,
         key,
+        bounds: s.settings.bounds().narrowed(&limits),
         limits,
         remaining: g.remaining,
         degraded: g.degraded,

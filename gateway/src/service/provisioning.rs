@@ -65,6 +65,8 @@ pub struct KeyDetail {
     pub key: ApiKey,
     /// The key's grants narrowed by its role's.
     pub effective: Grants,
+    /// The bounds its calls run under: the server's, narrowed by `effective`.
+    pub bounds: meter::Bounds,
     /// The quota its role gives it, if any.
     pub quota: Option<RoleQuota>,
     /// The period: the role quota's window if it has one, else the month.
@@ -134,7 +136,8 @@ pub async fn api_key(s: &AppState, id: &ApiKeyId) -> Result<KeyDetail> {
         CounterKey { dimension: Dimension::ApiKey(id.clone()), window: period.kind, window_key: period.key.clone() };
     let (u, reserved) = super::usage::live_count(s, &project.id, &counter, now).await?;
     let effective = meter::role::effective_grants(&key.grants, role.as_ref());
-    Ok(KeyDetail { key, effective, quota, period, calls: u.calls + reserved, rows: u.rows })
+    let bounds = s.settings.bounds().narrowed(&effective);
+    Ok(KeyDetail { key, effective, bounds, quota, period, calls: u.calls + reserved, rows: u.rows })
 }
 
 /// Deletes a key: it no longer authenticates, and quotas naming it go
