@@ -20,9 +20,9 @@ use std::path::Path;
 use chrono::{DateTime, Utc};
 use meter::correction::CorrectedQuantities;
 use meter::{
-    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Counter, CounterKey, Dimension, EventId, EventKind,
-    Grants, KeyView, LoggedBreach, MeterType, Metric, MonitorBreach, Outcome, Principal, ProjectId, QuotaId,
-    ReservationId, TokenUsage, UsageFact, WindowKind,
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension, EventId,
+    EventKind, Grants, KeyView, LoggedBreach, MeterType, Metric, MonitorBreach, Outcome, Price, PriceBook, PriceKey,
+    Principal, ProjectId, QuotaId, ReservationId, TokenUsage, UsageFact, Usd, WindowKind,
 };
 use schemas::{AuditRecord, audit_schema_version, encode_audit, encode_usage, usage_schema_version};
 use serde::Serialize;
@@ -338,5 +338,29 @@ fn audit_entries() -> Result<Vec<(&'static str, AuditEntry)>, Box<dyn Error>> {
         },
         ..breach.clone()
     };
-    Ok(vec![("monitor_breach", breach), ("key_created", key), ("correction", correction)])
+    // Version 2: installation-wide entries (no project): a write of prices.
+    let prices = meter::price_change(
+        AuditId::parse("aud_0195f1c2a0017000a000000000000004")?,
+        &PriceBook::new([Price {
+            key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::InputTokens },
+            unit_price_usd: Usd::parse("0.0000025")?,
+            effective_from: at("2026-01-01T00:00:00Z")?,
+        }]),
+        &[
+            Price {
+                key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::InputTokens },
+                unit_price_usd: Usd::parse("0.000003")?,
+                effective_from: at("2026-03-01T00:00:00Z")?,
+            },
+            Price {
+                key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::OutputTokens },
+                unit_price_usd: Usd::parse("0.00001")?,
+                effective_from: at("2026-03-01T00:00:00Z")?,
+            },
+        ],
+        &Principal::new("admin", "admin_token"),
+        made,
+    )
+    .ok_or("a write of rows is an entry")?;
+    Ok(vec![("monitor_breach", breach), ("key_created", key), ("correction", correction), ("price_change", prices)])
 }

@@ -193,3 +193,37 @@ fn audit_golden_vectors_still_decode_and_name_their_version() {
         }
     }
 }
+
+#[test]
+fn the_current_audit_version_reads_every_earlier_one_and_v1_reads_what_it_can_hold() {
+    let versions = audit_schema_versions();
+    let current = versions.last().expect("a current version");
+    for (file, record) in audit_expectations() {
+        let bytes = golden_bytes(&file);
+        let (fingerprint, datum) = split_header(&bytes).expect("header");
+        let writer = find_audit_schema(fingerprint).expect("known fingerprint");
+        // Backward: the current reader reads every version written.
+        if let Err(e) = can_read(&writer.schema, &current.schema, datum) {
+            panic!("{file}: v{} cannot read v{}: {e}", current.version, writer.version);
+        }
+        // Forward, from v2 on: a v1 reader reads an entry of a project, and
+        // refuses an installation-wide one (its project_id cannot be null).
+        let v1 = &versions[0];
+        let mut body = datum;
+        let read = from_avro_datum(&writer.schema, &mut body, Some(&v1.schema));
+        match record.project_id {
+            Some(_) => {
+                read.unwrap_or_else(|e| panic!("{file}: v1 cannot read v{}: {e}", writer.version));
+            }
+            None => assert!(read.is_err(), "{file}: v1 has no way to hold a null project_id"),
+        }
+    }
+    for w in versions {
+        SchemaCompatibility::can_read(&w.schema, &current.schema)
+            .unwrap_or_else(|e| panic!("v{} cannot read v{}: {e}", current.version, w.version));
+    }
+    assert!(
+        audit_expectations().iter().any(|(f, r)| f.starts_with("audit_entry.v2.") && r.project_id.is_none()),
+        "a v2 vector is installation-wide"
+    );
+}

@@ -144,7 +144,7 @@ async fn audit_trail(mode: Mode) {
         .audit_topic()
         .await
         .into_iter()
-        .filter(|e| e.project_id.as_str() == pid)
+        .filter(|e| e.project_id.as_ref().is_some_and(|p| p.as_str() == pid))
         .map(|e| (e.id.to_string(), e))
         .collect();
     assert_eq!(on_topic.len(), log.len(), "every entry of the log is on the topic: {on_topic:?}");

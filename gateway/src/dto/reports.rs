@@ -232,7 +232,8 @@ impl TryFrom<AuditParams> for AuditQuery {
 #[serde(deny_unknown_fields)]
 pub struct AuditEntryView {
     pub id: String,
-    pub project_id: String,
+    /// The project, or `null` for an installation-wide entry.
+    pub project_id: Option<String>,
     /// `quotas:CreateQuota`, `quotas:UpdateQuota`, `quotas:DeleteQuota`, `quotas:MonitorBreach`,
     /// `keys:CreateApiKey`, `keys:DeleteApiKey`, `roles:CreateRole`, `webhooks:CreateEndpoint`,
     /// `webhooks:UpdateEndpoint`, `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`,
@@ -253,7 +254,7 @@ impl From<&AuditEntry> for AuditEntryView {
     fn from(e: &AuditEntry) -> Self {
         AuditEntryView {
             id: e.id.to_string(),
-            project_id: e.project_id.to_string(),
+            project_id: e.project_id.as_ref().map(ToString::to_string),
             action: e.action.as_str().to_owned(),
             principal_type: e.principal.as_ref().map(|p| p.kind.clone()),
             principal_id: e.principal.as_ref().map(|p| p.id.clone()),

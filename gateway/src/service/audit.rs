@@ -36,7 +36,7 @@ pub async fn page(s: &AppState, q: &AuditQuery) -> Result<Page<AuditEntry>> {
     }
     // One more than a page, to know whether another follows.
     let want = usize::try_from(q.skip + q.limit + 1).unwrap_or(usize::MAX);
-    let rows = s.stores.audit.audit(&q.project_id, q.after.as_ref(), want).await?;
+    let rows = s.stores.audit.audit(Some(&q.project_id), q.after.as_ref(), want).await?;
     let more = rows.len() == want;
     let skip = usize::try_from(q.skip).unwrap_or(usize::MAX);
     let limit = usize::try_from(q.limit).unwrap_or(usize::MAX);
