@@ -60,6 +60,27 @@ async fn sql(env: &Env, statement: &str) {
     }
 }
 
+/// The store loses its audit log and its folder's offsets (`emptied`, a
+/// `GET /v1/audit` query, then reads nothing) while the topic stays; the
+/// folder is started again (the projector, or `tollgate dev`) and reads the
+/// topic from the start.
+async fn lose_the_audit_log(env: &mut Env, projector: usize, emptied: &str) {
+    if env.mode == Mode::Distributed {
+        env.kill(projector);
+    }
+    sql(env, "DELETE FROM audit_log; DELETE FROM consumer_offsets WHERE consumer = 'tollgate-audit'").await;
+    let (_, gone) = env.admin_get(emptied).await;
+    assert_eq!(gone["data"], json!([]), "emptied: {gone}");
+    match env.mode {
+        Mode::Distributed => {
+            env.start_projector();
+        }
+        Mode::Dev => {
+            env.restart_dev().await;
+        }
+    }
+}
+
 async fn audit_trail(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.extra_env.push(("TOLLGATE_WEBHOOK_ALLOW_PRIVATE".into(), "true".into()));
@@ -166,20 +187,7 @@ async fn audit_trail(mode: Mode) {
 
     // The store loses its audit log and its folder's offsets; the folder,
     // started again, reads the topic from the start.
-    if mode == Mode::Distributed {
-        env.kill(projector);
-    }
-    sql(&env, "DELETE FROM audit_log; DELETE FROM consumer_offsets WHERE consumer = 'tollgate-audit'").await;
-    let (_, gone) = env.admin_get(&format!("/v1/audit?project_id={pid}")).await;
-    assert_eq!(gone["data"], json!([]), "emptied: {gone}");
-    match mode {
-        Mode::Distributed => {
-            env.start_projector();
-        }
-        Mode::Dev => {
-            env.restart_dev().await;
-        }
-    }
+    lose_the_audit_log(&mut env, projector, &format!("/v1/audit?project_id={pid}")).await;
     let rebuilt = env.audit_when(&pid, 60, "the audit log rebuilt", |e| e.len() >= log.len()).await;
     assert_eq!(rebuilt, log, "the same entries, in the same order");
 }
@@ -286,22 +294,9 @@ async fn price_audit(mode: Mode) {
     let total = project_log.len() + log.len();
     assert!(stdout(&replayed).contains(&format!("audit log: {total} entries rebuilt")), "{}", stdout(&replayed));
 
-    // The store loses its audit log and its folder's offsets: the
-    // installation's entries come back from the topic.
-    if mode == Mode::Distributed {
-        env.kill(projector);
-    }
-    sql(&env, "DELETE FROM audit_log; DELETE FROM consumer_offsets WHERE consumer = 'tollgate-audit'").await;
-    let (_, gone) = env.admin_get("/v1/audit?scope=installation").await;
-    assert_eq!(gone["data"], json!([]), "emptied: {gone}");
-    match mode {
-        Mode::Distributed => {
-            env.start_projector();
-        }
-        Mode::Dev => {
-            env.restart_dev().await;
-        }
-    }
+    // The store loses its audit log: the installation's entries come back
+    // from the topic.
+    lose_the_audit_log(&mut env, projector, "/v1/audit?scope=installation").await;
     let rebuilt = env.installation_audit_when(60, "the installation's log rebuilt", |e| e.len() >= log.len()).await;
     assert_eq!(rebuilt, log, "the same entries, in the same order");
 }
