@@ -30,8 +30,9 @@
 //!
 //! - **The audit log** is rebuilt in the shadow from the audit topic by the
 //!   audit folder's own code, up to the offsets the live audit folder stood
-//!   at in the same snapshot, and compared row by row (never swapped: see
-//!   [`store::sql::shadow::AUDIT_TABLES`]). Nothing is published: the
+//!   at in the same snapshot, and compared row by row, the entries of every
+//!   project and the installation-wide ones (writes of prices) alike (never
+//!   swapped: see [`store::sql::shadow::AUDIT_TABLES`]). Nothing is published: the
 //!   shadow's audit outbox (the entries its fold makes: corrections and
 //!   monitor breaches) is never relayed.
 //!

@@ -38,6 +38,7 @@ async fn app(dir: &std::path::Path) -> axum::Router {
         .put_prices(
             &[Price { key: key(Component::InputTokens), unit_price_usd: Usd(2_500_000), effective_from: at }],
             at,
+            None,
         )
         .await
         .expect("prices");

@@ -460,6 +460,17 @@ async fn every_answer_matches_the_document() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
     let (s, _) = call(Method::GET, "/v1/audit", "/v1/audit?project_id=proj_nope", adm, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
+    // The price write above is installation-wide: no project, its own scope.
+    let (s, inst) = call(Method::GET, "/v1/audit", "/v1/audit?scope=installation", adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        (inst["data"][0]["action"].as_str(), inst["data"][0]["project_id"].is_null()),
+        (Some("prices:PutPrices"), true),
+        "{inst}"
+    );
+    let both = format!("/v1/audit?scope=installation&project_id={pid}");
+    let (s, e) = call(Method::GET, "/v1/audit", &both, adm, None).await;
+    assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("project_id")));
 
     // Webhooks: an endpoint (a public URL: this state refuses private ones),
     // its secret once, a test fire, the delivery log, resend, recover, rotation.

@@ -157,7 +157,7 @@ impl QuotaPlan {
     ) -> Vec<AuditEntry> {
         let mut entry = |action, resource: &QuotaId, before: Option<&Quota>, after: Option<&Quota>| AuditEntry {
             id: new_id(),
-            project_id: self.project_id.clone(),
+            project_id: Some(self.project_id.clone()),
             action,
             principal: Some(principal.clone()),
             resource: resource.to_string(),

@@ -8,14 +8,24 @@
 //! the store, so any number of gateways racing on the same breach write one
 //! entry. Admin changes to quotas (`quotas:CreateQuota`, `quotas:UpdateQuota`,
 //! `quotas:DeleteQuota`), keys (`keys:CreateApiKey`, `keys:DeleteApiKey`),
-//! roles (`roles:CreateRole`) and webhook endpoints
+//! roles (`roles:CreateRole`), webhook endpoints
 //! (`webhooks:CreateEndpoint`, `webhooks:UpdateEndpoint`,
-//! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`) are written in the
-//! same transaction as the change, with who made it; no secret is ever in
-//! an entry.
+//! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`) and the price book
+//! (`prices:PutPrices`) are written in the same transaction as the change,
+//! with who made it; no secret is ever in an entry.
 //!
-//! Entry ids are time-ordered, so a project's log reads in id order and the
-//! id of the last entry read is the cursor of the next page.
+//! ## Projects and the installation
+//!
+//! Almost every entry belongs to one project ([`AuditEntry::project_id`]).
+//! The price book does not: it is one for the whole installation, so a
+//! write of prices is an **installation-wide** entry, whose `project_id` is
+//! `None`. The two are read apart (`GET /v1/audit?project_id=` or
+//! `?scope=installation`); on the audit topic an installation-wide entry is
+//! keyed [`INSTALLATION_KEY`] where the others are keyed by their project.
+//!
+//! Entry ids are time-ordered, so a project's log (or the installation's)
+//! reads in id order and the id of the last entry read is the cursor of
+//! the next page.
 //!
 //! ## From the log (DESIGN §12)
 //!
@@ -43,8 +53,7 @@
 //! record they come from ([`crate::correction::audit_id`], and the alert's
 //! dedup key in [`crate::alert`]), so a replay makes the same ones.
 //!
-//! Not audited: price book writes (the book is installation-wide, and the
-//! audit log is per project) and billing exports (not built yet).
+//! Not audited: billing exports (not built yet).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -52,6 +61,7 @@ use serde::{Deserialize, Serialize};
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::error::named;
 use crate::ids::{AuditId, ProjectId, QuotaId};
+use crate::price::{Component, Price, PriceBook, Usd};
 use crate::quota::{Metric, Quota};
 use crate::role::{Role, RoleQuota};
 use crate::tenant::{ApiKey, Grants};
@@ -84,10 +94,12 @@ pub enum AuditAction {
     DeleteWebhook,
     /// A webhook endpoint's signing secret rotated.
     RotateWebhookSecret,
+    /// Rows written to the price book (installation-wide).
+    PutPrices,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 13] = [
+    pub const ALL: [AuditAction; 14] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
@@ -101,6 +113,7 @@ impl AuditAction {
         AuditAction::UpdateWebhook,
         AuditAction::DeleteWebhook,
         AuditAction::RotateWebhookSecret,
+        AuditAction::PutPrices,
     ];
 
     /// The IAM-style action string.
@@ -119,14 +132,15 @@ impl AuditAction {
             AuditAction::UpdateWebhook => "webhooks:UpdateEndpoint",
             AuditAction::DeleteWebhook => "webhooks:DeleteEndpoint",
             AuditAction::RotateWebhookSecret => "webhooks:RotateSecret",
+            AuditAction::PutPrices => "prices:PutPrices",
         }
     }
 }
 
 named!(AuditAction, "audit action", AuditAction::ALL);
 
-/// Who did it: `("admin", "api")` for the admin API, `("admin", "cli")` for
-/// `tollgate apply`. A monitor breach has none.
+/// Who did it: `("admin", "admin_token")` for the admin API, `("admin",
+/// "cli")` for `tollgate apply`. A monitor breach has none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     pub kind: String,
@@ -177,6 +191,78 @@ pub enum AuditDetail {
     /// A webhook endpoint's signing secret rotated: the old one signs beside
     /// the new one until `previous_valid_until`. Neither secret is in it.
     WebhookSecretRotated { previous_valid_until: DateTime<Utc> },
+    /// Rows written to the price book, in the order they were given, each
+    /// with the unit price it replaced.
+    PriceChange { prices: Vec<PriceRowChange> },
+}
+
+/// One row of a write of prices, as its audit entry shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriceRowChange {
+    pub provider: String,
+    pub model: String,
+    pub component: Component,
+    /// Dollars per unit, a decimal string as the price API shows it.
+    pub unit_price_usd: Usd,
+    pub effective_from: DateTime<Utc>,
+    /// The unit price in effect at `effective_from` just before this row was
+    /// written (the rows of the same write before it included): the price
+    /// of the row of the same key and `effective_from` it overwrote, or of
+    /// the earlier row it supersedes from then on; `None` when no price
+    /// covered that instant.
+    pub replaced_unit_price_usd: Option<Usd>,
+}
+
+/// What a write of prices is audited with: the entry's id and who writes.
+/// The store makes the entry ([`price_change`]) in the write's transaction,
+/// where it reads the book the rows replace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PriceAudit {
+    pub id: AuditId,
+    pub by: Principal,
+}
+
+/// The resource of a price book entry.
+pub const PRICES_RESOURCE: &str = "prices";
+
+/// The entry recording a write of `written` to the price book by `by` at
+/// `at` (`prices:PutPrices`, installation-wide), against `before`: the book
+/// as it stood in the write's transaction, before it. `None` for no rows.
+pub fn price_change(
+    id: AuditId,
+    before: &PriceBook,
+    written: &[Price],
+    by: &Principal,
+    at: DateTime<Utc>,
+) -> Option<AuditEntry> {
+    if written.is_empty() {
+        return None;
+    }
+    let mut book = before.clone();
+    let prices = written
+        .iter()
+        .map(|p| {
+            let replaced = book.price_at(&p.key, p.effective_from);
+            book.insert(p.clone());
+            PriceRowChange {
+                provider: p.key.provider.clone(),
+                model: p.key.model.clone(),
+                component: p.key.component,
+                unit_price_usd: p.unit_price_usd,
+                effective_from: p.effective_from,
+                replaced_unit_price_usd: replaced,
+            }
+        })
+        .collect();
+    Some(AuditEntry {
+        id,
+        project_id: None,
+        action: AuditAction::PutPrices,
+        principal: Some(by.clone()),
+        resource: PRICES_RESOURCE.into(),
+        detail: AuditDetail::PriceChange { prices },
+        created_at: at,
+    })
 }
 
 /// What an audit entry shows of an API key (never its secret).
@@ -247,7 +333,7 @@ pub fn admin_change(
 ) -> AuditEntry {
     AuditEntry {
         id,
-        project_id: project_id.clone(),
+        project_id: Some(project_id.clone()),
         action,
         principal: Some(by.clone()),
         resource: resource.into(),
@@ -256,21 +342,33 @@ pub fn admin_change(
     }
 }
 
-/// One entry of a project's audit log.
+/// The message key of an installation-wide entry on the audit topic (the
+/// others are keyed by their project id).
+pub const INSTALLATION_KEY: &str = "installation";
+
+/// One entry of the audit log: of a project's, or of the installation's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditEntry {
     pub id: AuditId,
-    pub project_id: ProjectId,
+    /// The project the entry belongs to, or `None` for an
+    /// installation-wide entry (a write of prices).
+    pub project_id: Option<ProjectId>,
     pub action: AuditAction,
     pub principal: Option<Principal>,
     /// What the entry is about: a quota, an event, a key, a role or a
-    /// webhook endpoint id.
+    /// webhook endpoint id, or `prices`.
     pub resource: String,
     pub detail: AuditDetail,
     pub created_at: DateTime<Utc>,
 }
 
 impl AuditEntry {
+    /// Its message key on the audit topic: its project's id, or
+    /// [`INSTALLATION_KEY`].
+    pub fn log_key(&self) -> &str {
+        self.project_id.as_ref().map_or(INSTALLATION_KEY, ProjectId::as_str)
+    }
+
     /// The key that makes an entry written at most once, if it has one: a
     /// monitor breach's quota and window key.
     pub fn once_key(&self) -> Option<String> {
@@ -281,10 +379,11 @@ impl AuditEntry {
             | AuditDetail::ApiKeyChange { .. }
             | AuditDetail::RoleChange { .. }
             | AuditDetail::WebhookChange { .. }
-            | AuditDetail::WebhookSecretRotated { .. } => None,
+            | AuditDetail::WebhookSecretRotated { .. }
+            | AuditDetail::PriceChange { .. } => None,
             // One entry per correction folded, whatever refolds it.
             AuditDetail::EventCorrection { correction_id, .. } => {
-                Some(format!("correction/{}/{correction_id}", self.project_id))
+                Some(format!("correction/{}/{correction_id}", self.log_key()))
             }
         }
     }
@@ -322,7 +421,7 @@ impl MonitorBreach {
     pub fn entry(&self, id: AuditId, at: DateTime<Utc>) -> AuditEntry {
         AuditEntry {
             id,
-            project_id: self.project_id.clone(),
+            project_id: Some(self.project_id.clone()),
             action: AuditAction::MonitorBreach,
             principal: None,
             resource: self.quota_id.to_string(),
@@ -529,5 +628,75 @@ mod tests {
         let json = serde_json::to_value(&rotated).expect("encode");
         assert_eq!(json["kind"], "webhook_secret_rotated");
         assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), rotated);
+    }
+
+    fn price(model: &str, component: Component, usd: &str, from: &str) -> Price {
+        Price {
+            key: crate::PriceKey { provider: "openai".into(), model: model.into(), component },
+            unit_price_usd: Usd::parse(usd).expect("price"),
+            effective_from: utc(from),
+        }
+    }
+
+    #[test]
+    fn a_write_of_prices_is_one_installation_wide_entry_naming_what_each_row_replaced() {
+        let at = utc("2026-07-07T12:00:00Z");
+        let by = Principal::new("admin", "admin_token");
+        let before = PriceBook::new([
+            price("gpt-4o", Component::InputTokens, "0.0000025", "2026-01-01T00:00:00Z"),
+            price("gpt-4o", Component::OutputTokens, "0.00001", "2026-01-01T00:00:00Z"),
+        ]);
+        let written = [
+            // A later row of a priced key: replaces the price in effect then.
+            price("gpt-4o", Component::InputTokens, "0.000003", "2026-07-01T00:00:00Z"),
+            // The same key and instant as a stored row: overwrites it.
+            price("gpt-4o", Component::OutputTokens, "0.000012", "2026-01-01T00:00:00Z"),
+            // A new key: replaces nothing.
+            price("o3", Component::CachedTokens, "0.0000005", "2026-07-01T00:00:00Z"),
+            // Before any row of its key: replaces nothing either.
+            price("gpt-4o", Component::InputTokens, "0.000002", "2025-06-01T00:00:00Z"),
+            // The same key and instant as a row earlier in this write.
+            price("o3", Component::CachedTokens, "0.0000004", "2026-07-01T00:00:00Z"),
+        ];
+        let e = price_change(AuditId::parse("aud_p1").expect("id"), &before, &written, &by, at).expect("an entry");
+        assert_eq!(
+            (e.project_id.as_ref(), e.action.as_str(), e.resource.as_str(), e.principal.as_ref(), e.created_at),
+            (None, "prices:PutPrices", "prices", Some(&by), at)
+        );
+        assert_eq!((e.log_key(), e.once_key()), (INSTALLATION_KEY, None));
+        let AuditDetail::PriceChange { prices } = &e.detail else { panic!("a price change: {:?}", e.detail) };
+        let replaced: Vec<Option<String>> =
+            prices.iter().map(|r| r.replaced_unit_price_usd.map(|u| u.to_string())).collect();
+        assert_eq!(replaced, [Some("0.0000025".into()), Some("0.00001".into()), None, None, Some("0.0000005".into())]);
+        assert_eq!(prices.len(), written.len(), "every row written, in order");
+
+        let json = serde_json::to_value(&e.detail).expect("encode");
+        assert_eq!(
+            json["prices"][0],
+            serde_json::json!({"provider": "openai", "model": "gpt-4o", "component": "input_tokens",
+                               "unit_price_usd": "0.000003", "effective_from": "2026-07-01T00:00:00Z",
+                               "replaced_unit_price_usd": "0.0000025"})
+        );
+        assert_eq!(json["kind"], "price_change");
+        assert_eq!(json["prices"][2]["replaced_unit_price_usd"], serde_json::Value::Null);
+        assert_eq!(serde_json::from_value::<AuditDetail>(json).expect("decode"), e.detail);
+
+        assert_eq!(price_change(AuditId::parse("aud_p2").expect("id"), &before, &[], &by, at), None, "no rows");
+    }
+
+    #[test]
+    fn a_project_entry_is_keyed_by_its_project() {
+        let e = MonitorBreach {
+            quota_id: QuotaId::parse("q1").expect("id"),
+            project_id: ProjectId::parse("p1").expect("id"),
+            metric: Metric::Calls,
+            meter_type: None,
+            window: WindowKind::Day,
+            window_key: "2026-07-07".into(),
+            limit: 1,
+            observed_value: 2,
+        }
+        .entry(AuditId::parse("aud_1").expect("id"), utc("2026-07-07T12:00:00Z"));
+        assert_eq!(e.log_key(), "p1");
     }
 }

@@ -371,7 +371,7 @@ pub fn audit_id(project: &ProjectId, correction: &UsageFact) -> AuditId {
 pub fn audit_entry(correction: &UsageFact, before: &Counted, after: &Counted) -> AuditEntry {
     AuditEntry {
         id: audit_id(&correction.project_id, correction),
-        project_id: correction.project_id.clone(),
+        project_id: Some(correction.project_id.clone()),
         action: AuditAction::CorrectEvent,
         principal: (!correction.gateway.is_empty()).then(|| Principal::new("gateway", correction.gateway.clone())),
         resource: before.fact.id.to_string(),

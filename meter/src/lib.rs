@@ -96,8 +96,8 @@ pub use admission::{
 };
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{
-    AuditAction, AuditBatch, AuditDetail, AuditEntry, EndpointView, KeyView, MonitorBreach, Principal, RoleView,
-    admin_change,
+    AuditAction, AuditBatch, AuditDetail, AuditEntry, EndpointView, INSTALLATION_KEY, KeyView, MonitorBreach,
+    PriceAudit, PriceRowChange, Principal, RoleView, admin_change, price_change,
 };
 pub use clock::{Clock, ManualClock};
 pub use correction::{Counted, Target};

@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
-use crate::audit::{AuditBatch, AuditEntry};
+use crate::audit::{AuditBatch, AuditEntry, PriceAudit};
 use crate::error::PortResult;
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
 use crate::ids::{
@@ -82,8 +82,15 @@ pub trait AuditStore: Send + Sync {
     /// this call wrote it. It reaches [`AuditStore::audit`] once relayed and
     /// folded (about a poll later).
     async fn record_audit(&self, entry: &AuditEntry) -> PortResult<bool>;
-    /// A project's folded audit entries in id (time) order, after the cursor, at most `limit`.
-    async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>>;
+    /// A project's folded audit entries (`Some(project)`), or the
+    /// installation-wide ones (`None`: a write of prices), in id (time)
+    /// order, after the cursor, at most `limit`.
+    async fn audit(
+        &self,
+        project: Option<&ProjectId>,
+        after: Option<&AuditId>,
+        limit: usize,
+    ) -> PortResult<Vec<AuditEntry>>;
     /// Up to `limit` outbox entries not yet published, in the order they
     /// were written.
     async fn unpublished_audit(&self, limit: usize) -> PortResult<Vec<AuditEntry>>;
@@ -110,7 +117,19 @@ pub trait PriceStore: Send + Sync {
     /// prices a fact only with the versions recorded at or before its
     /// receipt ([`crate::PriceBook::price_as_of`]), so putting a row never
     /// re-prices what was received before it.
-    async fn put_prices(&self, prices: &[Price], at: DateTime<Utc>) -> PortResult<()>;
+    ///
+    /// With `audit`, the write's audit entry
+    /// ([`price_change`](crate::audit::price_change) against the book as it
+    /// stands in the write's transaction, writes of prices serialised) goes
+    /// to the audit outbox in that same **transaction**, and is returned:
+    /// the rows and their entry, or neither. Without it (seeding a book in
+    /// tests), nothing is audited.
+    async fn put_prices(
+        &self,
+        prices: &[Price],
+        at: DateTime<Utc>,
+        audit: Option<&PriceAudit>,
+    ) -> PortResult<Option<AuditEntry>>;
     /// The current price book (of each key and `effective_from`, the latest
     /// version), ordered by key then `effective_from`.
     async fn prices(&self) -> PortResult<Vec<Price>>;

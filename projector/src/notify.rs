@@ -288,7 +288,7 @@ impl Notifier {
         let audit = match &decision.endpoint {
             EndpointChange::Disable(reason) => Some(AuditEntry {
                 id: new_audit_id(),
-                project_id: d.endpoint.project_id.clone(),
+                project_id: Some(d.endpoint.project_id.clone()),
                 action: AuditAction::WebhookEndpointDisabled,
                 principal: None,
                 resource: d.endpoint.id.to_string(),

@@ -46,7 +46,7 @@ fn entries() -> Vec<AuditEntry> {
     };
     let change = AuditEntry {
         id: AuditId::parse("aud_0001").expect("id"),
-        project_id: pid(),
+        project_id: Some(pid()),
         action: AuditAction::DeleteQuota,
         principal: Some(Principal::new("admin", "api")),
         resource: "quota_1".into(),
@@ -201,7 +201,7 @@ async fn a_relay_killed_between_publish_and_mark_leaves_one_entry<R: LogReader>(
     let mut folder = AuditFolder::new((b.reader)("tg-audit"), b.store.clone(), config(&b.topic));
     folder.start().await.expect("start");
     assert_eq!(fold_until(&mut folder, 6).await, (3, 3, 0), "three entries, three duplicates");
-    assert_eq!(b.store.audit(&pid(), None, 100).await.expect("log"), written);
+    assert_eq!(b.store.audit(Some(&pid()), None, 100).await.expect("log"), written);
     // A folder started again resumes past them: nothing read twice.
     let mut again = AuditFolder::new((b.reader)("tg-audit"), b.store.clone(), config(&b.topic));
     again.start().await.expect("start");
@@ -209,25 +209,37 @@ async fn a_relay_killed_between_publish_and_mark_leaves_one_entry<R: LogReader>(
 }
 
 /// The topic folded into a fresh store (no project, no outbox) gives the
-/// same audit log, entry for entry.
+/// same audit log, entry for entry, the installation-wide ones included.
 async fn a_fresh_store_rebuilds_the_same_audit_log<R: LogReader>(b: &Backend<R>, fresh: Arc<dyn Store>) {
     let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(utc("2026-07-07T12:32:00Z")));
     for e in entries() {
         assert!(b.store.record_audit(&e).await.expect("record"));
     }
+    // A write of prices: an entry of no project.
+    let prices = AuditEntry {
+        id: AuditId::parse("aud_0004").expect("id"),
+        project_id: None,
+        action: AuditAction::PutPrices,
+        resource: "prices".into(),
+        detail: AuditDetail::PriceChange { prices: vec![] },
+        ..entries()[0].clone()
+    };
+    assert!(b.store.record_audit(&prices).await.expect("record"));
     let relay = AuditRelay::new(b.store.clone(), b.log.clone(), clock, 2);
-    assert_eq!(relay.drain().await.expect("drain"), 3, "two steps of at most two");
+    assert_eq!(relay.drain().await.expect("drain"), 4, "two steps of at most two");
     let mut folder = AuditFolder::new((b.reader)("tg-audit"), b.store.clone(), config(&b.topic));
     folder.start().await.expect("start");
-    fold_until(&mut folder, 3).await;
-    let live = b.store.audit(&pid(), None, 100).await.expect("log");
+    fold_until(&mut folder, 4).await;
+    let live = b.store.audit(Some(&pid()), None, 100).await.expect("log");
     assert_eq!(live, entries());
+    assert_eq!(b.store.audit(None, None, 100).await.expect("log"), vec![prices.clone()], "the installation's");
 
-    assert!(fresh.audit(&pid(), None, 100).await.expect("log").is_empty());
+    assert!(fresh.audit(Some(&pid()), None, 100).await.expect("log").is_empty());
     let mut rebuild = AuditFolder::new((b.reader)("tg-audit-rebuild"), fresh.clone(), config(&b.topic));
     rebuild.start().await.expect("start");
-    assert_eq!(fold_until(&mut rebuild, 3).await, (3, 0, 0));
-    assert_eq!(fresh.audit(&pid(), None, 100).await.expect("log"), live, "the same entries");
+    assert_eq!(fold_until(&mut rebuild, 4).await, (4, 0, 0));
+    assert_eq!(fresh.audit(Some(&pid()), None, 100).await.expect("log"), live, "the same entries");
+    assert_eq!(fresh.audit(None, None, 100).await.expect("log"), vec![prices], "the installation's too");
     assert!(fresh.unpublished_audit(10).await.expect("outbox").is_empty(), "a rebuild publishes nothing");
 }
 
@@ -280,7 +292,7 @@ async fn sqlite_a_record_that_is_no_audit_entry_is_dead_lettered() {
     let mut folder = AuditFolder::new((b.reader)("tg-audit"), b.store.clone(), config(&b.topic));
     folder.start().await.expect("start");
     assert_eq!(fold_until(&mut folder, 4).await, (3, 0, 1));
-    assert_eq!(b.store.audit(&pid(), None, 100).await.expect("log"), vec![first, second, third]);
+    assert_eq!(b.store.audit(Some(&pid()), None, 100).await.expect("log"), vec![first, second, third]);
     let letters: Vec<(String, String)> =
         sqlx::query_as("SELECT source_topic, reason FROM log_dead_letters WHERE topic = 'tollgate.dlq'")
             .fetch_all(&pool)

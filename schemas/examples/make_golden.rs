@@ -1,6 +1,8 @@
-//! Writes the golden vectors of the current usage schema version:
-//! `golden/usage_event.v<N>.<name>.bin` and their expected decoded facts in
-//! `golden/usage_event.v<N>.json`.
+//! Writes the golden vectors of the current usage schema version
+//! (`golden/usage_event.v<N>.<name>.bin`, their expected decoded facts in
+//! `golden/usage_event.v<N>.json`) and of the current audit entry schema
+//! version (`golden/audit_entry.v<N>.<name>.bin`, their expected records in
+//! `golden/audit_entry.v<N>.json`).
 //!
 //! Golden vectors are written once per schema version and then never
 //! changed: they are what old writers put on the log, and
@@ -16,31 +18,55 @@ use std::fs;
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
+use meter::correction::CorrectedQuantities;
 use meter::{
-    ApiKeyId, Counter, CounterKey, Dimension, EventId, EventKind, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
-    ReservationId, TokenUsage, UsageFact, WindowKind,
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension, EventId,
+    EventKind, Grants, KeyView, LoggedBreach, MeterType, Metric, MonitorBreach, Outcome, Price, PriceBook, PriceKey,
+    Principal, ProjectId, QuotaId, ReservationId, TokenUsage, UsageFact, Usd, WindowKind,
 };
-use schemas::{encode_usage, usage_schema_version};
+use schemas::{AuditRecord, audit_schema_version, encode_audit, encode_usage, usage_schema_version};
+use serde::Serialize;
 
 fn main() -> Result<(), Box<dyn Error>> {
-    let version = usage_schema_version().version;
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden");
     fs::create_dir_all(&dir)?;
-    let json_path = dir.join(format!("usage_event.v{version}.json"));
+    let usage = facts()?
+        .into_iter()
+        .map(|(name, fact)| Ok((name, encode_usage(&fact)?, fact)))
+        .collect::<Result<_, Box<dyn Error>>>()?;
+    write(&dir, "usage_event", usage_schema_version().version, "fact", usage)?;
+    let audit = audit_entries()?
+        .into_iter()
+        .map(|(name, entry)| Ok((name, encode_audit(&entry)?, AuditRecord::of(&entry)?)))
+        .collect::<Result<_, Box<dyn Error>>>()?;
+    write(&dir, "audit_entry", audit_schema_version().version, "record", audit)
+}
+
+/// Writes `<schema>.v<version>.<name>.bin` of each vector and
+/// `<schema>.v<version>.json` listing them with what each decodes to (under
+/// `what`), unless that version's vectors exist.
+fn write<T: Serialize>(
+    dir: &Path,
+    schema: &str,
+    version: u32,
+    what: &str,
+    vectors: Vec<(&'static str, Vec<u8>, T)>,
+) -> Result<(), Box<dyn Error>> {
+    let json_path = dir.join(format!("{schema}.v{version}.json"));
     if json_path.exists() {
         println!("{} exists; golden vectors are never rewritten", json_path.display());
         return Ok(());
     }
     let mut expected = Vec::new();
-    for (name, fact) in facts()? {
-        let file = format!("usage_event.v{version}.{name}.bin");
+    for (name, bytes, decoded) in vectors {
+        let file = format!("{schema}.v{version}.{name}.bin");
         let path = dir.join(&file);
         if path.exists() {
             return Err(format!("{} exists without {}", path.display(), json_path.display()).into());
         }
-        fs::write(&path, encode_usage(&fact)?)?;
+        fs::write(&path, bytes)?;
         println!("wrote {}", path.display());
-        expected.push(serde_json::json!({ "file": file, "fact": fact }));
+        expected.push(serde_json::json!({ "file": file, what: decoded }));
     }
     fs::write(&json_path, serde_json::to_string_pretty(&expected)? + "\n")?;
     println!("wrote {}", json_path.display());
@@ -263,4 +289,78 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
             },
         ),
     ])
+}
+
+fn audit_entries() -> Result<Vec<(&'static str, AuditEntry)>, Box<dyn Error>> {
+    let made = at("2026-03-01T09:15:31.000123Z")?;
+    let project = ProjectId::parse("proj_acme")?;
+    let breach = MonitorBreach {
+        quota_id: QuotaId::parse("quota_watch_rows")?,
+        project_id: project.clone(),
+        metric: Metric::Rows,
+        meter_type: None,
+        window: WindowKind::CalendarMonth,
+        window_key: "2026-03".into(),
+        limit: 50_000,
+        observed_value: 61_200,
+    }
+    .entry(AuditId::parse("aud_0195f1c2a0017000a000000000000001")?, made);
+    let key = meter::audit::admin_change(
+        AuditId::parse("aud_0195f1c2a0017000a000000000000002")?,
+        &project,
+        AuditAction::CreateApiKey,
+        "key_live_7f3a",
+        AuditDetail::ApiKeyChange {
+            before: None,
+            after: Some(KeyView {
+                name: "ci (Zoë)".into(),
+                prefix: "tg_abcdefg".into(),
+                role_id: None,
+                grants: Grants { max_concurrent: Some(4), query_timeout: None, max_rows: Some(10_000) },
+            }),
+        },
+        &Principal::new("admin", "admin_token"),
+        made,
+    );
+    let counted = CorrectedQuantities { voided: false, rows: 42, tokens: 0, token_entries: vec![] };
+    let correction = AuditEntry {
+        id: AuditId::parse("aud_0195f1c2a0017000a000000000000003")?,
+        action: AuditAction::CorrectEvent,
+        principal: None,
+        resource: "evt_01J9Z3Q8R3".into(),
+        detail: AuditDetail::EventCorrection {
+            original_id: "evt_01J9Z3Q8R3".into(),
+            correction_id: "fix_01J9Z3Q8RD".into(),
+            original_kind: "call".into(),
+            void: false,
+            before: counted.clone(),
+            after: CorrectedQuantities { rows: 40, ..counted },
+        },
+        ..breach.clone()
+    };
+    // Version 2: installation-wide entries (no project): a write of prices.
+    let prices = meter::price_change(
+        AuditId::parse("aud_0195f1c2a0017000a000000000000004")?,
+        &PriceBook::new([Price {
+            key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::InputTokens },
+            unit_price_usd: Usd::parse("0.0000025")?,
+            effective_from: at("2026-01-01T00:00:00Z")?,
+        }]),
+        &[
+            Price {
+                key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::InputTokens },
+                unit_price_usd: Usd::parse("0.000003")?,
+                effective_from: at("2026-03-01T00:00:00Z")?,
+            },
+            Price {
+                key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::OutputTokens },
+                unit_price_usd: Usd::parse("0.00001")?,
+                effective_from: at("2026-03-01T00:00:00Z")?,
+            },
+        ],
+        &Principal::new("admin", "admin_token"),
+        made,
+    )
+    .ok_or("a write of rows is an entry")?;
+    Ok(vec![("monitor_breach", breach), ("key_created", key), ("correction", correction), ("price_change", prices)])
 }

@@ -11,6 +11,12 @@
 //!
 //! - `decode_audit(&encode_audit(&entry)?)? == entry` for every entry whose
 //!   time is whole microseconds (what both stores keep).
+//! - The writer writes `audit_entry.v2`, whose `project_id` is nullable
+//!   (null: an installation-wide entry, a write of prices); the reader
+//!   reads v1 and v2 (a v1 record always names its project). A v1 reader
+//!   meeting a v2 record reads it unless its `project_id` is null, which it
+//!   cannot hold; so, as for every new version, readers (the audit folder)
+//!   are deployed before writers (the relay).
 //! - The action travels as its string and the detail as its JSON (tagged by
 //!   `kind`, as `GET /v1/audit` shows it): a new action or detail kind is
 //!   not a schema change. A reader that does not know one refuses the
@@ -30,7 +36,8 @@ use crate::single_object::{frame, unframe};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AuditRecord {
     pub id: String,
-    pub project_id: String,
+    /// `None` for an installation-wide entry.
+    pub project_id: Option<String>,
     pub action: String,
     pub principal_type: Option<String>,
     pub principal_id: Option<String>,
@@ -47,7 +54,7 @@ impl AuditRecord {
         let detail = serde_json::to_string(&entry.detail).map_err(|e| SchemaError::Encode(e.to_string()))?;
         Ok(AuditRecord {
             id: entry.id.to_string(),
-            project_id: entry.project_id.to_string(),
+            project_id: entry.project_id.as_ref().map(ToString::to_string),
             action: entry.action.as_str().to_owned(),
             principal_type: entry.principal.as_ref().map(|p| p.kind.clone()),
             principal_id: entry.principal.as_ref().map(|p| p.id.clone()),
@@ -69,7 +76,10 @@ impl TryFrom<AuditRecord> for AuditEntry {
         };
         Ok(AuditEntry {
             id: AuditId::parse(r.id).map_err(|e| SchemaError::invalid("id", e.to_string()))?,
-            project_id: ProjectId::parse(r.project_id)
+            project_id: r
+                .project_id
+                .map(ProjectId::parse)
+                .transpose()
                 .map_err(|e| SchemaError::invalid("project_id", e.to_string()))?,
             action: r.action.parse::<AuditAction>().map_err(|e| SchemaError::invalid("action", e.to_string()))?,
             principal,
@@ -164,7 +174,23 @@ mod tests {
             },
             ..breach.entry(AuditId::parse("aud_4").expect("id"), at())
         };
-        vec![breach.entry(AuditId::parse("aud_1").expect("id"), at()), change, correction, key]
+        let prices = meter::price_change(
+            AuditId::parse("aud_5").expect("id"),
+            &meter::PriceBook::default(),
+            &[meter::Price {
+                key: meter::PriceKey {
+                    provider: "openai".into(),
+                    model: "gpt-4o".into(),
+                    component: meter::Component::InputTokens,
+                },
+                unit_price_usd: meter::Usd::parse("0.0000025").expect("usd"),
+                effective_from: at(),
+            }],
+            &Principal::new("admin", "admin_token"),
+            at(),
+        )
+        .expect("an entry");
+        vec![breach.entry(AuditId::parse("aud_1").expect("id"), at()), change, correction, key, prices]
     }
 
     #[test]
@@ -205,6 +231,31 @@ mod tests {
         r.detail = AuditRecord::of(&entries()[0]).expect("record").detail;
         r.principal_type = Some("admin".into());
         assert!(matches!(AuditEntry::try_from(r), Err(SchemaError::Invalid { field, .. }) if field == "principal_id"));
+    }
+
+    #[test]
+    fn an_installation_wide_entry_travels_with_a_null_project() {
+        let e = entries().pop().expect("the price change");
+        assert_eq!(e.project_id, None);
+        assert_eq!(AuditRecord::of(&e).expect("record").project_id, None);
+        assert_eq!(decode_audit(&encode_audit(&e).expect("encode")).expect("decode"), e);
+        let mut r = AuditRecord::of(&e).expect("record");
+        r.project_id = Some("has space".into());
+        assert!(matches!(AuditEntry::try_from(r), Err(SchemaError::Invalid { field, .. }) if field == "project_id"));
+    }
+
+    #[test]
+    fn v2_is_frozen_and_current() {
+        // Computed once with the specification's algorithm (CRC-64-AVRO of
+        // the Parsing Canonical Form below), independently of this crate.
+        // If this fails, audit_entry.v2.avsc was edited: restore it and add a v3.
+        let v2 = &crate::registry::audit_schema_versions()[1];
+        assert_eq!(
+            v2.canonical_form,
+            r#"{"name":"tollgate.AuditEntry","type":"record","fields":[{"name":"id","type":"string"},{"name":"project_id","type":["null","string"]},{"name":"action","type":"string"},{"name":"principal_type","type":["null","string"]},{"name":"principal_id","type":["null","string"]},{"name":"resource","type":"string"},{"name":"detail","type":"string"},{"name":"created_at","type":"long"}]}"#
+        );
+        assert_eq!(v2.fingerprint, 0x97e6_d16c_00c2_9024);
+        assert_eq!(audit_schema_version().version, 2, "the writer writes v2");
     }
 
     #[test]

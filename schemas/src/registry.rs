@@ -45,7 +45,11 @@ pub const USAGE_SOURCES: &[(u32, &str)] = &[
 /// The source of every shipped audit entry schema version
 /// (`avro/audit_entry.v<N>.avsc`), oldest first; the same rules as
 /// [`USAGE_SOURCES`].
-pub const AUDIT_SOURCES: &[(u32, &str)] = &[(1, include_str!("../avro/audit_entry.v1.avsc"))];
+pub const AUDIT_SOURCES: &[(u32, &str)] = &[
+    (1, include_str!("../avro/audit_entry.v1.avsc")),
+    // `project_id` nullable: installation-wide entries (prices).
+    (2, include_str!("../avro/audit_entry.v2.avsc")),
+];
 
 /// One known version of a schema (usage event or audit entry).
 #[derive(Debug, Clone)]

@@ -9,7 +9,10 @@ use apache_avro::types::Value;
 use apache_avro::{Schema, from_avro_datum, to_avro_datum};
 use meter::UsageFact;
 use schemas::single_object::split_header;
-use schemas::{decode_usage, find_usage_schema, usage_schema_versions};
+use schemas::{
+    AuditRecord, audit_schema_versions, decode_audit, decode_usage, find_audit_schema, find_usage_schema,
+    usage_schema_versions,
+};
 
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")
@@ -47,7 +50,7 @@ fn golden_vectors_still_decode() {
     // Every .bin is listed, so none is silently left unchecked.
     for entry in fs::read_dir(golden_dir()).expect("golden dir") {
         let name = entry.expect("entry").file_name().into_string().expect("utf-8");
-        if name.ends_with(".bin") {
+        if name.starts_with("usage_event.") && name.ends_with(".bin") {
             assert!(expected.iter().any(|(f, _)| *f == name), "{name} is not in a golden json");
         }
     }
@@ -149,4 +152,78 @@ fn a_field_added_without_a_default_is_caught() {
     assert!(from_avro_datum(&v1.schema, &mut &v1_datum[..], Some(&v2)).is_err());
     // New data is still readable by old readers (the field is skipped).
     can_read(&v2, &v1.schema, &v2_datum(&v2)).expect("v1 reads v2");
+}
+
+/// `(file name, expected record)` of every golden vector of every audit
+/// entry schema version.
+fn audit_expectations() -> Vec<(String, AuditRecord)> {
+    let mut out = Vec::new();
+    for v in audit_schema_versions() {
+        let path = golden_dir().join(format!("audit_entry.v{}.json", v.version));
+        let text = fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("every audit version has golden vectors ({}): {e}", path.display()));
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&text).expect("golden json parses");
+        assert!(!entries.is_empty(), "{} lists vectors", path.display());
+        for entry in entries {
+            let file = entry["file"].as_str().expect("file name").to_owned();
+            let record: AuditRecord = serde_json::from_value(entry["record"].clone()).expect("expected record parses");
+            out.push((file, record));
+        }
+    }
+    out
+}
+
+#[test]
+fn audit_golden_vectors_still_decode_and_name_their_version() {
+    let expected = audit_expectations();
+    for (file, record) in &expected {
+        let bytes = golden_bytes(file);
+        let entry = decode_audit(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(&AuditRecord::of(&entry).expect("record"), record, "{file}");
+        let (fingerprint, _) = split_header(&bytes).expect("header");
+        let writer = find_audit_schema(fingerprint).expect("known fingerprint");
+        assert!(file.starts_with(&format!("audit_entry.v{}.", writer.version)), "{file}");
+    }
+    // Every .bin is listed (usage vectors above, audit vectors here), so
+    // none is silently left unchecked.
+    for entry in fs::read_dir(golden_dir()).expect("golden dir") {
+        let name = entry.expect("entry").file_name().into_string().expect("utf-8");
+        if name.ends_with(".bin") && !name.starts_with("usage_event.") {
+            assert!(expected.iter().any(|(f, _)| *f == name), "{name} is not in a golden json");
+        }
+    }
+}
+
+#[test]
+fn the_current_audit_version_reads_every_earlier_one_and_v1_reads_what_it_can_hold() {
+    let versions = audit_schema_versions();
+    let current = versions.last().expect("a current version");
+    for (file, record) in audit_expectations() {
+        let bytes = golden_bytes(&file);
+        let (fingerprint, datum) = split_header(&bytes).expect("header");
+        let writer = find_audit_schema(fingerprint).expect("known fingerprint");
+        // Backward: the current reader reads every version written.
+        if let Err(e) = can_read(&writer.schema, &current.schema, datum) {
+            panic!("{file}: v{} cannot read v{}: {e}", current.version, writer.version);
+        }
+        // Forward, from v2 on: a v1 reader reads an entry of a project, and
+        // refuses an installation-wide one (its project_id cannot be null).
+        let v1 = &versions[0];
+        let mut body = datum;
+        let read = from_avro_datum(&writer.schema, &mut body, Some(&v1.schema));
+        match record.project_id {
+            Some(_) => {
+                read.unwrap_or_else(|e| panic!("{file}: v1 cannot read v{}: {e}", writer.version));
+            }
+            None => assert!(read.is_err(), "{file}: v1 has no way to hold a null project_id"),
+        }
+    }
+    for w in versions {
+        SchemaCompatibility::can_read(&w.schema, &current.schema)
+            .unwrap_or_else(|e| panic!("v{} cannot read v{}: {e}", current.version, w.version));
+    }
+    assert!(
+        audit_expectations().iter().any(|(f, r)| f.starts_with("audit_entry.v2.") && r.project_id.is_none()),
+        "a v2 vector is installation-wide"
+    );
 }

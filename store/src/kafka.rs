@@ -329,7 +329,8 @@ impl Log for KafkaLog {
 pub const AUDIT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Publishes audit entries to the audit topic ([`AuditLog`]): Avro single-object
-/// encoded ([`schemas::encode_audit`]), keyed by project, with the
+/// encoded ([`schemas::encode_audit`]), keyed by project (an installation-wide
+/// entry by `installation`), with the
 /// idempotent `acks=all` producer; a publish waits for every delivery
 /// report, at most [`AUDIT_PUBLISH_TIMEOUT`]. Nothing is queued: the audit relay
 /// publishes from the store's outbox again until it succeeds. Cheap to clone.
@@ -352,7 +353,7 @@ impl AuditLog for KafkaAuditLog {
         let mut sent = Vec::with_capacity(entries.len());
         for e in entries {
             let payload = schemas::encode_audit(e).map_err(|e| PortError::Permanent(e.to_string()))?;
-            let record = FutureRecord::to(&self.topic).key(e.project_id.as_str()).payload(&payload);
+            let record = FutureRecord::to(&self.topic).key(e.log_key()).payload(&payload);
             sent.push(self.producer.send_result(record).map_err(|(e, _)| kafka_err(e))?);
         }
         let reports = async {

@@ -95,6 +95,8 @@ impl Backend for Postgres {
     const LOCK_PROJECT: &'static str = " FOR NO KEY UPDATE";
     const SNAPSHOT_BEGIN: &'static str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
     const LOCK_ROWS: &'static str = " FOR UPDATE";
+    // Conflicts with itself and with every write, not with reads (the fold's).
+    const LOCK_PRICE_BOOK: Option<&'static str> = Some("LOCK TABLE prices IN SHARE ROW EXCLUSIVE MODE");
     const LIST_TABLES: &'static str = "SELECT CAST(table_name AS text) AS name FROM information_schema.tables \
                                        WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'";
 

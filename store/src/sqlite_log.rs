@@ -362,7 +362,7 @@ impl AuditLog for SqliteLog {
         let mut records = Vec::with_capacity(entries.len());
         for e in entries {
             let payload = schemas::encode_audit(e).map_err(|e| PortError::Permanent(e.to_string()))?;
-            records.push((e.project_id.as_str().as_bytes().to_vec(), payload));
+            records.push((e.log_key().as_bytes().to_vec(), payload));
         }
         self.audit.append(records).await
     }

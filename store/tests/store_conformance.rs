@@ -53,6 +53,8 @@ macro_rules! conformance {
             a_tokens_event_is_priced_at_its_event_time_in_the_fold,
             refolding_a_tokens_or_storage_event_adds_nothing,
             the_price_book_round_trips_in_key_order,
+            a_write_of_prices_is_audited_installation_wide_with_it_or_not_at_all,
+            racing_writes_of_prices_each_see_what_the_other_replaced,
             unpriced_rows_are_recorded_once_and_read_in_order,
             a_footprint_of_deltas_only_is_their_sum,
             a_snapshot_resets_the_footprint_to_it_plus_the_deltas_after_it,
@@ -933,7 +935,7 @@ async fn folded_audit(
     limit: usize,
 ) -> meter::PortResult<Vec<AuditEntry>> {
     relay_and_fold(s).await;
-    s.audit(project, after, limit).await
+    s.audit(Some(project), after, limit).await
 }
 
 /// The outbox holds what writers wrote, in order, until it is published;
@@ -949,7 +951,7 @@ pub async fn the_audit_outbox_is_folded_into_the_log_once_per_entry(s: &dyn Stor
     assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![first.clone(), second.clone()], "write order");
     assert_eq!(s.unpublished_audit(1).await.expect("outbox"), vec![first.clone()], "at most the limit");
     // Nothing is in the log before it is folded (no project is needed).
-    assert!(s.audit(&pid("proj_1"), None, 10).await.expect("log").is_empty());
+    assert!(s.audit(Some(&pid("proj_1")), None, 10).await.expect("log").is_empty());
 
     s.audit_published(&[first.id.clone(), aid("aud_nope")], at).await.expect("published");
     assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![second.clone()]);
@@ -965,18 +967,18 @@ pub async fn the_audit_outbox_is_folded_into_the_log_once_per_entry(s: &dyn Stor
         offsets: vec![OffsetMove { partition: 0, from, to }],
     };
     assert_eq!(s.fold_audit(&fold(vec![first.clone(), second.clone()], 0, 2)).await.expect("fold"), 2);
-    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log"), vec![second.clone(), first.clone()]);
+    assert_eq!(s.audit(Some(&pid("proj_1")), None, 10).await.expect("log"), vec![second.clone(), first.clone()]);
     assert_eq!(s.offsets(AUDIT_CONSUMER, AUDIT_TOPIC).await.expect("offsets"), BTreeMap::from([(0, 2)]));
     // Published again (a relay killed before its mark): nothing new, offsets on.
     assert_eq!(s.fold_audit(&fold(vec![second.clone(), first.clone()], 2, 4)).await.expect("refold"), 0);
-    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log").len(), 2);
+    assert_eq!(s.audit(Some(&pid("proj_1")), None, 10).await.expect("log").len(), 2);
     // Another id with a once-key the log holds (an outbox rebuilt from scratch): skipped.
     assert_eq!(s.fold_audit(&fold(vec![again.clone()], 4, 5)).await.expect("same once-key"), 0);
     // A redelivered batch is fenced and changes nothing.
     let third = breach("q_3", "w1", 6).entry(aid("aud_0003"), at);
     let e = s.fold_audit(&fold(vec![third.clone()], 2, 3)).await;
     assert!(matches!(e, Err(PortError::Fenced(_))), "{e:?}");
-    assert_eq!(s.audit(&pid("proj_1"), None, 10).await.expect("log").len(), 2);
+    assert_eq!(s.audit(Some(&pid("proj_1")), None, 10).await.expect("log").len(), 2);
     assert_eq!(s.offsets(AUDIT_CONSUMER, AUDIT_TOPIC).await.expect("offsets"), BTreeMap::from([(0, 5)]));
     // The folder's offsets are its own: the projector's are untouched.
     assert!(s.offsets("tollgate-projector", AUDIT_TOPIC).await.expect("offsets").is_empty());
@@ -992,7 +994,7 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
         assert!(s.record_audit(&e).await.expect("record"), "entry {i}");
     }
     let mut other = breach("q_9", "w0", 6).entry(aid("aud_0005"), at);
-    other.project_id = pid("proj_2");
+    other.project_id = Some(pid("proj_2"));
     s.record_audit(&other).await.expect("other project");
 
     let all = folded_audit(s, &pid("proj_1"), None, 100).await.expect("all");
@@ -1013,7 +1015,7 @@ pub async fn audit_entries_page_by_cursor_in_id_order(s: &dyn Store) {
     let q = quota("q_a", "proj_1", Scope::Project, None, WindowKind::Day);
     let change = AuditEntry {
         id: aid("aud_0010"),
-        project_id: pid("proj_1"),
+        project_id: Some(pid("proj_1")),
         action: AuditAction::CreateQuota,
         principal: Some(Principal::new("admin", "api")),
         resource: "q_a".into(),
@@ -1266,7 +1268,7 @@ fn tokens(project: &str, id: &str, at: &str, entries: Vec<TokenUsage>) -> UsageF
 pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     // $2.50 per million input tokens: 2,500,000 picodollars a token.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
 
@@ -1326,6 +1328,7 @@ pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Stor
             price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-07-07T12:35:00Z"),
         ],
         recorded(),
+        None,
     )
     .await
     .expect("new prices");
@@ -1361,7 +1364,7 @@ pub async fn a_tokens_event_is_priced_at_its_event_time_in_the_fold(s: &dyn Stor
 
 pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let facts = vec![
@@ -1381,7 +1384,7 @@ pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
     assert_eq!(before.2, vec![pkey("gpt-4o", Component::OutputTokens)]);
 
     // Redelivered under new offsets, even with a price that would now cover it.
-    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let report = s.fold_batch(&batch(3, 6, facts)).await.expect("refold");
@@ -1398,7 +1401,7 @@ pub async fn refolding_a_tokens_or_storage_event_adds_nothing(s: &dyn Store) {
 
 pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
     assert!(s.prices().await.expect("empty book").is_empty());
-    s.put_prices(&[], recorded()).await.expect("nothing to put");
+    s.put_prices(&[], recorded(), None).await.expect("nothing to put");
     let book = vec![
         price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
         price("gpt-4o", Component::InputTokens, 2_000_000, "2026-07-01T00:00:00Z"),
@@ -1412,7 +1415,7 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
         // The same key and instant twice in one call: the last one wins.
         price("gpt-4o", Component::OutputTokens, 10_000_000, "2026-01-01T00:00:00Z"),
     ];
-    s.put_prices(&book, recorded()).await.expect("put");
+    s.put_prices(&book, recorded(), None).await.expect("put");
     let expected = vec![
         book[2].clone(),
         // Components in meter's order (input, output, cached), then by time.
@@ -1425,7 +1428,7 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
     assert_eq!(s.prices().await.expect("book"), PriceBook::new(book.clone()).prices().collect::<Vec<_>>());
 
     // A row with the same key and instant is replaced; the others stay.
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_400_000, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("replace");
     let got = s.prices().await.expect("book");
@@ -1440,6 +1443,7 @@ pub async fn the_price_book_round_trips_in_key_order(s: &dyn Store) {
                 price("gpt-5", Component::OutputTokens, -1, "2026-01-01T00:00:00Z"),
             ],
             recorded(),
+            None,
         )
         .await;
     assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
@@ -1826,7 +1830,7 @@ pub async fn a_tokens_events_breakdown_lands_in_its_local_day_and_month(s: &dyn 
     // 20:00 UTC on 31 July is 01:45 on 1 August in Kathmandu (+05:45).
     s.create_project(&project("proj_1", chrono_tz::Asia::Kathmandu)).await.expect("create project");
     s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let chat = UsageFact {
@@ -1871,7 +1875,7 @@ pub async fn a_tokens_events_breakdown_lands_in_its_local_day_and_month(s: &dyn 
 
 pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let t1 = tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 5, 0)]);
@@ -1884,7 +1888,7 @@ pub async fn refolding_a_tokens_event_adds_nothing_to_the_breakdown(s: &dyn Stor
 
     // Redelivered under new offsets (twice in one batch, too), even with a
     // price that would now cover its output: nothing moves.
-    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let report = s.fold_batch(&batch(1, 3, vec![t1.clone(), t1])).await.expect("refold");
@@ -1909,6 +1913,7 @@ pub async fn two_tokens_events_of_one_model_add_up_in_the_breakdown(s: &dyn Stor
             price("gpt-4o", Component::CachedTokens, 1_250_000, "2026-01-01T00:00:00Z"),
         ],
         recorded(),
+        None,
     )
     .await
     .expect("prices");
@@ -2025,6 +2030,7 @@ pub async fn sums_saturate_rather_than_fail_the_batch(s: &dyn Store) {
     s.put_prices(
         &[price("gpt-4o", Component::InputTokens, 1_000_000 * 1_000_000_000_000, "2026-01-01T00:00:00Z")],
         recorded(),
+        None,
     )
     .await
     .expect("prices");
@@ -2083,9 +2089,13 @@ pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &d
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
     let received = |f: UsageFact, at: &str| UsageFact { received_at: Some(utc(at)), ..f };
     let input = |id: &str| tokens("proj_1", id, "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 10, 0, 0)]);
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")], utc("2026-07-07T12:00:00Z"))
-        .await
-        .expect("prices");
+    s.put_prices(
+        &[price("gpt-4o", Component::InputTokens, 3, "2026-01-01T00:00:00Z")],
+        utc("2026-07-07T12:00:00Z"),
+        None,
+    )
+    .await
+    .expect("prices");
     // Put at 13:00, back-dated to January: a new price, and a replacement of the 3.
     s.put_prices(
         &[
@@ -2093,6 +2103,7 @@ pub async fn a_price_is_applied_only_to_what_was_received_after_it_was_put(s: &d
             price("gpt-4o", Component::OutputTokens, 7, "2026-01-01T00:00:00Z"),
         ],
         utc("2026-07-07T13:00:00Z"),
+        None,
     )
     .await
     .expect("later prices");
@@ -2267,7 +2278,7 @@ fn sourced(from: i64, facts: Vec<UsageFact>) -> FoldBatch {
 /// original counts now; a correction folded again adds nothing.
 pub async fn a_correction_amends_or_voids_its_original_as_the_difference(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], recorded())
+    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], recorded(), None)
         .await
         .expect("prices");
     let at = "2026-07-07T12:31:10Z";
@@ -2400,9 +2411,13 @@ pub async fn a_refused_correction_is_dead_lettered_with_its_reason_and_forgotten
 /// book as of the original's receipt, whatever was put since.
 pub async fn a_tokens_amend_is_priced_as_of_the_originals_receipt(s: &dyn Store) {
     s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
-    s.put_prices(&[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")], utc("2026-07-07T00:00:00Z"))
-        .await
-        .expect("prices");
+    s.put_prices(
+        &[price("gpt-4o", Component::InputTokens, 5, "2026-01-01T00:00:00Z")],
+        utc("2026-07-07T00:00:00Z"),
+        None,
+    )
+    .await
+    .expect("prices");
     let original = UsageFact {
         received_at: Some(utc("2026-07-07T12:31:11Z")),
         ..tokens("proj_1", "t1", "2026-07-07T12:31:10Z", vec![usage("gpt-4o", 100, 10, 0)])
@@ -2416,6 +2431,7 @@ pub async fn a_tokens_amend_is_priced_as_of_the_originals_receipt(s: &dyn Store)
             price("gpt-4o", Component::OutputTokens, 1000, "2026-01-01T00:00:00Z"),
         ],
         utc("2026-07-07T18:00:00Z"),
+        None,
     )
     .await
     .expect("later prices");
@@ -2430,4 +2446,108 @@ pub async fn a_tokens_amend_is_priced_as_of_the_originals_receipt(s: &dyn Store)
     let output = rows.iter().find(|r| r.key.component == Component::OutputTokens).expect("output");
     assert_eq!((input.priced_quantity, input.cost), (40, Usd(200)));
     assert_eq!((output.priced_quantity, output.unpriced_quantity), (0, 20));
+}
+
+/// The detail of a write of prices: each row's (model, unit price, replaced).
+fn price_rows(e: &AuditEntry) -> Vec<(String, String, Option<String>)> {
+    let AuditDetail::PriceChange { prices } = &e.detail else { panic!("a price change: {e:?}") };
+    prices
+        .iter()
+        .map(|r| (r.model.clone(), r.unit_price_usd.to_string(), r.replaced_unit_price_usd.map(|u| u.to_string())))
+        .collect()
+}
+
+/// A write of prices writes its audit entry (installation-wide: no
+/// project) to the outbox in its own transaction, made against the book as
+/// it stood: each row with the price it replaced. A write refused writes
+/// neither. The installation's entries are read apart from any project's,
+/// paged by cursor like them.
+pub async fn a_write_of_prices_is_audited_installation_wide_with_it_or_not_at_all(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    let by = Principal::new("admin", "test");
+    let audit = |id: &str| meter::PriceAudit { id: aid(id), by: by.clone() };
+    let breach = breach("q_1", "w1", 6).entry(aid("aud_0000"), utc("2026-07-07T00:00:00Z"));
+    assert!(s.record_audit(&breach).await.expect("a project's entry"));
+
+    let t1 = utc("2026-07-07T12:00:00.123456Z");
+    let first = s
+        .put_prices(
+            &[
+                price("gpt-4o", Component::InputTokens, 2_500_000, "2026-01-01T00:00:00Z"),
+                price("o3", Component::InputTokens, 2_000_000, "2026-01-01T00:00:00Z"),
+            ],
+            t1,
+            Some(&audit("aud_0001")),
+        )
+        .await
+        .expect("put")
+        .expect("an entry");
+    assert_eq!(
+        (first.project_id.as_ref(), first.action, first.resource.as_str(), first.principal.as_ref(), first.created_at),
+        (None, AuditAction::PutPrices, "prices", Some(&by), t1)
+    );
+    assert_eq!(
+        price_rows(&first),
+        [("gpt-4o".into(), "0.0000025".into(), None), ("o3".into(), "0.000002".into(), None)]
+    );
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![breach.clone(), first.clone()]);
+
+    // A later row of a priced key, and a row of the same key and instant.
+    let second = s
+        .put_prices(
+            &[
+                price("gpt-4o", Component::InputTokens, 3_000_000, "2026-07-01T00:00:00Z"),
+                price("o3", Component::InputTokens, 1_000_000, "2026-01-01T00:00:00Z"),
+            ],
+            utc("2026-07-07T12:01:00Z"),
+            Some(&audit("aud_0002")),
+        )
+        .await
+        .expect("put")
+        .expect("an entry");
+    assert_eq!(
+        price_rows(&second),
+        [
+            ("gpt-4o".into(), "0.000003".into(), Some("0.0000025".into())),
+            ("o3".into(), "0.000001".into(), Some("0.000002".into()))
+        ]
+    );
+
+    // Refused (a negative price breaks the table's check): no rows, no entry.
+    let bad = Price { unit_price_usd: Usd(-1), ..price("gpt-4o", Component::OutputTokens, 0, "2026-01-01T00:00:00Z") };
+    let refused = s.put_prices(&[bad], utc("2026-07-07T12:02:00Z"), Some(&audit("aud_0003"))).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![breach.clone(), first.clone(), second.clone()]);
+    // Nothing to write: no entry.
+    assert_eq!(s.put_prices(&[], utc("2026-07-07T12:03:00Z"), Some(&audit("aud_0004"))).await.expect("empty"), None);
+
+    relay_and_fold(s).await;
+    assert_eq!(s.audit(None, None, 10).await.expect("installation"), vec![first.clone(), second.clone()]);
+    assert_eq!(s.audit(None, None, 1).await.expect("page 1"), vec![first.clone()]);
+    assert_eq!(s.audit(None, Some(&first.id), 1).await.expect("page 2"), vec![second.clone()]);
+    assert!(s.audit(None, Some(&second.id), 1).await.expect("past the end").is_empty());
+    assert_eq!(s.audit(Some(&pid("proj_1")), None, 10).await.expect("the project's"), vec![breach]);
+}
+
+/// Two writes of the same row racing: the book is held still while each
+/// reads what it replaces, so the second names the first's price.
+pub async fn racing_writes_of_prices_each_see_what_the_other_replaced(s: &dyn Store) {
+    let put = |id: String, model: String, picos: i64, at: &'static str| async move {
+        let audit = meter::PriceAudit { id: aid(&id), by: Principal::new("admin", "test") };
+        let row = price(&model, Component::InputTokens, picos, "2026-01-01T00:00:00Z");
+        s.put_prices(&[row], utc(at), Some(&audit)).await.expect("put").expect("an entry")
+    };
+    // A few races, each on a row of its own.
+    for round in 0..5 {
+        let model = format!("m{round}");
+        let (a, b) = tokio::join!(
+            put(format!("aud_a{round}"), model.clone(), 1_000_000, "2026-07-07T12:00:00Z"),
+            put(format!("aud_b{round}"), model, 2_000_000, "2026-07-07T12:00:01Z"),
+        );
+        let (a, b) = (price_rows(&a).remove(0).2, price_rows(&b).remove(0).2);
+        assert!(
+            (a.is_none() && b.as_deref() == Some("0.000001")) || (b.is_none() && a.as_deref() == Some("0.000002")),
+            "round {round}: one replaced nothing, the other the first's price: {a:?} {b:?}"
+        );
+    }
 }

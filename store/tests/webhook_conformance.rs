@@ -337,7 +337,7 @@ async fn disabling_an_endpoint_writes_one_audit_entry_and_stops_its_deliveries(s
     assert_eq!(due.len(), 2);
     let audit = |id: &str| AuditEntry {
         id: AuditId::parse(id).expect("id"),
-        project_id: e.project_id.clone(),
+        project_id: Some(e.project_id.clone()),
         action: AuditAction::WebhookEndpointDisabled,
         principal: None,
         resource: e.id.to_string(),

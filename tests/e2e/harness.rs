@@ -404,9 +404,20 @@ impl Env {
         what: &str,
         ready: impl Fn(&[Value]) -> bool,
     ) -> Vec<Value> {
+        self.audit_of_when(&format!("project_id={project}"), secs, what, ready).await
+    }
+
+    /// The installation-wide audit log (`scope=installation`: writes of
+    /// prices) once `ready` holds of it, as [`Env::audit_when`].
+    pub async fn installation_audit_when(&self, secs: u64, what: &str, ready: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        self.audit_of_when("scope=installation", secs, what, ready).await
+    }
+
+    /// `GET /v1/audit?<scope>&limit=1000` once `ready` holds of its entries.
+    async fn audit_of_when(&self, scope: &str, secs: u64, what: &str, ready: impl Fn(&[Value]) -> bool) -> Vec<Value> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
         loop {
-            let (s, log) = self.admin_get(&format!("/v1/audit?project_id={project}&limit=1000")).await;
+            let (s, log) = self.admin_get(&format!("/v1/audit?{scope}&limit=1000")).await;
             assert_eq!(s, 200, "{log}");
             let entries = log["data"].as_array().cloned().unwrap_or_default();
             if ready(&entries) {

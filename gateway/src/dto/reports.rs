@@ -9,7 +9,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::timestamp;
 use crate::service::Page;
-use crate::service::audit::{AuditQuery, MAX_PAGE, MAX_PAGED_ROWS};
+use crate::service::audit::{AuditQuery, AuditScope, MAX_PAGE, MAX_PAGED_ROWS};
 use crate::service::usage::{GroupBy, Member, Report, Rows, UsageQuery};
 
 fn project(raw: Option<String>) -> Result<ProjectId, FieldError> {
@@ -181,8 +181,14 @@ impl From<&Report> for UsageReport {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct AuditParams {
-    /// The project.
-    #[param(value_type = String)]
+    /// `project` (default): one project's entries, named by `project_id`;
+    /// `installation`: the installation-wide entries (writes of the price
+    /// book, which belongs to no project), without a `project_id`.
+    #[param(value_type = Option<String>, example = "installation")]
+    pub scope: Option<String>,
+    /// The project; required with `scope=project`, refused with
+    /// `scope=installation`.
+    #[param(value_type = Option<String>)]
     pub project_id: Option<String>,
     /// Cursor: the `next` of the previous page.
     pub after: Option<String>,
@@ -202,7 +208,21 @@ fn whole(raw: Option<&str>, name: &str) -> Result<Option<u64>, FieldError> {
 impl TryFrom<AuditParams> for AuditQuery {
     type Error = FieldError;
     fn try_from(p: AuditParams) -> Result<AuditQuery, FieldError> {
-        let project_id = project(p.project_id)?;
+        let scope = match p.scope.as_deref() {
+            None | Some("project") => AuditScope::Project(project(p.project_id)?),
+            Some("installation") => match p.project_id {
+                None => AuditScope::Installation,
+                Some(_) => {
+                    return Err(FieldError::new(
+                        "project_id",
+                        "must not be given with scope=installation: installation-wide entries belong to no project",
+                    ));
+                }
+            },
+            Some(other) => {
+                return Err(FieldError::new("scope", format!("must be project or installation; got {other:?}")));
+            }
+        };
         let limit = whole(p.limit.as_deref(), "limit")?.unwrap_or(100);
         if !(1..=MAX_PAGE).contains(&limit) {
             return Err(FieldError::new("limit", format!("must be between 1 and {MAX_PAGE}")));
@@ -223,7 +243,7 @@ impl TryFrom<AuditParams> for AuditQuery {
             }
             Some(n) => (n - 1) * limit,
         };
-        Ok(AuditQuery { project_id, after, limit, skip })
+        Ok(AuditQuery { scope, after, limit, skip })
     }
 }
 
@@ -232,16 +252,17 @@ impl TryFrom<AuditParams> for AuditQuery {
 #[serde(deny_unknown_fields)]
 pub struct AuditEntryView {
     pub id: String,
-    pub project_id: String,
+    /// The project, or `null` for an installation-wide entry (`scope=installation`).
+    pub project_id: Option<String>,
     /// `quotas:CreateQuota`, `quotas:UpdateQuota`, `quotas:DeleteQuota`, `quotas:MonitorBreach`,
     /// `keys:CreateApiKey`, `keys:DeleteApiKey`, `roles:CreateRole`, `webhooks:CreateEndpoint`,
     /// `webhooks:UpdateEndpoint`, `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`,
-    /// `events:CorrectEvent`, `webhook.endpoint_disabled`.
+    /// `events:CorrectEvent`, `webhook.endpoint_disabled`; installation-wide: `prices:PutPrices`.
     pub action: String,
     /// `admin`, or `null` for what the system recorded itself.
     pub principal_type: Option<String>,
     pub principal_id: Option<String>,
-    /// What the entry is about: a quota, key, role, webhook endpoint or event id.
+    /// What the entry is about: a quota, key, role, webhook endpoint or event id, or `prices`.
     pub resource: String,
     /// What happened, tagged by `kind`.
     #[schema(value_type = Object)]
@@ -253,7 +274,7 @@ impl From<&AuditEntry> for AuditEntryView {
     fn from(e: &AuditEntry) -> Self {
         AuditEntryView {
             id: e.id.to_string(),
-            project_id: e.project_id.to_string(),
+            project_id: e.project_id.as_ref().map(ToString::to_string),
             action: e.action.as_str().to_owned(),
             principal_type: e.principal.as_ref().map(|p| p.kind.clone()),
             principal_id: e.principal.as_ref().map(|p| p.id.clone()),
@@ -334,9 +355,24 @@ mod tests {
             ("project_id=p&page=1&after=aud_1", "page"),
             ("project_id=p&after=a%20b", "after"),
             ("limit=5", "project_id"),
+            ("scope=project", "project_id"),
+            ("scope=installation&project_id=p", "project_id"),
+            ("scope=everything", "scope"),
+            ("scope=installation&page=0", "page"),
+            ("scope=installation&limit=1000&page=11", "page"),
         ] {
             assert_eq!(audit(q).expect_err(q).field, field, "{q}");
         }
         assert_eq!(audit("project_id=p&limit=10&page=3").expect("valid").skip, 20);
+        assert_eq!(
+            audit("project_id=p").expect("valid").scope,
+            AuditScope::Project(ProjectId::parse("p").expect("id"))
+        );
+        assert_eq!(
+            audit("scope=project&project_id=p").expect("valid").scope,
+            audit("project_id=p").expect("valid").scope
+        );
+        let q = audit("scope=installation&limit=10&page=2").expect("valid");
+        assert_eq!((q.scope, q.skip), (AuditScope::Installation, 10));
     }
 }

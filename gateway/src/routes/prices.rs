@@ -8,13 +8,14 @@ use crate::dto::errors::ErrorBody;
 use crate::dto::prices::{ExceptionList, ExceptionParams, PriceList, PriceParams, PricesBody};
 use crate::dto::{Body, Params};
 use crate::error::ApiResult;
+use crate::service::admin_api;
 use crate::service::pricing::{self, ExceptionsQuery, NewPrice, PriceFilter};
 use crate::state::AppState;
 
 #[utoipa::path(put, path = "/v1/prices", tag = "admin", security(("admin_token" = [])),
     request_body = PricesBody,
     responses(
-        (status = 200, description = "The rows written (a row with the same key and effective_from is replaced)", body = PriceList),
+        (status = 200, description = "The rows written (a row with the same key and effective_from is replaced); audited as one installation-wide entry, prices:PutPrices (GET /v1/audit?scope=installation)", body = PriceList),
         (status = 400, description = "INVALID_REQUEST naming the row and field; nothing was written", body = ErrorBody,
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "prices[0].component: must be one of input_tokens, output_tokens, cached_tokens", "meta": {"field": "prices[0].component"}}})),
     ))]
@@ -23,7 +24,7 @@ pub async fn put_prices(
     State(s): State<AppState>,
     Body(body): Body<PricesBody>,
 ) -> ApiResult<Json<PriceList>> {
-    let written = pricing::put(&s, Vec::<NewPrice>::try_from(body)?).await?;
+    let written = pricing::put(&s, Vec::<NewPrice>::try_from(body)?, &admin_api()).await?;
     Ok(Json(PriceList::from(written.as_slice())))
 }
 

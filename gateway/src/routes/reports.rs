@@ -35,8 +35,8 @@ pub async fn usage(
 #[utoipa::path(get, path = "/v1/audit", tag = "admin", security(("admin_token" = [])),
     params(AuditParams),
     responses(
-        (status = 200, description = "Entries in time order, and the cursor of the next page", body = AuditPage),
-        (status = 400, description = "INVALID_REQUEST naming the parameter", body = ErrorBody,
+        (status = 200, description = "Entries in time order (a project's, or with scope=installation the installation-wide ones, whose project_id is null), and the cursor of the next page", body = AuditPage),
+        (status = 400, description = "INVALID_REQUEST naming the parameter (a project_id with scope=installation is refused as project_id)", body = ErrorBody,
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "page: page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>", "meta": {"field": "page"}}})),
         (status = 404, description = "NOT_FOUND: no such project", body = ErrorBody,
          example = json!({"error": {"code": "NOT_FOUND", "message": "project proj_nope does not exist", "meta": {}}})),

@@ -5,12 +5,17 @@
 //! `effective_from` on; events are priced by their event time, by the
 //! gateway when it settles them into the view and by the projector when it
 //! folds them. Writing prices forgets this instance's cached book.
+//!
+//! A write of prices is audited as whoever made it, in the write's own
+//! transaction: one installation-wide entry (`prices:PutPrices`, the book
+//! belongs to no project) listing every row with the unit price it
+//! replaced, read with `GET /v1/audit?scope=installation`.
 
-use chrono::{DateTime, Utc};
-use meter::{Price, PriceKey, ProjectId, QuotaId, UnpricedException, Usd};
+use chrono::{DateTime, SubsecRound, Utc};
+use meter::{Price, PriceAudit, PriceKey, Principal, ProjectId, QuotaId, UnpricedException, Usd};
 
 use super::{Page, Result, now_micros};
-use crate::state::AppState;
+use crate::state::{AppState, new_audit_id};
 
 /// Most rows one write of prices may carry.
 pub const MAX_PRICES: usize = 1000;
@@ -43,19 +48,21 @@ pub struct ExceptionsQuery {
 }
 
 /// Writes price rows, all or nothing (a row with the same key and
-/// `effective_from` is replaced); returns them as written.
-pub async fn put(s: &AppState, rows: Vec<NewPrice>) -> Result<Vec<Price>> {
+/// `effective_from` is replaced), with their audit entry, as `by`; returns
+/// them as written (to the microsecond, as stored).
+pub async fn put(s: &AppState, rows: Vec<NewPrice>, by: &Principal) -> Result<Vec<Price>> {
     let now = now_micros(s.clock.as_ref());
     let prices: Vec<Price> = rows
         .into_iter()
         .map(|r| Price {
             key: r.key,
             unit_price_usd: r.unit_price_usd,
-            effective_from: r.effective_from.unwrap_or(now),
+            effective_from: r.effective_from.map_or(now, |t| t.trunc_subsecs(6)),
         })
         .collect();
     // Recorded now: events received before this never take these rows.
-    s.stores.prices.put_prices(&prices, now).await?;
+    let audit = PriceAudit { id: new_audit_id(), by: by.clone() };
+    s.stores.prices.put_prices(&prices, now, Some(&audit)).await?;
     s.invalidate_prices();
     Ok(prices)
 }

@@ -94,7 +94,7 @@ fn audit<B: Backend>(r: &Rec<'_, B>) -> PortResult<AuditEntry> {
     };
     Ok(AuditEntry {
         id: r.id("id")?,
-        project_id: r.id("project_id")?,
+        project_id: r.opt_id("project_id")?,
         action: r.parse("action")?,
         principal,
         resource: r.text("resource")?,
@@ -120,7 +120,7 @@ fn into_audit_table(table: &str, entry: &AuditEntry) -> PortResult<Stmt> {
          ON CONFLICT DO NOTHING"
     ))
     .text(entry.id.as_str())
-    .text(entry.project_id.as_str())
+    .opt_text(entry.project_id.as_ref().map(ProjectId::as_str))
     .text(entry.action.as_str())
     .opt_text(entry.principal.as_ref().map(|p| p.kind.as_str()))
     .opt_text(entry.principal.as_ref().map(|p| p.id.as_str()))
@@ -322,14 +322,26 @@ impl<B: Backend> AuditStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "audit"))]
-    async fn audit(&self, project: &ProjectId, after: Option<&AuditId>, limit: usize) -> PortResult<Vec<AuditEntry>> {
+    async fn audit(
+        &self,
+        project: Option<&ProjectId>,
+        after: Option<&AuditId>,
+        limit: usize,
+    ) -> PortResult<Vec<AuditEntry>> {
+        // `project_id IS NULL` spelled out rather than `IS NOT DISTINCT
+        // FROM`, so that each reads its index (audit_log_project_idx, or
+        // audit_log_installation_idx for the entries of no project).
+        let of = match project {
+            Some(_) => "project_id = $3",
+            None => "project_id IS NULL AND CAST($3 AS TEXT) IS NULL",
+        };
         let stmt = Stmt::new(format!(
             "SELECT {AUDIT_COLUMNS} FROM audit_log \
-             WHERE project_id = $1 AND (CAST($2 AS TEXT) IS NULL OR id > $2) ORDER BY id LIMIT $3"
+             WHERE {of} AND (CAST($1 AS TEXT) IS NULL OR id > $1) ORDER BY id LIMIT $2"
         ))
-        .text(project.as_str())
         .opt_text(after.map(AuditId::as_str))
-        .int(super::limit(limit));
+        .int(super::limit(limit))
+        .opt_text(project.map(ProjectId::as_str));
         each(&self.all(stmt).await?, audit::<B>)
     }
 

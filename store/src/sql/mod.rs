@@ -70,6 +70,10 @@ pub trait Backend:
     const LOCK_ROWS: &'static str;
     /// A query of the names (`name`) of the store's tables.
     const LIST_TABLES: &'static str;
+    /// What a writing transaction runs first to hold the price book still
+    /// until it ends, against other writers only (`None`: nothing to run,
+    /// SQLite's write lock holds everything already).
+    const LOCK_PRICE_BOOK: Option<&'static str>;
 
     /// Whether a database error code is worth retrying.
     fn transient(code: &str) -> bool;

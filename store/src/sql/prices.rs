@@ -7,17 +7,22 @@
 //! one is a new version, never an overwrite), `prices` reads the current
 //! book (of each key and `effective_from`, the latest version) and the fold
 //! reads every version of the keys it prices, as of each fact's receipt.
+//!
+//! A write of prices is audited in its own transaction: the book is held
+//! still against other writers, the rows of the keys written are read, and
+//! `meter::price_change` makes the entry from them (what each row
+//! replaced), which goes to the audit outbox with the rows.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use async_trait::async_trait;
 use chrono::{DateTime, SubsecRound, Utc};
 use meter::{
-    CounterKey, PortError, PortResult, Price, PriceBook, PriceKey, PriceStore, PriceVersion, ProjectId, QuotaId,
-    UnpricedException, UnpricedRow, Usd,
+    AuditEntry, CounterKey, PortError, PortResult, Price, PriceAudit, PriceBook, PriceKey, PriceStore, PriceVersion,
+    ProjectId, QuotaId, UnpricedException, UnpricedRow, Usd, price_change,
 };
 
-use super::{Backend, Rec, Rows, SqlStore, Stmt, each, to_i64};
+use super::{Backend, Rec, Rows, SqlStore, Stmt, each, error, to_i64};
 
 pub(super) const PRICE_COLUMNS: &str = "provider, model, component, effective_from, unit_price_picos, recorded_at";
 const EXCEPTION_COLUMNS: &str = r#"quota_id, project_id, "limit", window_key, llm_events, unpriced_events, unpriced_rows, occurrence_count, first_seen, last_seen"#;
@@ -89,7 +94,12 @@ fn exception_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<UnpricedException> {
 #[async_trait]
 impl<B: Backend> PriceStore for SqlStore<B> {
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "put_prices", prices = prices.len()))]
-    async fn put_prices(&self, prices: &[Price], at: DateTime<Utc>) -> PortResult<()> {
+    async fn put_prices(
+        &self,
+        prices: &[Price],
+        at: DateTime<Utc>,
+        audit: Option<&PriceAudit>,
+    ) -> PortResult<Option<AuditEntry>> {
         // One row per key and instant, the last one winning as in
         // `PriceBook::insert`: one upsert may not touch a row twice. The
         // instants are keyed as stored, to the microsecond.
@@ -98,7 +108,7 @@ impl<B: Backend> PriceStore for SqlStore<B> {
             unique.insert((&p.key, p.effective_from.trunc_subsecs(6)), p.unit_price_usd);
         }
         if unique.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let recorded_at = at.trunc_subsecs(6);
         let rows = Rows::new()
@@ -116,7 +126,35 @@ impl<B: Backend> PriceStore for SqlStore<B> {
              DO UPDATE SET unit_price_picos = excluded.unit_price_picos"
         ))
         .rows(rows);
-        self.run(stmt).await.map(drop)
+        let Some(audit) = audit else { return self.run(stmt).await.map(|_| None) };
+
+        // Dropping `tx` without committing rolls everything back.
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
+        if let Some(lock) = B::LOCK_PRICE_BOOK {
+            B::execute(&mut *tx, Stmt::new(lock)).await?;
+        }
+        // The book as it stands, of the keys written: what the rows replace.
+        let keys: BTreeSet<&PriceKey> = unique.keys().map(|(k, _)| *k).collect();
+        let key_rows = Rows::new()
+            .text("provider", keys.iter().map(|k| k.provider.as_str()))
+            .text("model", keys.iter().map(|k| k.model.as_str()))
+            .text("component", keys.iter().map(|k| k.component.as_str()));
+        let read = Stmt::new(format!(
+            "SELECT {PRICE_COLUMNS} FROM prices WHERE (provider, model, component) IN \
+             (SELECT provider, model, component FROM {{rows}} AS t)"
+        ))
+        .rows(key_rows);
+        let before = PriceBook::with_versions(each(&B::fetch(&mut *tx, read).await?, price::<B>)?);
+        // As stored: to the microsecond.
+        let written: Vec<Price> =
+            prices.iter().map(|p| Price { effective_from: p.effective_from.trunc_subsecs(6), ..p.clone() }).collect();
+        let entry = price_change(audit.id.clone(), &before, &written, &audit.by, recorded_at);
+        B::execute(&mut *tx, stmt).await?;
+        if let Some(e) = &entry {
+            B::execute(&mut *tx, super::config::insert_audit(e)?).await?;
+        }
+        tx.commit().await.map_err(error::<B>)?;
+        Ok(entry)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "prices"))]

@@ -187,7 +187,8 @@ pub const AUDIT_TABLES: &[FoldTable] = &[FoldTable {
     name: "audit_log",
     key: &[("id", Text)],
     values: &[
-        ("project_id", Text),
+        // Null for an installation-wide entry (a write of prices).
+        ("project_id", OptText),
         ("action", Text),
         ("principal_type", OptText),
         ("principal_id", OptText),
