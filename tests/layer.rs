@@ -201,13 +201,15 @@ impl Env {
 
     /// The key's `day` counter in the view.
     async fn usage(&self) -> meter::Totals {
+        self.usage_of(&self.key).await
+    }
+
+    /// A key's `day` counter in the view.
+    async fn usage_of(&self, key: &ApiKey) -> meter::Totals {
         let now = Utc::now();
         let w = window_at(WindowKind::Day, self.project.timezone, now);
-        let counter = CounterKey {
-            dimension: Dimension::ApiKey(self.key.id.clone()),
-            window: WindowKind::Day,
-            window_key: w.key,
-        };
+        let counter =
+            CounterKey { dimension: Dimension::ApiKey(key.id.clone()), window: WindowKind::Day, window_key: w.key };
         let u = self.view.usage(&self.project.id, &counter, now).await.expect("view usage").expect("seeded");
         let mut t = u.durable;
         t.add(u.pending);
@@ -219,9 +221,155 @@ impl Env {
 impl Env {
     /// Another key of this project, with these grants: its secret.
     async fn key_with(&self, grants: Grants) -> String {
-        let new = NewApiKey { name: "capped".into(), role_id: None, grants };
-        provisioning::create_api_key(&self.state, &self.project.id, new, &tester()).await.expect("create key").secret
+        self.bounded_key(grants).await.1
     }
+
+    /// Another key of this project, with these grants and a `rows` quota
+    /// (so its counter is in the view): the key and its secret.
+    async fn bounded_key(&self, grants: Grants) -> (ApiKey, String) {
+        let new = NewApiKey { name: "bounded".into(), role_id: None, grants };
+        let made =
+            provisioning::create_api_key(&self.state, &self.project.id, new, &tester()).await.expect("create key");
+        let q = KeyQuota { metric: Metric::Rows, window: WindowKind::Day, limit: 1_000_000 };
+        provisioning::key_quota(&self.state, &made.key, q, &tester()).await.expect("create quota");
+        (made.key, made.secret)
+    }
+
+    /// The key's rows once `expected` (a stream is settled by a task of its
+    /// own when its body ends), or what they are after 5 s.
+    async fn rows_soon(&self, key: &ApiKey, expected: u64) -> (u64, u64) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let u = self.usage_of(key).await;
+            if u.rows == expected || tokio::time::Instant::now() > deadline {
+                return (u.calls, u.rows);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A service whose pages and streams report `n` rows (`/page/{n}`: a JSON
+/// array, `/text/{n}`: plain text, `/rows/{n}`: a JSON Lines stream; a
+/// `/slow-rows` stream sends a row every 200 ms, 20 in all).
+fn paging_app(state: &AppState) -> Router {
+    use axum::extract::Path;
+    use axum::response::IntoResponse;
+    let rows_header = |n: u64| [("x-tollgate-rows", n.to_string())];
+    Router::new()
+        .route(
+            "/page/{n}",
+            get(move |Path(n): Path<u64>| async move {
+                (rows_header(n), axum::Json((0..n).map(|i| serde_json::json!({"i": i})).collect::<Vec<_>>()))
+            }),
+        )
+        .route("/text/{n}", get(move |Path(n): Path<u64>| async move { (rows_header(n), "row\n".repeat(n as usize)) }))
+        .route(
+            "/rows/{n}",
+            get(|Path(n): Path<u64>| async move {
+                // Rows split across frames, two and a half rows per frame.
+                let text: String = (0..n).map(|i| format!("{{\"i\":{i}}}\n")).collect();
+                let frames: Vec<Result<axum::body::Bytes, std::convert::Infallible>> =
+                    text.as_bytes().chunks(20).map(|c| Ok(axum::body::Bytes::copy_from_slice(c))).collect();
+                let mut res = Body::from_stream(futures::stream::iter(frames)).into_response();
+                res.extensions_mut().insert(gateway::layer::RowStream);
+                res
+            }),
+        )
+        .route(
+            "/slow-rows",
+            get(|| async {
+                let rows = futures::stream::unfold(0u64, |i| async move {
+                    if i == 20 {
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Some((
+                        Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(format!("{{\"i\":{i}}}\n"))),
+                        i + 1,
+                    ))
+                });
+                let mut res = Body::from_stream(rows).into_response();
+                res.extensions_mut().insert(gateway::layer::RowStream);
+                res
+            }),
+        )
+        .layer(TollgateLayer::new(state.clone()))
+}
+
+async fn text_of(res: Response) -> String {
+    let bytes = axum::body::to_bytes(res.into_body(), 1 << 20).await.expect("body");
+    String::from_utf8(bytes.to_vec()).expect("utf-8")
+}
+
+/// `max_rows` 5: a JSON page of 8 is cut to 5 with `X-Has-More`, one of 5
+/// is sent whole, a text body of 8 is refused and counts nothing; the rows
+/// counted never pass 5 a call.
+async fn a_page_is_cut_to_max_rows(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let (key, secret) = env.bounded_key(Grants { max_rows: Some(5), ..Grants::default() }).await;
+    let app = paging_app(&env.state);
+
+    let res = send(&app, "/page/8", &secret).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(header(&res, "x-has-more"), Some("true"));
+    let page = body_json(res).await;
+    assert_eq!(page, serde_json::json!([{"i": 0}, {"i": 1}, {"i": 2}, {"i": 3}, {"i": 4}]));
+    assert_eq!(env.usage_of(&key).await.rows, 5, "the rows sent, not the rows reported");
+
+    let res = send(&app, "/page/5", &secret).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(header(&res, "x-has-more").is_none(), "a page within max_rows is not cut");
+    assert_eq!(body_json(res).await.as_array().map(Vec::len), Some(5));
+    assert_eq!(env.usage_of(&key).await.rows, 10);
+
+    let res = send(&app, "/text/8", &secret).await;
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = body_json(res).await;
+    assert_eq!(body["error"]["code"], "ROWS_OVER_LIMIT", "{body}");
+    let u = env.usage_of(&key).await;
+    assert_eq!((u.calls, u.rows), (2, 10), "a refused page counts nothing");
+}
+
+/// `max_rows` 4: a stream of 10 rows stops after 4 with the ROWS mark; a
+/// stream of exactly 4 ends with no mark; rows are counted as sent.
+async fn a_stream_stops_at_max_rows(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let (key, secret) = env.bounded_key(Grants { max_rows: Some(4), ..Grants::default() }).await;
+    let app = paging_app(&env.state);
+
+    let res = send(&app, "/rows/10", &secret).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let text = text_of(res).await;
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines,
+        vec![r#"{"i":0}"#, r#"{"i":1}"#, r#"{"i":2}"#, r#"{"i":3}"#, r#"{"limit":4,"mark":"ROWS"}"#],
+        "{text}"
+    );
+    assert_eq!(env.rows_soon(&key, 4).await, (1, 4));
+
+    let res = send(&app, "/rows/4", &secret).await;
+    let text = text_of(res).await;
+    assert_eq!(text.lines().count(), 4, "no mark when the stream ends at the bound: {text}");
+    assert_eq!(env.rows_soon(&key, 8).await, (2, 8));
+}
+
+/// `query_timeout` 1 s: a stream sending a row every 200 ms ends at 1 s
+/// with the TIME mark, the rows before it counted.
+async fn a_stream_stops_at_its_query_timeout(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let (key, secret) = env.bounded_key(Grants { query_timeout: Some(1), ..Grants::default() }).await;
+    let app = paging_app(&env.state);
+    let started = std::time::Instant::now();
+    let text = text_of(send(&app, "/slow-rows", &secret).await).await;
+    let took = started.elapsed();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.last().copied(), Some(r#"{"limit_ms":1000,"mark":"TIME"}"#), "{text}");
+    let rows = (lines.len() - 1) as u64;
+    assert!((1..=5).contains(&rows), "{rows} rows in 1 s at one per 200 ms: {text}");
+    assert!(took < Duration::from_secs(3), "stopped at the bound, not at the stream's end: {took:?}");
+    assert_eq!(env.rows_soon(&key, rows).await, (1, rows));
 }
 
 async fn send(app: &Router, path: &str, secret: &str) -> Response {
@@ -529,4 +677,34 @@ async fn a_handler_past_its_query_timeout_is_cancelled_distributed() {
 #[tokio::test]
 async fn a_handler_past_its_query_timeout_is_cancelled_embedded() {
     a_handler_past_its_query_timeout_is_cancelled(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_page_is_cut_to_max_rows_distributed() {
+    a_page_is_cut_to_max_rows(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_page_is_cut_to_max_rows_embedded() {
+    a_page_is_cut_to_max_rows(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_stream_stops_at_max_rows_distributed() {
+    a_stream_stops_at_max_rows(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_stream_stops_at_max_rows_embedded() {
+    a_stream_stops_at_max_rows(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_stream_stops_at_its_query_timeout_distributed() {
+    a_stream_stops_at_its_query_timeout(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_stream_stops_at_its_query_timeout_embedded() {
+    a_stream_stops_at_its_query_timeout(Backend::Embedded).await;
 }

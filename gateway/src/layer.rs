@@ -31,7 +31,21 @@
 //! 4. settles the call from the response: a 2xx is a successful `call` with
 //!    the rows the service reported in the rows header (default
 //!    `x-tollgate-rows`, removed before the response leaves); anything else is
-//!    a failed `call`, which releases the reservation and counts nothing;
+//!    a failed `call`, which releases the reservation and counts nothing.
+//!    The rows counted never exceed the call's bounds (the server's
+//!    `TOLLGATE_MAX_PAGE_SIZE` / `TOLLGATE_STREAM_MAX_ROWS`, narrowed by the
+//!    key's or role's `max_rows`):
+//!    - a page that reports more rows than `max_rows` is cut to `max_rows`
+//!      with `X-Has-More: true` when it is a JSON array
+//!      (`application/json`); any other body reporting more is not sent —
+//!      the caller gets `500 ROWS_OVER_LIMIT` and the call counts nothing;
+//!    - a response that declares itself a stream of rows ([`RowStream`] in
+//!      its extensions; one row per line, JSON Lines) is stopped after
+//!      `stream_max_rows` rows or at the `query_timeout`, whichever comes
+//!      first, and then ends with a mark line naming the bound it reached —
+//!      `{"mark":"ROWS","limit":N}` or `{"mark":"TIME","limit_ms":N}`; it
+//!      is settled when its body ends (or is dropped) with the rows it let
+//!      through;
 //! 5. records that fact ([`recording::record`]: into the view, then onto the log)
 //!    before answering, and adds the admission's `X-Quota-*` headers.
 //!
@@ -222,17 +236,21 @@ where
         reservation: Some(admission.reservation.clone()),
     };
     let held = PermitGuard { state: state.clone(), permit: permit.map(|p| p.id) };
-    let deadline = meter::permit::query_timeout(admission.limits.query_timeout, state.settings.query_timeout);
+    let bounds = admission.bounds;
+    let deadline = tokio::time::Instant::now() + bounds.query_timeout;
     req.extensions_mut().insert(admission.clone());
 
-    let mut res = match tokio::time::timeout(deadline, inner.call(req)).await {
+    let mut res = match tokio::time::timeout_at(deadline, inner.call(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(never)) => match never {},
         Err(_) => {
             metrics::counter!("tollgate_layer_timeouts_total").increment(1);
             ApiError::unavailable(
                 "heavy-request-timed-out",
-                format!("the service did not answer within its query_timeout of {} ms", deadline.as_millis()),
+                format!(
+                    "the service did not answer within its query_timeout of {} ms",
+                    bounds.query_timeout.as_millis()
+                ),
             )
             .into_response()
         }
@@ -240,7 +258,20 @@ where
 
     let reported = res.headers_mut().remove(&config.rows_header);
     let success = res.status().is_success();
-    let rows = if success { rows_of(reported.as_ref(), &config.rows_header) } else { 0 };
+    if success && res.extensions().get::<RowStream>().is_some() {
+        // Settled when the stream ends, with the rows it let through.
+        guard.disarm();
+        res.headers_mut().extend(remaining_headers(&admission.remaining));
+        res.headers_mut().remove(header::CONTENT_LENGTH);
+        let settle = StreamSettle { state, admission, actor, done: false };
+        let (parts, body) = res.into_parts();
+        let rows = RowsBody::new(body, bounds, deadline, settle);
+        return hold(Response::from_parts(parts, Body::new(rows)), held);
+    }
+    let (mut res, rows, success) = match success {
+        true => bound_page(res, rows_of(reported.as_ref(), &config.rows_header), bounds.max_rows).await,
+        false => (res, 0, false),
+    };
     let fact = call_fact(&state, &admission, actor, success, rows);
     guard.disarm();
     // In its own task: settle and publish must not be cut apart by the
@@ -262,10 +293,254 @@ where
     }
 
     res.headers_mut().extend(remaining_headers(&admission.remaining));
+    hold(res, held)
+}
+
+/// The response with its body holding the call's permit, if it took one.
+fn hold(res: Response, held: PermitGuard) -> Response {
     if held.permit.is_none() {
         return res;
     }
     res.map(|body| Body::new(HeldBody { inner: body, held }))
+}
+
+/// The largest page the layer reads to cut it to `max_rows`.
+const MAX_PAGE_BYTES: usize = 64 << 20;
+
+/// A successful page bounded to `max_rows`: as it is when it reports no
+/// more rows than that; else cut to `max_rows` with `X-Has-More: true` if
+/// it is a JSON array; else refused (`500 ROWS_OVER_LIMIT`, a failed call).
+/// Returns the response, the rows to count and whether the call succeeded.
+async fn bound_page(res: Response, rows: u64, max_rows: u64) -> (Response, u64, bool) {
+    if rows <= max_rows {
+        return (res, rows, true);
+    }
+    let json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.trim_start().starts_with("application/json"));
+    if json {
+        let (mut parts, body) = res.into_parts();
+        if let Ok(bytes) = axum::body::to_bytes(body, MAX_PAGE_BYTES).await
+            && let Ok(serde_json::Value::Array(mut items)) = serde_json::from_slice(&bytes)
+        {
+            let had = items.len();
+            items.truncate(usize::try_from(max_rows).unwrap_or(usize::MAX));
+            if let Ok(cut) = serde_json::to_vec(&items) {
+                parts.headers.remove(header::CONTENT_LENGTH);
+                if had > items.len() {
+                    parts.headers.insert(HAS_MORE, HeaderValue::from_static("true"));
+                    metrics::counter!("tollgate_layer_pages_cut_total").increment(1);
+                }
+                let kept = u64::try_from(items.len()).unwrap_or(max_rows).min(max_rows);
+                return (Response::from_parts(parts, Body::from(cut)), kept, true);
+            }
+        }
+    }
+    metrics::counter!("tollgate_layer_rows_over_limit_total").increment(1);
+    warn!(rows, max_rows, "layer: a page past max_rows that is no JSON array cannot be cut; refused");
+    let e = ApiError::new(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "ROWS_OVER_LIMIT",
+        format!(
+            "the service returned {rows} rows, past the call's max_rows of {max_rows}, in a body the layer cannot cut \
+             (a JSON array, or a row stream)"
+        ),
+    );
+    (e.into_response(), 0, false)
+}
+
+/// The header that says a page was cut at `max_rows`.
+pub const HAS_MORE: HeaderName = HeaderName::from_static("x-has-more");
+
+/// Declares a response a stream of rows, one per line (JSON Lines): put it
+/// in the response's extensions. The layer stops the stream at the call's
+/// `stream_max_rows` and at its `query_timeout`, ends it with a mark line
+/// naming which (`ROWS` or `TIME`), and settles the call when the body
+/// ends with the rows it let through.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowStream;
+
+/// A stream's settle, made once: when its body ends, fails or is dropped.
+struct StreamSettle {
+    state: AppState,
+    admission: Admission,
+    actor: Option<String>,
+    done: bool,
+}
+
+impl StreamSettle {
+    fn settle(&mut self, rows: u64) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let fact = call_fact(&self.state, &self.admission, self.actor.take(), true, rows);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let s = self.state.clone();
+        rt.spawn(async move {
+            if let Err(e) = recording::record(&s, std::slice::from_ref(&fact)).await {
+                let e = ApiError::from(e);
+                warn!(error = %format!("{}: {}", e.code, e.message), "layer: stream not recorded");
+                metrics::counter!("tollgate_layer_record_failures_total").increment(1);
+            }
+        });
+    }
+}
+
+impl Drop for StreamSettle {
+    fn drop(&mut self) {
+        // A body dropped before its first frame: nothing was sent.
+        self.settle(0);
+    }
+}
+
+/// Which bound stopped a stream.
+#[derive(Debug, Clone, Copy)]
+enum Mark {
+    Rows(u64),
+    Time(std::time::Duration),
+}
+
+impl Mark {
+    fn line(self, partial: bool) -> axum::body::Bytes {
+        let json = match self {
+            Mark::Rows(limit) => serde_json::json!({"mark": "ROWS", "limit": limit}),
+            Mark::Time(d) => {
+                serde_json::json!({"mark": "TIME", "limit_ms": u64::try_from(d.as_millis()).unwrap_or(u64::MAX)})
+            }
+        };
+        // On a line of its own, after a row cut mid-line.
+        axum::body::Bytes::from(format!("{}{json}\n", if partial { "\n" } else { "" }))
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Mark::Rows(_) => "ROWS",
+            Mark::Time(_) => "TIME",
+        }
+    }
+}
+
+/// A row stream under its bounds (see [`RowStream`]).
+struct RowsBody {
+    inner: Option<Body>,
+    bounds: meter::Bounds,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Rows let through, each ended by a newline.
+    rows: u64,
+    /// Bytes of a row let through after the last newline.
+    partial: bool,
+    /// `stream_max_rows` rows let through: what comes next is cut.
+    full: bool,
+    /// The mark still to send.
+    mark: Option<axum::body::Bytes>,
+    settle: StreamSettle,
+}
+
+impl RowsBody {
+    fn new(inner: Body, bounds: meter::Bounds, deadline: tokio::time::Instant, settle: StreamSettle) -> Self {
+        RowsBody {
+            inner: Some(inner),
+            bounds,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            rows: 0,
+            partial: false,
+            full: false,
+            mark: None,
+            settle,
+        }
+    }
+
+    /// The rows sent, a row cut mid-line included.
+    fn sent(&self) -> u64 {
+        self.rows.saturating_add(u64::from(self.partial))
+    }
+
+    fn finish(&mut self) {
+        self.inner = None;
+        let rows = self.sent();
+        self.settle.settle(rows);
+    }
+
+    /// Stops the stream at `mark`: the mark line is its last frame.
+    fn stop(&mut self, mark: Mark) -> Option<Result<http_body::Frame<axum::body::Bytes>, axum::Error>> {
+        metrics::counter!("tollgate_layer_streams_stopped_total", "mark" => mark.name()).increment(1);
+        let line = mark.line(self.partial);
+        self.finish();
+        Some(Ok(http_body::Frame::data(line)))
+    }
+}
+
+impl Drop for RowsBody {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl http_body::Body for RowsBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        if let Some(mark) = this.mark.take() {
+            this.finish();
+            return Poll::Ready(Some(Ok(http_body::Frame::data(mark))));
+        }
+        let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(this.stop(Mark::Time(this.bounds.query_timeout)));
+        }
+        let frame = match Pin::new(inner).poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => {
+                this.finish();
+                return Poll::Ready(None);
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish();
+                return Poll::Ready(Some(Err(e)));
+            }
+            Poll::Ready(Some(Ok(frame))) => frame,
+        };
+        let data = match frame.into_data() {
+            Ok(d) if !d.is_empty() => d,
+            Ok(empty) => return Poll::Ready(Some(Ok(http_body::Frame::data(empty)))),
+            // Trailers pass as they are.
+            Err(other) => return Poll::Ready(Some(Ok(other))),
+        };
+        if this.full {
+            return Poll::Ready(this.stop(Mark::Rows(this.bounds.stream_max_rows)));
+        }
+        let mut cut = None;
+        for (i, b) in data.iter().enumerate() {
+            this.partial = *b != b'\n';
+            if *b == b'\n' {
+                this.rows += 1;
+                if this.rows >= this.bounds.stream_max_rows {
+                    cut = Some(i + 1);
+                    break;
+                }
+            }
+        }
+        let Some(n) = cut else { return Poll::Ready(Some(Ok(http_body::Frame::data(data)))) };
+        this.full = true;
+        if n < data.len() {
+            // More than the bound in this frame: the rest is not sent.
+            metrics::counter!("tollgate_layer_streams_stopped_total", "mark" => "ROWS").increment(1);
+            this.mark = Some(Mark::Rows(this.bounds.stream_max_rows).line(false));
+            this.inner = None;
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::data(data.slice(..n)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_none() && self.mark.is_none()
+    }
 }
 
 /// A permit held for the life of a response body: freed when the body has

@@ -27,7 +27,12 @@
 //! - **`rows` can overshoot**, because a call's rows are known only after
 //!   it ran: a call is admitted while the window's rows are below the limit,
 //!   so the window can end over it by at most the rows of the calls in flight
-//!   at that moment, each bounded by the key's `max_rows`.
+//!   at that moment, each bounded by the call's `max_rows` (the key's or
+//!   role's grant narrowing the server's page and stream bounds:
+//!   [`Bounds`]). Behind the tower Layer that bound is applied, not
+//!   trusted: a page is cut to it and a stream stopped at it, so the rows
+//!   the Layer counts for one call never exceed it (tested in
+//!   `tests/layer.rs`).
 //! - **`tokens` and `cost_usd` are checked before a generation and counted
 //!   after it**: a check is refused once the window's usage is at or over
 //!   the limit, so a budget overshoots by at most the generations in flight.

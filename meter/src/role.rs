@@ -168,7 +168,8 @@ mod tests {
 
     #[test]
     fn grants_narrow_the_servers_bounds_and_never_widen_them() {
-        let server = Bounds { query_timeout: std::time::Duration::from_secs(30), max_rows: 1000, stream_max_rows: 100_000 };
+        let server =
+            Bounds { query_timeout: std::time::Duration::from_secs(30), max_rows: 1000, stream_max_rows: 100_000 };
         assert_eq!(server.narrowed(&Grants::default()), server);
         let narrow = Grants { max_concurrent: None, query_timeout: Some(5), max_rows: Some(500) };
         assert_eq!(

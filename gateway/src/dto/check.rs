@@ -113,7 +113,11 @@ pub struct CallLimits {
 
 impl From<meter::Bounds> for CallLimits {
     fn from(b: meter::Bounds) -> Self {
-        CallLimits { query_timeout: whole_secs(b.query_timeout), max_rows: b.max_rows, stream_max_rows: b.stream_max_rows }
+        CallLimits {
+            query_timeout: whole_secs(b.query_timeout),
+            max_rows: b.max_rows,
+            stream_max_rows: b.stream_max_rows,
+        }
     }
 }
 
