@@ -34,7 +34,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the HTTP gateway (hot path and admin API).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the projector: fold the usage log into PostgreSQL and Redis.
     Project(ProjectArgs),
     /// Apply the PostgreSQL migrations and exit.
@@ -174,6 +174,14 @@ pub(crate) struct PermitArgs {
     /// tower Layer stops a stream there.
     #[arg(long, env = "TOLLGATE_STREAM_MAX_ROWS", default_value_t = gateway::state::DEFAULT_STREAM_MAX_ROWS)]
     pub(crate) stream_max_rows: u64,
+    /// Requests one caller may run at once on each of Tollgate's own heavy
+    /// endpoints (the audit log, usage reports, webhook deliveries).
+    #[arg(long, env = "TOLLGATE_HEAVY_CONCURRENCY", default_value_t = 4)]
+    pub(crate) heavy_concurrency: u32,
+    /// How long one of those requests may run before it is answered 503
+    /// `heavy-request-timed-out`.
+    #[arg(long, env = "TOLLGATE_HEAVY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub(crate) heavy_timeout: Duration,
     /// The installation-wide cap on all permits together, every key's and
     /// user's (checked in the same step as the caller's own); by default a
     /// quarter of the PostgreSQL pool (16 connections), at least one.
@@ -194,6 +202,11 @@ impl PermitArgs {
             bail!("TOLLGATE_MAX_PAGE_SIZE and TOLLGATE_STREAM_MAX_ROWS must be at least 1");
         }
         settings.query_timeout = self.query_timeout;
+        if self.heavy_concurrency == 0 || self.heavy_timeout.is_zero() {
+            bail!("TOLLGATE_HEAVY_CONCURRENCY and TOLLGATE_HEAVY_TIMEOUT must be positive");
+        }
+        settings.heavy_concurrency = self.heavy_concurrency;
+        settings.heavy_timeout = self.heavy_timeout;
         settings.max_page_size = self.max_page_size;
         settings.stream_max_rows = self.stream_max_rows;
         settings.installation_permits = meter::permit::installation_cap(pool_size, self.permits_cap);
@@ -461,7 +474,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Serve(a) => serve(a).await,
+        Command::Serve(a) => serve(*a).await,
         Command::Project(a) => project(a).await,
         Command::Dev(a) => dev::run(a).await,
         Command::Apply(a) => apply::run(a).await,

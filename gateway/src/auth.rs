@@ -14,6 +14,11 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers.get("authorization")?.to_str().ok()?.strip_prefix("Bearer ")
 }
 
+/// Whether the request carries the admin token.
+pub fn is_admin(headers: &HeaderMap, s: &AppState) -> bool {
+    bearer(headers).is_some_and(|t| same_secret(t, &s.settings.admin_token))
+}
+
 /// The caller presented the admin token.
 #[derive(Debug, Clone, Copy)]
 pub struct AdminAuth;

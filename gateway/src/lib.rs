@@ -19,6 +19,7 @@ pub mod dto;
 #[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod error;
+pub mod heavy;
 pub mod layer;
 pub mod routes;
 pub mod seeding;

@@ -83,6 +83,12 @@ pub struct Settings {
     /// 100,000 by default), which `max_rows` narrows too: the Layer stops a
     /// stream there.
     pub stream_max_rows: u64,
+    /// Requests one caller may run at once on each of Tollgate's own heavy
+    /// endpoints (`TOLLGATE_HEAVY_CONCURRENCY`, 4 by default; see
+    /// [`crate::heavy`]).
+    pub heavy_concurrency: u32,
+    /// How long one of them may run (`TOLLGATE_HEAVY_TIMEOUT`, 30 s).
+    pub heavy_timeout: Duration,
     /// The installation's cap on all permits together
     /// (`TOLLGATE_PERMITS_CAP`; by default a quarter of the PostgreSQL
     /// pool, at least one: [`meter::permit::installation_cap`]).
@@ -104,6 +110,8 @@ impl std::fmt::Debug for Settings {
             .field("query_timeout", &self.query_timeout)
             .field("max_page_size", &self.max_page_size)
             .field("stream_max_rows", &self.stream_max_rows)
+            .field("heavy_concurrency", &self.heavy_concurrency)
+            .field("heavy_timeout", &self.heavy_timeout)
             .field("installation_permits", &self.installation_permits)
             .finish()
     }
@@ -125,6 +133,8 @@ impl Settings {
             query_timeout: DEFAULT_QUERY_TIMEOUT,
             max_page_size: DEFAULT_MAX_PAGE_SIZE,
             stream_max_rows: DEFAULT_STREAM_MAX_ROWS,
+            heavy_concurrency: 4,
+            heavy_timeout: DEFAULT_QUERY_TIMEOUT,
             installation_permits: meter::permit::installation_cap(DEFAULT_POOL_SIZE, None),
         }
     }

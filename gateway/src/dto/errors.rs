@@ -42,6 +42,7 @@ pub enum ErrorMeta {
     Storage(Box<StorageMeta>),
     Unenforceable(Box<UnenforceableMeta>),
     Concurrency(Box<ConcurrencyMeta>),
+    Heavy(Box<HeavyMeta>),
     None(NoMeta),
 }
 
@@ -93,6 +94,21 @@ pub struct UnenforceableMeta {
     pub window: String,
     /// Up to 10 (provider, model, component) rows that had no price.
     pub unpriced_rows: Vec<PriceKeyView>,
+}
+
+/// `too-many-heavy-requests` (429, `Retry-After: 1`): a heavy endpoint's
+/// concurrency cap (see [`crate::heavy`]) is full.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"endpoint": "audit", "limit": 2, "whose": "caller"}))]
+pub struct HeavyMeta {
+    /// The endpoint: `audit`, `usage` or `deliveries`.
+    pub endpoint: String,
+    /// The cap that was full: requests at once.
+    pub limit: u32,
+    /// `caller` (this caller's cap on the endpoint) or `installation` (all
+    /// permits together).
+    pub whose: String,
 }
 
 /// `TOO_MANY_CONCURRENT` (429, `Retry-After: 1`): a permit pool is full.

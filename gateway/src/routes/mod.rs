@@ -97,7 +97,29 @@ pub fn routes() -> Vec<(Method, &'static str)> {
 pub fn app(state: AppState) -> Router {
     crate::telemetry::install();
     // Routes of one path merge into one method router.
-    table().into_iter().fold(Router::new(), |router, r| router.route(r.path, r.handler)).with_state(state)
+    table()
+        .into_iter()
+        .fold(Router::new(), |router, r| {
+            let handler = match heavy_endpoint(&r.method, r.path) {
+                Some(name) => {
+                    r.handler.layer(axum::middleware::from_fn_with_state((state.clone(), name), crate::heavy::guard))
+                }
+                None => r.handler,
+            };
+            router.route(r.path, handler)
+        })
+        .with_state(state)
+}
+
+/// The routes that are Tollgate's own heavy endpoints (see
+/// [`crate::heavy`]), by the name a refusal gives them.
+fn heavy_endpoint(method: &Method, path: &str) -> Option<&'static str> {
+    match (method, path) {
+        (&Method::GET, "/v1/audit") => Some("audit"),
+        (&Method::GET, "/v1/usage") => Some("usage"),
+        (&Method::GET, "/v1/webhooks/{id}/deliveries") => Some("deliveries"),
+        _ => None,
+    }
 }
 
 /// The OpenAPI document of the API.

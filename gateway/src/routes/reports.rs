@@ -22,6 +22,10 @@ use crate::state::AppState;
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "window: must be day or calendar_month; got \"current\"", "meta": {"field": "window"}}})),
         (status = 404, description = "NOT_FOUND: no such project", body = ErrorBody,
          example = json!({"error": {"code": "NOT_FOUND", "message": "project proj_nope does not exist", "meta": {}}})),
+        (status = 429, description = "too-many-heavy-requests: this caller already runs as many usage reads as it may at once (or the installation its permits); Retry-After: 1", body = ErrorBody,
+         example = json!({"error": {"code": "too-many-heavy-requests", "message": "Too many heavy requests: usage allows 4 at once per caller.", "meta": {"endpoint": "usage", "limit": 4, "whose": "caller"}}})),
+        (status = 503, description = "heavy-request-timed-out: the read did not answer within its time bound (TOLLGATE_HEAVY_TIMEOUT)", body = ErrorBody,
+         example = json!({"error": {"code": "heavy-request-timed-out", "message": "usage did not answer within its time bound of 30000 ms", "meta": {}}})),
     ))]
 pub async fn usage(
     _: AdminAuth,
@@ -40,6 +44,10 @@ pub async fn usage(
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "page: page × limit must stay within 10,000 rows; page by cursor instead: pass after=<the next of the previous page>", "meta": {"field": "page"}}})),
         (status = 404, description = "NOT_FOUND: no such project", body = ErrorBody,
          example = json!({"error": {"code": "NOT_FOUND", "message": "project proj_nope does not exist", "meta": {}}})),
+        (status = 429, description = "too-many-heavy-requests: this caller already runs as many audit reads as it may at once (or the installation its permits); Retry-After: 1", body = ErrorBody,
+         example = json!({"error": {"code": "too-many-heavy-requests", "message": "Too many heavy requests: audit allows 4 at once per caller.", "meta": {"endpoint": "audit", "limit": 4, "whose": "caller"}}})),
+        (status = 503, description = "heavy-request-timed-out: the read did not answer within its time bound (TOLLGATE_HEAVY_TIMEOUT)", body = ErrorBody,
+         example = json!({"error": {"code": "heavy-request-timed-out", "message": "audit did not answer within its time bound of 30000 ms", "meta": {}}})),
     ))]
 pub async fn audit(
     _: AdminAuth,

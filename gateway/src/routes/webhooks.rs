@@ -130,6 +130,10 @@ pub async fn rotate_secret(
          example = json!({"error": {"code": "INVALID_REQUEST", "message": "limit: must be between 1 and 100", "meta": {"field": "limit"}}})),
         (status = 404, description = "NOT_FOUND", body = ErrorBody,
          example = json!({"error": {"code": "NOT_FOUND", "message": "webhook wh_nope does not exist", "meta": {}}})),
+        (status = 429, description = "too-many-heavy-requests: this caller already runs as many deliveries reads as it may at once (or the installation its permits); Retry-After: 1", body = ErrorBody,
+         example = json!({"error": {"code": "too-many-heavy-requests", "message": "Too many heavy requests: deliveries allows 4 at once per caller.", "meta": {"endpoint": "deliveries", "limit": 4, "whose": "caller"}}})),
+        (status = 503, description = "heavy-request-timed-out: the read did not answer within its time bound (TOLLGATE_HEAVY_TIMEOUT)", body = ErrorBody,
+         example = json!({"error": {"code": "heavy-request-timed-out", "message": "deliveries did not answer within its time bound of 30000 ms", "meta": {}}})),
     ))]
 pub async fn deliveries(
     _: AdminAuth,
