@@ -437,3 +437,65 @@ async fn rules(mode: Mode, backend: &str) {
     let (s, _, b) = post(&env, &gw, "/v1/check", json!({"api_key": a_secret, "permit": "yes"})).await;
     assert_eq!((s, b["error"]["meta"]["field"].clone()), (400, json!("permit")), "{b}");
 }
+
+#[tokio::test]
+async fn the_narrowest_of_key_role_and_server_wins() {
+    narrowest(Mode::Distributed).await;
+}
+
+#[tokio::test]
+async fn the_narrowest_of_key_role_and_server_wins_dev() {
+    narrowest(Mode::Dev).await;
+}
+
+/// The bounds a check answers and a key's detail shows: each the smallest of
+/// the key's grant, its role's and the server's setting; a wider grant is
+/// accepted and shown beside the effective value.
+async fn narrowest(mode: Mode) {
+    let Some(mut env) = Env::of(mode).await else { return };
+    for (k, v) in
+        [("TOLLGATE_MAX_PAGE_SIZE", "300"), ("TOLLGATE_STREAM_MAX_ROWS", "400"), ("TOLLGATE_QUERY_TIMEOUT", "20s")]
+    {
+        env.extra_env.push((k.into(), v.into()));
+    }
+    let gw = env.start_gateway().await;
+    let (pid, _, plain) = env.project_with_key(safe_timezone()).await;
+    let rid = role(&env, &pid, json!({"name": "analyst", "grants": {"max_rows": 500, "query_timeout": 10}})).await;
+    let (wide, wide_secret) =
+        key(&env, &pid, json!({"name": "wide", "role_id": rid, "grants": {"max_rows": 1000, "query_timeout": 60}}))
+            .await;
+    let (narrow, narrow_secret) =
+        key(&env, &pid, json!({"name": "narrow", "role_id": rid, "grants": {"max_rows": 100}})).await;
+
+    // (secret, key id, expected {query_timeout, max_rows, stream_max_rows})
+    let cases = [
+        // The server's page and stream bounds, the role's timeout.
+        (
+            wide_secret.as_str(),
+            Some(wide.as_str()),
+            json!({"query_timeout": 10, "max_rows": 300, "stream_max_rows": 400}),
+        ),
+        // The key's rows, the role's timeout.
+        (
+            narrow_secret.as_str(),
+            Some(narrow.as_str()),
+            json!({"query_timeout": 10, "max_rows": 100, "stream_max_rows": 100}),
+        ),
+        // No grants: the server's.
+        (plain.as_str(), None, json!({"query_timeout": 20, "max_rows": 300, "stream_max_rows": 400})),
+    ];
+    for (secret, id, expected) in cases {
+        let (s, _, b) = post(&env, &gw, "/v1/check", json!({"api_key": secret})).await;
+        assert_eq!(s, 200, "{b}");
+        assert_eq!(b["limits"], expected, "{b}");
+        if let Some(id) = id {
+            let (s, d) = env.admin_get(&format!("/v1/api-keys/{id}")).await;
+            assert_eq!(s, 200, "{d}");
+            let mut shown = d["effective_limits"].clone();
+            shown.as_object_mut().expect("limits").remove("max_concurrent");
+            assert_eq!(shown, expected, "{d}");
+        }
+    }
+    let (_, d) = env.admin_get(&format!("/v1/api-keys/{wide}")).await;
+    assert_eq!(d["grants"], json!({"max_rows": 1000, "query_timeout": 60}), "the wider grant is kept and shown: {d}");
+}
