@@ -476,6 +476,45 @@ async fn a_handler_past_its_query_timeout_is_cancelled(backend: Backend) {
     assert_eq!(finished.load(Ordering::SeqCst), 0, "the handler was cancelled, not left running");
 }
 
+/// `X-Tollgate-Explain: 1`: the admitted call's response carries the
+/// check's explanation in the same header; a refused one's body carries it
+/// beside the unchanged `error`; without the header, neither.
+async fn a_call_asking_to_be_explained_is(backend: Backend) {
+    let Some(env) = env(backend).await else { return };
+    let q = env.quota(Metric::Calls, 1).await;
+    let ask = |explain: bool| {
+        let mut req = Request::get("/nothing").header("authorization", format!("Bearer {}", env.secret));
+        if explain {
+            req = req.header("x-tollgate-explain", "1");
+        }
+        env.app().oneshot(req.body(Body::empty()).expect("request"))
+    };
+    let res = ask(true).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    let list: Value = serde_json::from_str(header(&res, "x-tollgate-explain").expect("explained")).expect("json");
+    let e = &list.as_array().expect("a list")[0];
+    assert_eq!(
+        (e["quota_id"].clone(), e["used"].clone(), e["limit"].clone()),
+        (q.id.as_str().into(), 0.into(), 1.into()),
+        "{list}"
+    );
+    assert_eq!(e["verdict"], "within", "{list}");
+
+    let refused = ask(true).await.expect("infallible");
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = body_json(refused).await;
+    assert_eq!(body["error"]["code"], "QUOTA_EXCEEDED", "{body}");
+    assert_eq!(
+        (body["explain"][0]["verdict"].clone(), body["explain"][0]["reported"].clone()),
+        ("refused".into(), true.into()),
+        "{body}"
+    );
+
+    let plain = ask(false).await.expect("infallible");
+    let body = body_json(plain).await;
+    assert!(body.get("explain").is_none(), "{body}");
+}
+
 async fn body_json(res: Response) -> Value {
     let bytes = axum::body::to_bytes(res.into_body(), 1 << 20).await.expect("body");
     serde_json::from_slice(&bytes).expect("json body")
@@ -707,4 +746,14 @@ async fn a_stream_stops_at_its_query_timeout_distributed() {
 #[tokio::test]
 async fn a_stream_stops_at_its_query_timeout_embedded() {
     a_stream_stops_at_its_query_timeout(Backend::Embedded).await;
+}
+
+#[tokio::test]
+async fn a_call_asking_to_be_explained_is_explained_distributed() {
+    a_call_asking_to_be_explained_is(Backend::Distributed).await;
+}
+
+#[tokio::test]
+async fn a_call_asking_to_be_explained_is_explained_embedded() {
+    a_call_asking_to_be_explained_is(Backend::Embedded).await;
 }

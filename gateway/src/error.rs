@@ -25,11 +25,20 @@ pub struct ApiError {
     /// Boxed: most errors carry none, and a small error keeps every
     /// `Result` on the request path small.
     pub headers: Box<HeaderMap>,
+    /// A refused check's explanation, when it asked for one.
+    pub explain: Option<Box<Vec<crate::dto::check::ExplainedView>>>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into(), meta: ErrorMeta::None(NoMeta {}), headers: Box::default() }
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            meta: ErrorMeta::None(NoMeta {}),
+            headers: Box::default(),
+            explain: None,
+        }
     }
     pub fn with_meta(mut self, meta: ErrorMeta) -> Self {
         self.meta = meta;
@@ -181,6 +190,11 @@ impl From<service::Error> for ApiError {
                     })))
                     .header("retry-after", "1")
             }
+            E::Explained { error, explain } => {
+                let mut e = ApiError::from(*error);
+                e.explain = Some(Box::new(crate::dto::check::explained(&explain)));
+                e
+            }
             e @ E::QuotaConflict => ApiError::new(StatusCode::CONFLICT, "QUOTA_CONFLICT", e.to_string()),
             E::Conflict(m) => ApiError::new(StatusCode::CONFLICT, "CONFLICT", m),
             e @ E::LogUnavailable => ApiError::unavailable("LOG_UNAVAILABLE", e.to_string()),
@@ -212,8 +226,10 @@ impl From<PortError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body =
-            ErrorBody { error: ErrorDetail { code: self.code.to_owned(), message: self.message, meta: self.meta } };
+        let body = ErrorBody {
+            error: ErrorDetail { code: self.code.to_owned(), message: self.message, meta: self.meta },
+            explain: self.explain.map(|e| *e),
+        };
         let mut res = (self.status, axum::Json(body)).into_response();
         res.headers_mut().extend(*self.headers);
         res

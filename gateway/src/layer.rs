@@ -47,7 +47,9 @@
 //!      is settled when its body ends (or is dropped) with the rows it let
 //!      through;
 //! 5. records that fact ([`recording::record`]: into the view, then onto the log)
-//!    before answering, and adds the admission's `X-Quota-*` headers.
+//!    before answering, and adds the admission's `X-Quota-*` headers (and,
+//!    for a request with `X-Tollgate-Explain: 1`, the check's explanation in
+//!    the same header of the response: [`EXPLAIN_HEADER`]).
 //!
 //! If recording fails, the service's response is still sent (the call has
 //! happened; refusing it now would help nobody), with a warning and
@@ -76,6 +78,19 @@ use crate::error::{ApiError, ApiResult, remaining_headers};
 use crate::service::admission::{self, Admission};
 use crate::service::recording;
 use crate::state::{AppState, new_event_id};
+
+/// The request header that asks for the check to be explained (`1` or
+/// `true`), and the response header that answers it: every quota limit the
+/// check evaluated, as compact JSON (the `explain` list of `/v1/check`). A
+/// refused call's body carries it as `/v1/check`'s does, beside `error`.
+pub const EXPLAIN_HEADER: &str = "x-tollgate-explain";
+
+fn explain_asked(headers: &HeaderMap) -> bool {
+    headers
+        .get(EXPLAIN_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim() == "1" || v.trim().eq_ignore_ascii_case("true"))
+}
 
 /// The header the key is read from besides `Authorization: Bearer`.
 pub const DEFAULT_KEY_HEADER: &str = "x-api-key";
@@ -218,10 +233,11 @@ where
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let (admission, permit) = match admission::admit_holding(&state, key, actor.clone()).await {
-        Ok(a) => a,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
+    let (admission, permit) =
+        match admission::admit_holding(&state, key, actor.clone(), explain_asked(req.headers())).await {
+            Ok(a) => a,
+            Err(e) => return ApiError::from(e).into_response(),
+        };
     if admission.exempt {
         // An administrator or break-glass caller: never limited or counted.
         req.extensions_mut().insert(admission);
@@ -262,6 +278,7 @@ where
         // Settled when the stream ends, with the rows it let through.
         guard.disarm();
         res.headers_mut().extend(remaining_headers(&admission.remaining));
+        explain_header(&mut res, &admission);
         res.headers_mut().remove(header::CONTENT_LENGTH);
         let settle = StreamSettle { state, admission, actor, done: false };
         let (parts, body) = res.into_parts();
@@ -293,7 +310,20 @@ where
     }
 
     res.headers_mut().extend(remaining_headers(&admission.remaining));
+    explain_header(&mut res, &admission);
     hold(res, held)
+}
+
+/// Answers a check that asked to be explained in [`EXPLAIN_HEADER`].
+fn explain_header(res: &mut Response, admission: &Admission) {
+    let Some(list) = &admission.explain else { return };
+    let json = serde_json::to_string(&crate::dto::check::explained(list)).unwrap_or_default();
+    match HeaderValue::from_str(&json) {
+        Ok(v) => {
+            res.headers_mut().insert(EXPLAIN_HEADER, v);
+        }
+        Err(_) => warn!("layer: the explanation is not a valid header value; not sent"),
+    }
 }
 
 /// The response with its body holding the call's permit, if it took one.

@@ -622,6 +622,7 @@ mod tests {
             actor: None,
             storage_delta: None,
             permit: false,
+            explain: false,
         }
     }
 

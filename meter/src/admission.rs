@@ -85,6 +85,30 @@ impl CheckPlan {
 pub struct CheckOutcome {
     pub admitted: bool,
     pub used: Vec<u64>,
+    /// How each limit's usage splits (same order as `used`): what
+    /// [`explain`] answers. Empty from a view that does not split it.
+    pub parts: Vec<UsageParts>,
+}
+
+impl CheckOutcome {
+    /// An outcome with its usage unsplit.
+    pub fn of(admitted: bool, used: Vec<u64>) -> CheckOutcome {
+        CheckOutcome { admitted, used, parts: Vec::new() }
+    }
+}
+
+/// One limit's usage as the view read it, in the same step as its verdict:
+/// `durable` the folded totals of its fields (each at least 0), `settled`
+/// what settled but unfolded facts add to them (negative when a correction
+/// takes some back), `reserved` the live reservations of other checks (for
+/// a limit on `calls`). A cap's `used` is `durable + settled + reserved`
+/// (each field at least 0); a blackout's is its LLM events when none is
+/// priced, else 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UsageParts {
+    pub durable: u64,
+    pub settled: i64,
+    pub reserved: u64,
 }
 
 /// Who is asking, as the gateway identified them.
@@ -317,6 +341,8 @@ pub struct Verdict {
     pub monitor_breaches: Vec<QuotaId>,
     /// Cost quotas whose window holds unpriced AI usage.
     pub unpriced: Vec<UnpricedFinding>,
+    /// The limit (index into the plan's) the refusal reports.
+    pub reported: Option<usize>,
 }
 
 impl Verdict {
@@ -379,6 +405,7 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
             }
         }
     }
+    let reported = breach.map(|(li, _)| li);
     let breach = breach.map(|(li, l)| {
         let q = &quotas[l.quota];
         let w = &plan.windows[li];
@@ -423,7 +450,86 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
         reset,
         monitor_breaches,
         unpriced,
+        reported,
     }
+}
+
+/// What one limit did in a check (see [`explain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitVerdict {
+    /// Within its limit with this check's need.
+    Within,
+    /// Over it, and it refused the check (an enforce quota).
+    Refused,
+    /// Over it without refusing: a monitor quota.
+    Over,
+    /// Read only (a probe for unpriced usage): it never refuses.
+    Read,
+}
+
+impl LimitVerdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitVerdict::Within => "within",
+            LimitVerdict::Refused => "refused",
+            LimitVerdict::Over => "over",
+            LimitVerdict::Read => "read",
+        }
+    }
+}
+
+/// One limit a check evaluated, explained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explained {
+    pub quota_id: QuotaId,
+    pub scope: Scope,
+    pub scope_ref: Option<String>,
+    pub metric: Metric,
+    pub kind: LimitKind,
+    pub window: WindowKind,
+    pub window_key: String,
+    pub parts: UsageParts,
+    pub used: u64,
+    pub limit: u64,
+    pub need: u64,
+    pub verdict: LimitVerdict,
+    /// The one the refusal reports.
+    pub reported: bool,
+}
+
+/// Every limit the check evaluated, from the same observation the verdict
+/// was decided from (the view's one step): never a second read.
+pub fn explain(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, verdict: &Verdict) -> Vec<Explained> {
+    plan.limits
+        .iter()
+        .enumerate()
+        .filter_map(|(li, l)| {
+            let q = quotas.get(l.quota)?;
+            let used = outcome.used.get(li).copied().unwrap_or(0);
+            let over = used.saturating_add(l.need) > l.limit;
+            let verdict_of = match (l.kind, over, l.enforce) {
+                (LimitKind::Probe, _, _) => LimitVerdict::Read,
+                (_, false, _) => LimitVerdict::Within,
+                (_, true, true) => LimitVerdict::Refused,
+                (_, true, false) => LimitVerdict::Over,
+            };
+            Some(Explained {
+                quota_id: q.id.clone(),
+                scope: q.spec.scope,
+                scope_ref: q.spec.scope_ref.clone(),
+                metric: l.metric,
+                kind: l.kind,
+                window: plan.windows.get(li).map_or(q.spec.window, |w| w.kind),
+                window_key: plan.counters.get(l.counter).map(|c| c.key.window_key.clone()).unwrap_or_default(),
+                parts: outcome.parts.get(li).copied().unwrap_or_default(),
+                used,
+                limit: l.limit,
+                need: l.need,
+                verdict: verdict_of,
+                reported: verdict.reported == Some(li),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -475,12 +581,43 @@ mod tests {
         );
         assert_eq!(plan.limits.len(), used.len(), "one usage per planned limit");
         let admitted = plan.limits.iter().zip(used).all(|(l, u)| !l.enforce || u + l.need <= l.limit);
-        let verdict = decide(quotas, &plan, &CheckOutcome { admitted, used: used.to_vec() }, at);
+        let verdict = decide(quotas, &plan, &CheckOutcome::of(admitted, used.to_vec()), at);
         assert_eq!(verdict.admitted(), admitted, "decide agrees with the view");
         (plan, verdict)
     }
 
     const AT: &str = "2026-07-07T12:31:45.500Z";
+
+    /// Every limit, in plan order, with its split, its verdict and the one
+    /// the refusal reports; a monitor over its limit is `over`, not refused.
+    #[test]
+    fn explain_answers_every_limit_and_marks_the_reported_one() {
+        let project = monitor(quota("q_project", Scope::Project, None, Metric::Calls, WindowKind::Day, 2));
+        let api_key = quota("q_key", Scope::ApiKey, Some("k1"), Metric::Calls, WindowKind::Day, 5);
+        let quotas = vec![project, api_key];
+        let (plan, verdict) = check(&quotas, &[5, 5], utc(AT));
+        let split = |durable, settled, reserved| UsageParts { durable, settled, reserved };
+        let outcome = CheckOutcome { admitted: false, used: vec![5, 5], parts: vec![split(3, 1, 1), split(2, 2, 1)] };
+        let e = explain(&quotas, &plan, &outcome, &verdict);
+        let brief: Vec<_> = e
+            .iter()
+            .map(|x| (x.quota_id.as_str().to_owned(), x.parts, x.used, x.limit, x.need, x.verdict, x.reported))
+            .collect();
+        let q = |s: &str| QuotaId::parse(s).expect("id").as_str().to_owned();
+        assert_eq!(
+            brief,
+            vec![
+                (q("q_project"), split(3, 1, 1), 5, 2, 1, LimitVerdict::Over, false),
+                (q("q_key"), split(2, 2, 1), 5, 5, 1, LimitVerdict::Refused, true),
+            ]
+        );
+        assert_eq!((e[1].scope, e[1].scope_ref.as_deref(), e[1].window), (Scope::ApiKey, Some("k1"), WindowKind::Day));
+        assert_eq!(e[1].window_key, "2026-07-07");
+        // Admitted: nothing reported, every limit within.
+        let (plan, verdict) = check(&quotas[1..], &[1], utc(AT));
+        let e = explain(&quotas[1..], &plan, &CheckOutcome::of(true, vec![1]), &verdict);
+        assert_eq!((e.len(), e[0].verdict, e[0].reported), (1, LimitVerdict::Within, false));
+    }
 
     #[test]
     fn api_key_beats_project_and_actor_beats_both() {
@@ -580,7 +717,7 @@ mod tests {
             &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
             at,
         );
-        let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome { admitted: false, used: vec![4] }, at);
+        let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome::of(false, vec![4]), at);
         let b = v.breach.expect("refused");
         assert_eq!(b.resets_at, Some(utc("2026-07-07T18:15:00Z")));
         assert_eq!(b.retry_after_secs, Some(900));

@@ -516,7 +516,7 @@ mod tests {
             at,
         );
         // (used, over?) per quota: requests 4 > 3; calls 2 + 1 > 2; rows 9 < 10.
-        let outcome = CheckOutcome { admitted: true, used: vec![4, 2, 9, 2] };
+        let outcome = CheckOutcome::of(true, vec![4, 2, 9, 2]);
         let verdict = decide(&quotas, &plan, &outcome, at);
         let got = monitor_breaches(&quotas, &plan, &outcome);
         let ids: Vec<QuotaId> = got.iter().map(|b| b.quota_id.clone()).collect();
@@ -528,7 +528,7 @@ mod tests {
         assert!(got.iter().all(|b| b.window == WindowKind::Day && b.window_key == "2026-07-07"));
 
         // Rows at the limit: over, observed as they are.
-        let outcome = CheckOutcome { admitted: true, used: vec![0, 0, 10, 0] };
+        let outcome = CheckOutcome::of(true, vec![0, 0, 10, 0]);
         let got = monitor_breaches(&quotas, &plan, &outcome);
         assert_eq!(got.len(), 1);
         assert_eq!((got[0].quota_id.as_str(), got[0].observed_value, got[0].limit), ("q_rows", 10, 10));

@@ -224,7 +224,7 @@ mod tests {
         let bob = role_quotas(&r, &user("user:bob"));
         let plan = plan_check(&bob, Tz::UTC, &CheckInput { caller: user("user:bob"), storage_delta: None }, at);
         assert_eq!(plan.counters[0].key.dimension, Dimension::User("user:bob".into()));
-        let v = decide(&bob, &plan, &CheckOutcome { admitted: false, used: vec![2] }, at);
+        let v = decide(&bob, &plan, &CheckOutcome::of(false, vec![2]), at);
         let b = v.breach.expect("used up");
         assert_eq!((b.scope, b.scope_ref.as_deref()), (Scope::User, Some("user:bob")));
     }

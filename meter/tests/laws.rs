@@ -922,7 +922,7 @@ proptest! {
         let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&api_key, actor.map(|a| ACTORS[a])), storage_delta: None }, at);
         prop_assert!(plan.reserved_counters().is_empty(), "a monitor quota reserved");
         let used = used[..plan.limits.len()].to_vec();
-        let verdict = decide(&quotas, &plan, &CheckOutcome { admitted: true, used }, at);
+        let verdict = decide(&quotas, &plan, &CheckOutcome::of(true, used), at);
         prop_assert!(verdict.admitted());
         prop_assert_eq!(verdict.remaining_calls, None);
         prop_assert_eq!(verdict.remaining_rows, None);

@@ -541,6 +541,11 @@ fn parse_used(s: &str) -> u64 {
     s.parse::<u64>().or_else(|_| s.parse::<f64>().map(|f| f as u64)).unwrap_or(0)
 }
 
+/// A signed reply value that may come as a double (`%.0f`), saturating.
+fn parse_signed(s: &str) -> i64 {
+    s.parse::<i64>().or_else(|_| s.parse::<f64>().map(|f| f as i64)).unwrap_or(0)
+}
+
 /// A reply value as `i64` (garbage reads as 0).
 fn parse_i64(s: &str) -> i64 {
     s.parse::<i64>().unwrap_or(0)
@@ -596,17 +601,23 @@ impl View for RedisView {
         }
         let reply: Option<Vec<String>> = self.run("check", project, &inv).await?;
         let Some(reply) = reply else { return Ok(None) };
-        let Some((admitted, used)) = reply.split_first() else {
+        let Some((admitted, values)) = reply.split_first() else {
             return Err(PortError::Permanent("redis check: empty reply".into()));
         };
-        if used.len() != plan.limits.len() {
-            return Err(PortError::Permanent(format!(
-                "redis check: {} values for {} limits",
-                used.len(),
-                plan.limits.len()
-            )));
+        let n = plan.limits.len();
+        if values.len() != 4 * n {
+            return Err(PortError::Permanent(format!("redis check: {} values for {n} limits", values.len())));
         }
-        Ok(Some(CheckOutcome { admitted: admitted == "1", used: used.iter().map(|u| parse_used(u)).collect() }))
+        let (used, split) = values.split_at(n);
+        let parts = split
+            .chunks_exact(3)
+            .map(|p| meter::UsageParts {
+                durable: parse_used(&p[0]),
+                settled: parse_signed(&p[1]),
+                reserved: parse_used(&p[2]),
+            })
+            .collect();
+        Ok(Some(CheckOutcome { admitted: admitted == "1", used: used.iter().map(|u| parse_used(u)).collect(), parts }))
     }
 
     async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()> {

@@ -182,8 +182,21 @@ fn hold(lease_until: DateTime<Utc>) -> Hold {
     }
 }
 
+/// One check; its usage split is checked against its totals (every cap
+/// and probe reads `durable + settled + reserved`) and then left out, so
+/// that the tests compare verdicts and totals (`explain_splits_usage`
+/// compares the split).
 async fn check(view: &dyn View, p: &ProjectId, plan: &CheckPlan, h: &Hold, at: DateTime<Utc>) -> CheckOutcome {
-    view.check(p, plan, h, at).await.expect("check").expect("project is seeded")
+    let mut o = view.check(p, plan, h, at).await.expect("check").expect("project is seeded");
+    assert_eq!(o.parts.len(), plan.limits.len(), "one split per limit: {o:?}");
+    for ((l, used), parts) in plan.limits.iter().zip(&o.used).zip(&o.parts) {
+        if l.kind != LimitKind::Blackout {
+            let sum = i128::from(parts.durable) + i128::from(parts.settled) + i128::from(parts.reserved);
+            assert_eq!(sum, i128::from(*used), "{l:?} reads its split: {o:?}");
+        }
+    }
+    o.parts.clear();
+    o
 }
 
 async fn seeded(view: &dyn View, totals: &[(Counter, Totals)]) -> ProjectId {
@@ -242,6 +255,23 @@ async fn suite_admits_up_to_the_limit_then_refuses_reserving_nothing(view: &dyn 
     assert_eq!(o.used, vec![3, 3]);
     assert_eq!(usage(view, &p, &tight, at).await.reserved_calls, 3);
     assert_eq!(usage(view, &p, &wide, at).await.reserved_calls, 3, "a refused check reserved on another counter");
+}
+
+/// The split a check answers for explain: 5 calls folded, 2 settled since,
+/// 1 held by another check's live reservation; the requests limit counts
+/// this check's own request as settled.
+async fn suite_explain_splits_usage_into_durable_settled_and_reserved(view: &dyn View) {
+    let at = Utc::now();
+    let c = project_counter(at);
+    let p = seeded(view, &[(c.clone(), calls(5, 0))]).await;
+    settle_one(view, &p, &c, calls(2, 0), at).await;
+    let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 100), (0, Metric::Requests, 100)], at);
+    let other = view.check(&p, &pl, &hold(at + Duration::seconds(30)), at).await.expect("check").expect("seeded");
+    assert!(other.admitted);
+    let o = view.check(&p, &pl, &hold(at + Duration::seconds(30)), at).await.expect("check").expect("seeded");
+    let split = |durable, settled, reserved| meter::UsageParts { durable, settled, reserved };
+    assert_eq!(o.used, vec![8, 2], "{o:?}");
+    assert_eq!(o.parts, vec![split(5, 2, 1), split(0, 2, 0)], "{o:?}");
 }
 
 async fn suite_concurrent_checks_admit_exactly_the_limit(view: Arc<dyn View>) {
@@ -532,7 +562,7 @@ async fn suite_a_retried_check_counts_once(view: &dyn View) {
     let h = hold(at + Duration::seconds(30));
     let first = check(view, &p, &pl, &h, at).await;
     let again = check(view, &p, &pl, &h, at).await;
-    assert_eq!(first, CheckOutcome { admitted: true, used: vec![1, 0] });
+    assert_eq!(first, CheckOutcome::of(true, vec![1, 0]));
     assert_eq!(again, first, "a retried check counted itself");
     let u = usage(view, &p, &c, at).await;
     assert_eq!((u.pending.requests, u.reserved_calls), (1, 1));
@@ -641,29 +671,26 @@ async fn suite_a_blackout_refuses_the_third_unpriced_event_until_one_is_priced(v
     };
     // With need 1 and limit 2, the call that would be the third unpriced
     // event is refused: the first two pass.
-    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![0, 0, 0] });
+    assert_eq!(run(&pl).await, CheckOutcome::of(true, vec![0, 0, 0]));
     settle_one(view, &p, &c, tokens(10, 0, false), at).await;
-    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![0, 1, 1] });
+    assert_eq!(run(&pl).await, CheckOutcome::of(true, vec![0, 1, 1]));
     settle_one(view, &p, &c, tokens(10, 0, false), at).await;
     // The third refuses, reserving nothing anywhere.
-    assert_eq!(run(&pl).await, CheckOutcome { admitted: false, used: vec![0, 2, 2] });
+    assert_eq!(run(&pl).await, CheckOutcome::of(false, vec![0, 2, 2]));
     assert_eq!(usage(view, &p, &other, at).await.reserved_calls, 2, "a refused check reserved");
     // A monitor blackout never refuses (it took a third call slot).
-    assert_eq!(run(&monitor).await, CheckOutcome { admitted: true, used: vec![0, 2, 2] });
+    assert_eq!(run(&monitor).await, CheckOutcome::of(true, vec![0, 2, 2]));
     settle_one(view, &p, &c, tokens(10, 0, false), at).await;
-    assert_eq!(run(&pl).await, CheckOutcome { admitted: false, used: vec![0, 3, 3] });
+    assert_eq!(run(&pl).await, CheckOutcome::of(false, vec![0, 3, 3]));
     // One priced event lifts it, however many unpriced ones follow.
     settle_one(view, &p, &c, tokens(10, 5, true), at).await;
     settle_one(view, &p, &c, tokens(10, 0, false), at).await;
-    assert_eq!(run(&pl).await, CheckOutcome { admitted: true, used: vec![5, 0, 3] });
+    assert_eq!(run(&pl).await, CheckOutcome::of(true, vec![5, 0, 3]));
     // Priced usage already durable lifts it too.
     let q = seeded(view, &[(c.clone(), Totals { llm_events: 7, llm_priced: 1, llm_unpriced: 6, ..Totals::default() })])
         .await;
     let bo = one_limit(&c, LimitKind::Blackout, &[Field::LlmEvents], 2, 1, true, at);
-    assert_eq!(
-        check(view, &q, &bo, &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: true, used: vec![0] }
-    );
+    assert_eq!(check(view, &q, &bo, &hold(at + Duration::seconds(30)), at).await, CheckOutcome::of(true, vec![0]));
 }
 
 async fn suite_a_probe_reports_the_sum_and_never_refuses(view: &dyn View) {
@@ -689,7 +716,7 @@ async fn suite_a_probe_reports_the_sum_and_never_refuses(view: &dyn View) {
         at,
     );
     let o = check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await;
-    assert_eq!(o, CheckOutcome { admitted: true, used: vec![4, 5, 5] });
+    assert_eq!(o, CheckOutcome::of(true, vec![4, 5, 5]));
 }
 
 async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
@@ -703,13 +730,10 @@ async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
     };
     let pl = write(500);
     assert_eq!((pl.counters.len(), &pl.counters[0].key), (1, &fp.key), "a storage quota reads the footprint");
-    assert_eq!(
-        check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: true, used: vec![1_000] }
-    );
+    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome::of(true, vec![1_000]));
     assert_eq!(
         check(view, &p, &write(501), &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: false, used: vec![1_000] }
+        CheckOutcome::of(false, vec![1_000])
     );
     // A delete settled but not folded lowers the footprint at once.
     let del = settle_one(view, &p, &fp, held(-300, 1), at).await;
@@ -718,21 +742,21 @@ async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
     assert!(check(view, &p, &write(800), &hold(at + Duration::seconds(30)), at).await.admitted);
     assert_eq!(
         check(view, &p, &write(801), &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: false, used: vec![700] }
+        CheckOutcome::of(false, vec![700])
     );
     // Pending deletes beyond the footprint read as nothing held, not less.
     settle_one(view, &p, &fp, held(-900, 1), at).await;
     assert_eq!(usage(view, &p, &fp, at).await.pending, held(-1_200, 2));
     assert_eq!(
         check(view, &p, &write(1_500), &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: true, used: vec![0] }
+        CheckOutcome::of(true, vec![0])
     );
     // Taking the delete back restores the bytes it removed.
     view.unsettle(&p, std::slice::from_ref(&del)).await.expect("unsettle");
     assert_eq!(usage(view, &p, &fp, at).await.pending, held(-900, 1));
     assert_eq!(
         check(view, &p, &write(1_400), &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: true, used: vec![100] }
+        CheckOutcome::of(true, vec![100])
     );
     assert!(!check(view, &p, &write(1_401), &hold(at + Duration::seconds(30)), at).await.admitted);
 }
@@ -769,10 +793,7 @@ async fn suite_the_footprint_moves_only_with_more_storage_facts(view: &dyn View)
     view.apply_fold(&p, &[(fp.clone(), held(-50, 7))], &[], Utc::now()).await.expect("fold");
     assert_eq!(usage(view, &p, &fp, at).await.durable, Totals { cost_storage: 50, ..held(-50, 7) });
     let pl = one_limit(&fp, LimitKind::Cap, &[Field::Storage], 10, 10, true, at);
-    assert_eq!(
-        check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await,
-        CheckOutcome { admitted: true, used: vec![0] }
-    );
+    assert_eq!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await, CheckOutcome::of(true, vec![0]));
     // A view seeded with a footprint for the first time takes it whatever its count.
     let fresh = seeded(view, &[(fp.clone(), held(0, 2))]).await;
     assert_eq!(usage(view, &fresh, &fp, at).await.durable, held(0, 2));
@@ -857,6 +878,7 @@ macro_rules! conformance {
             suite_the_footprint_moves_only_with_more_storage_facts,
             suite_unsettle_of_a_tokens_settlement_takes_back_every_field,
             suite_a_correction_lowers_durable_sums_and_nothing_else,
+            suite_explain_splits_usage_into_durable_settled_and_reserved,
         );
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,11 @@ pub struct CheckBody {
     /// break-glass caller take none.
     #[schema(value_type = Option<bool>)]
     pub permit: Option<Flag>,
+    /// Answer every quota and limit the check evaluated (`explain`): in the
+    /// 200 body, or beside the `error` of a refusal, whose `error` is
+    /// unchanged. From the same read the verdict came from.
+    #[schema(value_type = Option<bool>)]
+    pub explain: Option<Flag>,
 }
 
 impl TryFrom<CheckBody> for CheckRequest {
@@ -65,7 +70,8 @@ impl TryFrom<CheckBody> for CheckRequest {
         let storage_delta = b.storage_bytes_delta.map(|Whole(d)| d);
         let project = b.project_id.map(|Text(p)| p);
         let permit = b.permit.is_some_and(|Flag(p)| p);
-        let req = |who| CheckRequest { who, project, agent, actor, storage_delta, permit };
+        let explain = b.explain.is_some_and(|Flag(e)| e);
+        let req = |who| CheckRequest { who, project, agent, actor, storage_delta, permit, explain };
         // The break-glass caller is never limited or counted (ADR-0011).
         if b.break_glass.is_some_and(|Flag(f)| f) {
             return Ok(req(Who::BreakGlass));
@@ -172,6 +178,77 @@ pub struct CheckResponse {
     /// call uncounted (it is still metered on the log).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub degraded: Option<bool>,
+    /// Every quota and limit the check evaluated, for a check that asked
+    /// (`"explain": true`); empty when the view was not reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Vec<ExplainedView>>,
+}
+
+/// One quota limit a check evaluated, as the view read it in the check's
+/// one step.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"quota_id": "quota_0197a3c4", "scope": "api_key", "scope_ref": "key_0197a3c3", "metric": "calls",
+    "kind": "cap", "window": "day", "window_key": "2026-07-07", "durable": 990, "settled": 6, "reserved": 3, "used": 999,
+    "limit": 1000, "need": 1, "verdict": "within", "reported": false}))]
+pub struct ExplainedView {
+    pub quota_id: String,
+    pub scope: String,
+    pub scope_ref: Option<String>,
+    pub metric: String,
+    /// `cap` (used + need against the limit), `blackout` (the window's LLM
+    /// events while none is priced), or `probe` (read only: unpriced usage).
+    pub kind: String,
+    pub window: String,
+    pub window_key: String,
+    /// Folded into the durable totals.
+    pub durable: u64,
+    /// Settled but not folded yet (negative when a correction takes some back).
+    pub settled: i64,
+    /// Other checks' live reservations (a `calls` limit).
+    pub reserved: u64,
+    /// What the limit compared: durable + settled + reserved for a cap.
+    pub used: u64,
+    pub limit: u64,
+    /// What this check adds before comparing (1 for a call, 0 for rows).
+    pub need: u64,
+    /// `within`, `refused` (over, an enforce quota), `over` (a monitor
+    /// quota) or `read` (a probe).
+    pub verdict: String,
+    /// The one a refusal reports.
+    pub reported: bool,
+}
+
+impl From<&meter::Explained> for ExplainedView {
+    fn from(e: &meter::Explained) -> Self {
+        ExplainedView {
+            quota_id: e.quota_id.to_string(),
+            scope: e.scope.as_str().to_owned(),
+            scope_ref: e.scope_ref.clone(),
+            metric: e.metric.as_str().to_owned(),
+            kind: match e.kind {
+                meter::LimitKind::Cap => "cap",
+                meter::LimitKind::Blackout => "blackout",
+                meter::LimitKind::Probe => "probe",
+            }
+            .to_owned(),
+            window: e.window.as_str().to_owned(),
+            window_key: e.window_key.clone(),
+            durable: e.parts.durable,
+            settled: e.parts.settled,
+            reserved: e.parts.reserved,
+            used: e.used,
+            limit: e.limit,
+            need: e.need,
+            verdict: e.verdict.as_str().to_owned(),
+            reported: e.reported,
+        }
+    }
+}
+
+/// The explain list as the API shows it.
+pub fn explained(list: &[meter::Explained]) -> Vec<ExplainedView> {
+    list.iter().map(ExplainedView::from).collect()
 }
 
 impl CheckResponse {
@@ -183,6 +260,7 @@ impl CheckResponse {
             permit: None,
             limits: None,
             degraded: None,
+            explain: None,
         }
     }
 }

@@ -15,6 +15,9 @@ use super::quotas::LimitView;
 #[schema(example = json!({"error": {"code": "INVALID_REQUEST", "message": "events[3].rows: must be a whole number ≥ 0", "meta": {"field": "events[3].rows"}}}))]
 pub struct ErrorBody {
     pub error: ErrorDetail,
+    /// A refused check that asked to be explained: every limit it evaluated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Vec<crate::dto::check::ExplainedView>>,
 }
 
 /// What went wrong.

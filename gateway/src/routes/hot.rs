@@ -50,7 +50,7 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
     let req = CheckRequest::try_from(body)?;
     Ok(match admission::check(&s, req).await? {
         Checked::Exempt => Json(CheckResponse::exempt()).into_response(),
-        Checked::Admitted { reservation, bounds, remaining, degraded, permit } => {
+        Checked::Admitted { reservation, bounds, remaining, degraded, permit, explain } => {
             let body = CheckResponse {
                 allowed: true,
                 exempt: None,
@@ -58,6 +58,7 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
                 permit: permit.as_ref().map(PermitView::from),
                 limits: Some(CallLimits::from(bounds)),
                 degraded: degraded.then_some(true),
+                explain: explain.as_deref().map(crate::dto::check::explained),
             };
             (remaining_headers(&remaining), Json(body)).into_response()
         }

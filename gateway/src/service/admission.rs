@@ -33,8 +33,8 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use meter::permit::{OwnCap, Whose};
 use meter::{
-    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Claimed, EventKind, Grants,
-    Hold, LoggedBreach, Permit, PermitClaim, Pool, PortError, ProjectId, Quota, ReservationId, Role, RoleId,
+    ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Claimed, EventKind, Explained,
+    Grants, Hold, LoggedBreach, Permit, PermitClaim, Pool, PortError, ProjectId, Quota, ReservationId, Role, RoleId,
     UnpricedException, UsageFact, Verdict,
 };
 use tracing::warn;
@@ -74,6 +74,8 @@ pub struct Admission {
     /// An administrator's or break-glass caller: nothing was checked or
     /// counted, and the call must not be recorded.
     pub exempt: bool,
+    /// Every limit the check evaluated, when it asked to be explained.
+    pub explain: Option<Vec<Explained>>,
 }
 
 /// How a `/v1/check` names its caller.
@@ -107,9 +109,14 @@ pub struct CheckRequest {
     pub storage_delta: Option<i64>,
     /// Take a concurrency permit with the reservation (see the module doc).
     pub permit: bool,
+    /// Answer every limit the check evaluated.
+    pub explain: bool,
 }
 
 /// What a `/v1/check` granted.
+// Made once per check and taken apart by its handler at once: boxing the
+// common variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Checked {
     /// Never limited or counted: nothing to settle.
@@ -124,6 +131,8 @@ pub enum Checked {
         /// The permit taken, if the check asked for one and the caller has
         /// `max_concurrent`.
         permit: Option<Permit>,
+        /// Every limit it evaluated, when it asked to be explained.
+        explain: Option<Vec<Explained>>,
     },
 }
 
@@ -142,6 +151,8 @@ struct Granted {
     degraded: bool,
     exempt: bool,
     permit: Option<Permit>,
+    /// Every limit the check evaluated, when it asked to be explained.
+    explain: Option<Vec<Explained>>,
 }
 
 /// The parts of a check that are neither the caller nor its quotas.
@@ -153,6 +164,8 @@ struct Context {
     /// The permit to take, when the check asked for one and the caller has
     /// a cap.
     permit: Option<PermitAsk>,
+    /// Answer every limit the check evaluated (see [`meter::explain`]).
+    explain: bool,
 }
 
 /// A permit a check is to take: the caller's cap (whose it is, and its
@@ -186,7 +199,13 @@ impl PermitAsk {
 
 /// `/v1/check`: identifies the caller, then runs its check.
 pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
-    let mut ctx = Context { agent: req.agent, actor: req.actor, storage_delta: req.storage_delta, permit: None };
+    let mut ctx = Context {
+        agent: req.agent,
+        actor: req.actor,
+        storage_delta: req.storage_delta,
+        permit: None,
+        explain: req.explain,
+    };
     match req.who {
         Who::BreakGlass => {
             metrics::counter!("tollgate_exempt_checks_total").increment(1);
@@ -221,6 +240,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
                 degraded: a.degraded,
                 exempt: a.exempt,
                 permit,
+                explain: a.explain,
             };
             Ok(checked(g, a.bounds))
         }
@@ -237,6 +257,7 @@ fn checked(g: Granted, bounds: meter::Bounds) -> Checked {
         remaining: g.remaining,
         degraded: g.degraded,
         permit: g.permit,
+        explain: g.explain,
     }
 }
 
@@ -248,14 +269,19 @@ pub async fn admit(
     actor: Option<String>,
     storage_delta: Option<i64>,
 ) -> Result<Admission> {
-    let ctx = Context { agent, actor, storage_delta, permit: None };
+    let ctx = Context { agent, actor, storage_delta, permit: None, explain: false };
     admit_key(s, key, ctx, false).await.map(|(a, _)| a)
 }
 
 /// [`admit`], also taking a permit when the key (or its role) has a
 /// `max_concurrent` cap: both or neither. What the tower Layer runs.
-pub async fn admit_holding(s: &AppState, key: ApiKey, actor: Option<String>) -> Result<(Admission, Option<Permit>)> {
-    let ctx = Context { agent: None, actor, storage_delta: None, permit: None };
+pub async fn admit_holding(
+    s: &AppState,
+    key: ApiKey,
+    actor: Option<String>,
+    explain: bool,
+) -> Result<(Admission, Option<Permit>)> {
+    let ctx = Context { agent: None, actor, storage_delta: None, permit: None, explain };
     admit_key(s, key, ctx, true).await
 }
 
@@ -277,6 +303,7 @@ async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) ->
         remaining: g.remaining,
         degraded: g.degraded,
         exempt: g.exempt,
+        explain: g.explain,
     };
     Ok((admission, g.permit))
 }
@@ -309,6 +336,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
             degraded: false,
             exempt: true,
             permit: None,
+            explain: None,
         });
     }
     let (project, caller) = match &subject {
@@ -413,15 +441,18 @@ async fn reserve(
         let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
         publish_request(s, key, ctx.agent.clone(), ctx.actor.clone(), &hold, logged, now);
     }
-    let (Some(_), Some(verdict)) = (outcome, verdict) else {
+    let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
             remaining: Remaining::default(),
             degraded: true,
             exempt: false,
             permit: None,
+            // Nothing was evaluated: the view was not reached.
+            explain: ctx.explain.then(Vec::new),
         });
     };
+    let explain = ctx.explain.then(|| meter::explain(quotas, plan, &outcome, &verdict));
     if !verdict.monitor_breaches.is_empty() {
         // Audited (and notified) by the fold, from the request event's
         // breaches: one source for every gateway (DESIGN §2.11).
@@ -433,10 +464,21 @@ async fn reserve(
     }
     let remaining = Remaining::from(&verdict);
     match verdict.breach {
-        None => Ok(Granted { reservation: hold.reservation, remaining, degraded: false, exempt: false, permit: None }),
+        None => Ok(Granted {
+            reservation: hold.reservation,
+            remaining,
+            degraded: false,
+            exempt: false,
+            permit: None,
+            explain,
+        }),
         Some(breach) => {
             metrics::counter!("tollgate_check_refusals_total", "metric" => breach.metric.as_str()).increment(1);
-            Err(refusal(s, project, breach, remaining).await)
+            let refused = refusal(s, project, breach, remaining).await;
+            Err(match explain {
+                Some(explain) => Error::Explained { error: Box::new(refused), explain },
+                None => refused,
+            })
         }
     }
 }
@@ -453,7 +495,7 @@ async fn observe(
 ) -> Result<Option<CheckOutcome>> {
     use meter::View;
     if plan.limits.is_empty() {
-        return Ok(Some(CheckOutcome { admitted: true, used: Vec::new() }));
+        return Ok(Some(CheckOutcome::of(true, Vec::new())));
     }
     let observed = s
         .view

@@ -45,6 +45,9 @@ pub enum Error {
     /// A quota refused the check (a refusal is a verdict, reported as one).
     #[error("refused by quota {}", .0.breach.quota_id)]
     Refused(Box<Refusal>),
+    /// A refusal answered with every limit the check evaluated.
+    #[error("{error}")]
+    Explained { error: Box<Error>, explain: Vec<meter::Explained> },
     /// A permit pool was full: the caller's own (its key's or role's
     /// `max_concurrent`) or the installation's. Nothing was taken, reserved
     /// or counted; never queued (429 `TOO_MANY_CONCURRENT`, `Retry-After: 1`).

@@ -203,6 +203,15 @@ pub fn durable_value(t: &Totals, f: Field) -> i128 {
     }
 }
 
+/// One limit's [`UsageParts`](crate::UsageParts), saturating into their types.
+fn meter_parts(durable: u128, settled: i128, reserved: u128) -> crate::UsageParts {
+    crate::UsageParts {
+        durable: u64::try_from(durable).unwrap_or(u64::MAX),
+        settled: i64::try_from(settled).unwrap_or(if settled < 0 { i64::MIN } else { i64::MAX }),
+        reserved: u64::try_from(reserved).unwrap_or(u64::MAX),
+    }
+}
+
 /// A malformed plan is refused before anything is read or written: every
 /// limit must name a counter of the plan.
 pub fn validate_plan(plan: &CheckPlan) -> PortResult<()> {
@@ -608,6 +617,7 @@ impl ProjectState {
         // What each limit reads (live reservations without this check's own).
         let mut admitted = true;
         let mut used = Vec::with_capacity(plan.limits.len());
+        let mut parts = Vec::with_capacity(plan.limits.len());
         for l in &plan.limits {
             let name = names[l.counter].as_str();
             let rec = live_ref(&self.counters, name, now);
@@ -616,11 +626,16 @@ impl ProjectState {
                 live_ref(&self.leases, name, now)
                     .map_or(0, |z| z.leases.iter().filter(|(r, lease)| **lease > at_ms && *r != rid).count())
             };
-            let mut u: u128 = 0;
+            let durable = |f: Field| rec.map_or(0, |c| u128::try_from(durable_value(&c.durable, f)).unwrap_or(0));
+            let (mut u, mut base, mut kept, mut reserved): (u128, u128, u128, u128) = (0, 0, 0, 0);
             for f in &l.fields {
                 u = u.saturating_add(value(*f));
+                base = base.saturating_add(value(*f));
+                kept = kept.saturating_add(durable(*f));
                 if *f == Field::Calls && l.kind != LimitKind::Blackout {
-                    u = u.saturating_add(held() as u128);
+                    let h = held() as u128;
+                    u = u.saturating_add(h);
+                    reserved = reserved.saturating_add(h);
                 }
             }
             if l.kind == LimitKind::Blackout && value(Field::LlmPriced) > 0 {
@@ -628,6 +643,8 @@ impl ProjectState {
             }
             let u = u64::try_from(u).unwrap_or(u64::MAX);
             used.push(u);
+            let signed = |v: u128| i128::try_from(v).unwrap_or(i128::MAX);
+            parts.push(meter_parts(kept, signed(base) - signed(kept), reserved));
             if l.enforce && l.kind != LimitKind::Probe && u.saturating_add(l.need) > l.limit {
                 admitted = false;
             }
@@ -638,7 +655,7 @@ impl ProjectState {
             self.hold(rid, &reserved, hold.lease_until, now);
         }
 
-        CheckOutcome { admitted, used }
+        CheckOutcome { admitted, used, parts }
     }
 
     /// settle.lua.
@@ -926,12 +943,16 @@ mod tests {
         let pl = plan(&c, 1);
         let first = hold(1, t0() + Span::seconds(10));
         let o = v.check(&p, &pl, &first, t0()).expect("valid").expect("seeded");
-        assert_eq!(o, CheckOutcome { admitted: true, used: vec![1, 0] });
+        assert_eq!((o.admitted, o.used), (true, vec![1, 0]));
         let d = v.dump(&p);
         assert_eq!(d.holds[&first.reservation].expires, Some(hold_expiry(&first)));
         assert_eq!(d.events[&first.request_event].expires, Some(event_expiry(t0())));
         let o = v.check(&p, &pl, &hold(2, t0() + Span::seconds(10)), t0()).expect("valid").expect("seeded");
-        assert_eq!(o, CheckOutcome { admitted: false, used: vec![2, 1] });
+        assert_eq!((o.admitted, &o.used), (false, &vec![2, 1]));
+        // The requests are settled (pending), the call is the first check's
+        // live reservation.
+        let split = |durable, settled, reserved| crate::UsageParts { durable, settled, reserved };
+        assert_eq!(o.parts, vec![split(0, 2, 0), split(0, 0, 1)]);
         // The lease ended: the next check purges it and takes the slot.
         let later = t0() + Span::seconds(11);
         let third = hold(3, later + Span::seconds(10));

@@ -31,8 +31,11 @@
 -- Sums and comparisons are doubles (see common.lua for what is exact).
 --
 -- Returns nil when the project is not seeded (and changes nothing), else
--- decimal strings { admitted ('1'/'0'), used_1, ..., used_L }, each used
--- after this request was counted and before this check's own reservation.
+-- decimal strings { admitted ('1'/'0'), used_1, ..., used_L, then per limit
+-- durable_j, settled_j, reserved_j }, each used after this request was
+-- counted and before this check's own reservation. The split (meter's
+-- UsageParts): durable = sum of max(0, t_f), settled = sum of v(f) - durable,
+-- reserved = the live reservations a calls limit counted.
 -- A refused check reserves nothing; the request count stays (a refused
 -- request is still a request). A malformed plan is refused with an error
 -- before anything is written.
@@ -96,19 +99,29 @@ if counted then
   redis.call('PEXPIREAT', KEYS[2], ARGV[5])
 end
 
--- What each counter holds now, read only for the fields some limit needs.
-local seen = {}
-local function value(i, f)
+-- What each counter holds now, read only for the fields some limit needs:
+-- v(f), and its folded part max(0, t_f) for the split.
+local seen, seen_t = {}, {}
+local function read(i, f)
   local c = seen[i]
   if not c then
     c = {}
     seen[i] = c
+    seen_t[i] = {}
   end
   if c[f] == nil then
     local h = redis.call('HMGET', KEYS[2 + 2 * i], T_FIELDS[f], P_FIELDS[f])
     c[f] = math.max(0, num(h[1]) + num(h[2]))
+    seen_t[i][f] = math.max(0, num(h[1]))
   end
-  return c[f]
+end
+local function value(i, f)
+  read(i, f)
+  return seen[i][f]
+end
+local function durable(i, f)
+  read(i, f)
+  return seen_t[i][f]
 end
 
 -- Live reservations on a counter, without this check's own (a retry).
@@ -123,18 +136,26 @@ end
 
 local admitted = true
 local out = { '1' }
+local split = {}
 for j, l in ipairs(limits) do
-  local used = 0
+  local used, base, kept, reserved = 0, 0, 0, 0
   for _, f in ipairs(l.fields) do
     used = used + value(l.ci, f)
+    base = base + value(l.ci, f)
+    kept = kept + durable(l.ci, f)
     if f == CALLS and l.kind ~= 'blackout' then
-      used = used + live(l.ci)
+      local held = live(l.ci)
+      used = used + held
+      reserved = reserved + held
     end
   end
   if l.kind == 'blackout' and value(l.ci, LLM_P) > 0 then
     used = 0
   end
   out[j + 1] = string.format('%.0f', used)
+  split[#split + 1] = string.format('%.0f', kept)
+  split[#split + 1] = string.format('%.0f', base - kept)
+  split[#split + 1] = string.format('%.0f', reserved)
   if l.enforce and l.kind ~= 'probe' and used + l.need > l.limit then
     admitted = false
   end
@@ -158,4 +179,7 @@ else
   out[1] = '0'
 end
 
+for _, v in ipairs(split) do
+  out[#out + 1] = v
+end
 return out
