@@ -71,7 +71,11 @@ async fn explained(mode: Mode) {
     assert_eq!(s, 200, "{b}");
     assert_eq!(split(entry(&b, &enforce)), (1, 1), "{b}");
     assert_eq!(entry(&b, &enforce)["used"], 1, "{b}");
-    assert_eq!((entry(&b, &watch)["used"].clone(), entry(&b, &watch)["verdict"].clone()), (json!(0), json!("within")), "{b}");
+    assert_eq!(
+        (entry(&b, &watch)["used"].clone(), entry(&b, &watch)["verdict"].clone()),
+        (json!(0), json!("within")),
+        "{b}"
+    );
 
     // The first settles: durable or settled (as far as the fold has come), not reserved.
     let first = a["reservation_id"].as_str().expect("reservation");

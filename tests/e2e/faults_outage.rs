@@ -167,9 +167,12 @@ async fn warm_up(env: &Env, seen: &Seen, secret: &str, pid: &str, kid: &str) {
     seen.slowest_failure_us.store(0, Ordering::SeqCst);
 }
 
-/// The invariants once traffic stopped: the fold catches up within 30 s
+/// The invariants once traffic stopped: the fold catches up within 60 s
 /// (every acknowledged call and every check's request folded), the log
-/// audit holds, and the view equals PostgreSQL within 10 s.
+/// audit holds, and the view equals PostgreSQL within 10 s. After a broker
+/// restart the catch-up took 0.7–9.3 s alone on this machine (the
+/// producers' and the projector's reconnects), and over 30 s once under
+/// the whole suite's load.
 async fn assert_recovered(env: &Env, seen: &Seen, pid: &str, kid: &str, qid: &str, tz: chrono_tz::Tz) {
     let unexpected = seen.unexpected.lock().expect("lock").clone();
     assert!(unexpected.is_empty(), "unexpected answers: {unexpected:?}");
@@ -182,10 +185,21 @@ async fn assert_recovered(env: &Env, seen: &Seen, pid: &str, kid: &str, qid: &st
 
     let counter = format!("k:{kid}");
     let started = Instant::now();
-    env.eventually(30, "the fold to catch up with every call and every request", || async {
-        env.durable(pid, &counter, "day").await == (checks as i64, admitted as i64, admitted as i64)
+    let want = (checks as i64, admitted as i64, admitted as i64);
+    let last = std::sync::Mutex::new(None);
+    let what = "the fold to catch up with every call and every request (requests, calls, rows)";
+    let caught_up = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let now = env.durable(pid, &counter, "day").await;
+            *last.lock().expect("lock") = Some(now);
+            if now == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     })
     .await;
+    assert!(caught_up.is_ok(), "timed out waiting for {what}: folded {:?}, want {want:?}", last.lock().expect("lock"));
     eprintln!("fold caught up {:?} after traffic stopped", started.elapsed());
 
     let audit = LogAudit::of(env).await;
