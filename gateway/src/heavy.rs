@@ -43,27 +43,15 @@ pub struct Endpoint {
     pub name: &'static str,
     /// Requests one caller may run on it at once.
     pub concurrency: u32,
-    /// How long one request may run.
+    /// How long one request may run. (Its row cap is its page size, which
+    /// its `limit` parameter is held to: see the module doc.)
     pub time: Duration,
-    /// The rows of one page, which the endpoint's `limit` parameter is
-    /// held to (a larger one is a 400); `None` for a usage report, which
-    /// answers one window's groups unpaged.
-    pub rows: Option<u64>,
 }
 
 impl Endpoint {
     /// The endpoint named `name`, bounded by the server's settings.
     pub fn of(s: &AppState, name: &'static str) -> Endpoint {
-        Endpoint {
-            name,
-            concurrency: s.settings.heavy_concurrency,
-            time: s.settings.heavy_timeout,
-            rows: match name {
-                "audit" => Some(crate::service::audit::MAX_PAGE),
-                "deliveries" => Some(crate::service::webhooks::MAX_DELIVERIES_PAGE as u64),
-                _ => None,
-            },
-        }
+        Endpoint { name, concurrency: s.settings.heavy_concurrency, time: s.settings.heavy_timeout }
     }
 
     /// The permit holder of one caller on this endpoint.
@@ -168,7 +156,7 @@ mod tests {
     }
 
     fn endpoint(concurrency: u32, time: Duration) -> Endpoint {
-        Endpoint { name: "audit", concurrency, time, rows: Some(1000) }
+        Endpoint { name: "audit", concurrency, time }
     }
 
     /// A read that answers 200 after `ms`.
