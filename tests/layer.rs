@@ -431,10 +431,16 @@ async fn a_permit_is_held_for_the_life_of_the_response_body(backend: Backend) {
     // Still held a while later: nothing but the body's end frees it.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_too_many_concurrent(send(&app, "/nothing", &secret).await).await;
+    // A frame sent and read: the body goes on, and so does its hold.
+    use futures::StreamExt;
+    let mut body = streaming.into_body().into_data_stream();
     tx.send(axum::body::Bytes::from_static(b"part")).await.expect("the stream reads");
+    assert_eq!(body.next().await.expect("a frame").expect("data"), &b"part"[..]);
+    // (Long enough for a release, which runs in a task of its own.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_too_many_concurrent(send(&app, "/nothing", &secret).await).await;
     drop(tx);
-    let bytes = axum::body::to_bytes(streaming.into_body(), 1024).await.expect("body");
-    assert_eq!(&bytes[..], b"part");
+    assert!(body.next().await.is_none(), "the stream ended");
 
     let unread = admitted_soon(&app, "/nothing", &secret).await;
     assert_eq!(unread.status(), StatusCode::OK, "the finished body freed the slot");
@@ -513,6 +519,19 @@ async fn a_call_asking_to_be_explained_is(backend: Backend) {
     let plain = ask(false).await.expect("infallible");
     let body = body_json(plain).await;
     assert!(body.get("explain").is_none(), "{body}");
+
+    // A value that is no flag is refused before anything is checked.
+    let hits = env.hits.load(Ordering::SeqCst);
+    let req = Request::get("/nothing")
+        .header("authorization", format!("Bearer {}", env.secret))
+        .header("x-tollgate-explain", "please")
+        .body(Body::empty())
+        .expect("request");
+    let res = env.app().oneshot(req).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let body = body_json(res).await;
+    assert_eq!(body["error"]["meta"]["field"], "x-tollgate-explain", "{body}");
+    assert_eq!(env.hits.load(Ordering::SeqCst), hits, "the service was not called");
 }
 
 async fn body_json(res: Response) -> Value {

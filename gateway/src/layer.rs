@@ -85,11 +85,15 @@ use crate::state::{AppState, new_event_id};
 /// refused call's body carries it as `/v1/check`'s does, beside `error`.
 pub const EXPLAIN_HEADER: &str = "x-tollgate-explain";
 
-fn explain_asked(headers: &HeaderMap) -> bool {
-    headers
-        .get(EXPLAIN_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim() == "1" || v.trim().eq_ignore_ascii_case("true"))
+/// Whether the request asks to be explained: `1`/`true`, `0`/`false`, or
+/// absent; anything else is a 400 naming the header.
+fn explain_asked(headers: &HeaderMap) -> ApiResult<bool> {
+    let Some(v) = headers.get(EXPLAIN_HEADER) else { return Ok(false) };
+    match v.to_str().map(str::trim) {
+        Ok(v) if v == "1" || v.eq_ignore_ascii_case("true") => Ok(true),
+        Ok(v) if v == "0" || v.eq_ignore_ascii_case("false") => Ok(false),
+        _ => Err(ApiError::invalid(EXPLAIN_HEADER, "must be 1, true, 0 or false")),
+    }
 }
 
 /// The header the key is read from besides `Authorization: Bearer`.
@@ -233,11 +237,14 @@ where
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    let (admission, permit) =
-        match admission::admit_holding(&state, key, actor.clone(), explain_asked(req.headers())).await {
-            Ok(a) => a,
-            Err(e) => return ApiError::from(e).into_response(),
-        };
+    let explain = match explain_asked(req.headers()) {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let (admission, permit) = match admission::admit_holding(&state, key, actor.clone(), explain).await {
+        Ok(a) => a,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
     if admission.exempt {
         // An administrator or break-glass caller: never limited or counted.
         req.extensions_mut().insert(admission);
@@ -280,7 +287,7 @@ where
         res.headers_mut().extend(remaining_headers(&admission.remaining));
         explain_header(&mut res, &admission);
         res.headers_mut().remove(header::CONTENT_LENGTH);
-        let settle = StreamSettle { state, admission, actor, done: false };
+        let settle = StreamSettle { state, admission, actor, status: res.status().as_u16(), done: false };
         let (parts, body) = res.into_parts();
         let rows = RowsBody::new(body, bounds, deadline, settle);
         return hold(Response::from_parts(parts, Body::new(rows)), held);
@@ -291,21 +298,10 @@ where
     };
     let fact = call_fact(&state, &admission, actor, success, rows);
     guard.disarm();
-    // In its own task: settle and publish must not be cut apart by the
-    // client going away (a settle without its publish would leave a pending
-    // delta that no fold ever drops).
-    let s = state.clone();
-    let recorded = tokio::spawn(async move { recording::record(&s, std::slice::from_ref(&fact)).await });
-    let failure = match recorded.await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => {
-            let e = ApiError::from(e);
-            Some(format!("{}: {}", e.code, e.message))
-        }
-        Err(e) => Some(e.to_string()),
-    };
-    if let Some(error) = failure {
-        warn!(%error, status = res.status().as_u16(), "layer: call not recorded");
+    if let Some(recorded) = record_call(&state, fact, res.status().as_u16())
+        && let Err(e) = recorded.await
+    {
+        warn!(error = %e, "layer: call not recorded");
         metrics::counter!("tollgate_layer_record_failures_total").increment(1);
     }
 
@@ -392,11 +388,28 @@ pub const HAS_MORE: HeaderName = HeaderName::from_static("x-has-more");
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowStream;
 
+/// Records a call's fact in a task of its own, so that settle and publish
+/// cannot be cut apart by the client going away (a settle without its
+/// publish would leave a pending delta that no fold ever drops); the task
+/// logs and counts a failure. `None` outside a runtime (nothing to run it).
+fn record_call(state: &AppState, fact: UsageFact, status: u16) -> Option<tokio::task::JoinHandle<()>> {
+    let rt = tokio::runtime::Handle::try_current().ok()?;
+    let s = state.clone();
+    Some(rt.spawn(async move {
+        if let Err(e) = recording::record(&s, std::slice::from_ref(&fact)).await {
+            let e = ApiError::from(e);
+            warn!(error = %format!("{}: {}", e.code, e.message), status, "layer: call not recorded");
+            metrics::counter!("tollgate_layer_record_failures_total").increment(1);
+        }
+    }))
+}
+
 /// A stream's settle, made once: when its body ends, fails or is dropped.
 struct StreamSettle {
     state: AppState,
     admission: Admission,
     actor: Option<String>,
+    status: u16,
     done: bool,
 }
 
@@ -406,15 +419,8 @@ impl StreamSettle {
             return;
         }
         let fact = call_fact(&self.state, &self.admission, self.actor.take(), true, rows);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let s = self.state.clone();
-        rt.spawn(async move {
-            if let Err(e) = recording::record(&s, std::slice::from_ref(&fact)).await {
-                let e = ApiError::from(e);
-                warn!(error = %format!("{}: {}", e.code, e.message), "layer: stream not recorded");
-                metrics::counter!("tollgate_layer_record_failures_total").increment(1);
-            }
-        });
+        // Not awaited: the body has ended, the caller has its answer.
+        drop(record_call(&self.state, fact, self.status));
     }
 }
 

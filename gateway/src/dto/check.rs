@@ -299,6 +299,7 @@ mod tests {
             (json!({"api_key": "a", "break_glass": "yes"}), "break_glass"),
             (json!({"api_key": "a", "permit": "yes"}), "permit"),
             (json!({"api_key": "a", "permit": 1}), "permit"),
+            (json!({"api_key": "a", "explain": "yes"}), "explain"),
             (json!({"api_key": "a", "colour": "red"}), "colour"),
         ] {
             assert_eq!(parse(body.clone()).expect_err("refused").field, field, "{body}");
