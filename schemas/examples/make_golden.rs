@@ -20,9 +20,9 @@ use std::path::Path;
 use chrono::{DateTime, Utc};
 use meter::correction::CorrectedQuantities;
 use meter::{
-    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension, EventId,
-    EventKind, Grants, KeyView, LoggedBreach, MeterType, Metric, MonitorBreach, Outcome, Price, PriceBook, PriceKey,
-    Principal, ProjectId, QuotaId, ReservationId, TokenUsage, UsageFact, Usd, WindowKind,
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Component, Counter, CounterKey, Dimension, Estimate,
+    EventId, EventKind, Grants, KeyView, LoggedBreach, MeterType, Metric, MonitorBreach, Outcome, Price, PriceBook,
+    PriceKey, Principal, ProjectId, QuotaId, ReservationId, TokenUsage, UsageFact, Usd, WindowKind,
 };
 use schemas::{AuditRecord, audit_schema_version, encode_audit, encode_usage, usage_schema_version};
 use serde::Serialize;
@@ -103,6 +103,26 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
             at("2026-03-01T09:15:30.123456Z")?,
         )
     };
+    // Version 4: the reservation of an admitted request holds the check's
+    // estimate on each held counter besides one call.
+    let held = vec![
+        Counter {
+            key: CounterKey {
+                dimension: Dimension::ApiKey(ApiKeyId::parse("key_live_7f3a")?),
+                window: WindowKind::Day,
+                window_key: "2026-03-01".into(),
+            },
+            resets_at: Some(at("2026-03-02T00:00:00Z")?),
+        },
+        Counter {
+            key: CounterKey {
+                dimension: Dimension::Project,
+                window: WindowKind::Rolling1m,
+                window_key: "2026-03-01T09:15Z".into(),
+            },
+            resets_at: Some(at("2026-03-01T09:16:00Z")?),
+        },
+    ];
     Ok(vec![
         ("request", base.clone()),
         (
@@ -223,24 +243,22 @@ fn facts() -> Result<Vec<(&'static str, UsageFact)>, Box<dyn Error>> {
                 reservation_id: Some(ReservationId::parse("res_01J9Z3Q8RB")?),
                 admitted: Some(true),
                 lease_until: Some(at("2026-03-01T09:16:30.123456Z")?),
-                held: vec![
-                    Counter {
-                        key: CounterKey {
-                            dimension: Dimension::ApiKey(ApiKeyId::parse("key_live_7f3a")?),
-                            window: WindowKind::Day,
-                            window_key: "2026-03-01".into(),
-                        },
-                        resets_at: Some(at("2026-03-02T00:00:00Z")?),
-                    },
-                    Counter {
-                        key: CounterKey {
-                            dimension: Dimension::Project,
-                            window: WindowKind::Rolling1m,
-                            window_key: "2026-03-01T09:15Z".into(),
-                        },
-                        resets_at: Some(at("2026-03-01T09:16:00Z")?),
-                    },
-                ],
+                held: held.clone(),
+                // 4096 tokens at $0.000003: $0.012288 in picodollars.
+                estimate: Estimate { tokens: 4096, cost: 12_288_000_000 },
+                ..base.clone()
+            },
+        ),
+        (
+            // Only a tokens quota reserved: the cost component stays null.
+            "request_estimated_tokens",
+            UsageFact {
+                id: EventId::parse("req_01J9Z3Q8RF")?,
+                reservation_id: Some(ReservationId::parse("res_01J9Z3Q8RF")?),
+                admitted: Some(true),
+                lease_until: Some(at("2026-03-01T09:16:30.123456Z")?),
+                held,
+                estimate: Estimate { tokens: 1000, cost: 0 },
                 ..base.clone()
             },
         ),

@@ -16,15 +16,18 @@
 //! - `calls` is derived from the fact (1 for a successful call, else 0, the
 //!   rule of [`meter::usage::delta_of`]); on decode, a request or call event
 //!   whose `calls` disagrees is refused rather than counted either way.
-//! - Token quantities must not be negative and `meter_type` must be one of
-//!   the meters; the rules beyond types (which kind carries what) are
+//! - The check's estimate (since v4) is written per component, zero as null
+//!   (so "nothing estimated" costs no bytes and reads the same as an event of
+//!   an older version), and read back with null as zero.
+//! - Token quantities and estimates must not be negative and `meter_type`
+//!   must be one of the meters; the rules beyond types (which kind carries what) are
 //!   [`meter::usage::check_fact`]'s, which the projector applies after this.
 
 use chrono::{DateTime, Utc};
 use meter::usage::delta_of;
 use meter::{
-    ApiKeyId, Counter, CounterKey, EventId, EventKind, IdError, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
-    ReservationId, UsageFact,
+    ApiKeyId, Counter, CounterKey, Estimate, EventId, EventKind, IdError, LoggedBreach, MeterType, Outcome, ProjectId,
+    QuotaId, ReservationId, UsageFact,
 };
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +73,14 @@ pub struct UsageEvent {
     pub corrects: Option<String>,
     #[serde(default)]
     pub void: bool,
+    /// The billable tokens an admitted request's reservation holds on each
+    /// held counter besides one call, since v4; null for none.
+    #[serde(default)]
+    pub estimate_tokens: Option<i64>,
+    /// The same estimate's cost in picodollars on the `llm_tokens` meter,
+    /// since v4; null for none.
+    #[serde(default)]
+    pub estimate_cost: Option<i64>,
 }
 
 /// A counter a reservation holds (`tollgate.HeldCounter`).
@@ -105,7 +116,11 @@ pub struct TokenUsage {
 impl From<&UsageFact> for UsageEvent {
     /// The wire form of a fact. Sub-microsecond precision is truncated, and
     /// rows above `i64::MAX` saturate; [`crate::encode_usage`] refuses such
-    /// rows instead of writing a wrong count.
+    /// rows instead of writing a wrong count. Token quantities and estimate
+    /// components above `i64::MAX` saturate instead: the admitted event is
+    /// still written (losing it would lose its reservation on a reseed), and
+    /// `i64::MAX` is as much as any limit a `long` can hold, so the reseeded
+    /// view still holds at least a full limit.
     fn from(fact: &UsageFact) -> Self {
         UsageEvent {
             id: fact.id.to_string(),
@@ -163,6 +178,8 @@ impl From<&UsageFact> for UsageEvent {
             }),
             corrects: fact.corrects.as_ref().map(ToString::to_string),
             void: fact.void,
+            estimate_tokens: estimated(fact.estimate.tokens),
+            estimate_cost: estimated(fact.estimate.cost),
         }
     }
 }
@@ -232,6 +249,10 @@ impl TryFrom<UsageEvent> for UsageFact {
             breaches: breaches(event.breaches.unwrap_or_default())?,
             corrects: event.corrects.map(|s| parse_id("corrects", s, EventId::parse)).transpose()?,
             void: event.void,
+            estimate: Estimate {
+                tokens: estimate("estimate_tokens", event.estimate_tokens)?,
+                cost: estimate("estimate_cost", event.estimate_cost)?,
+            },
         };
         if fact.kind.is_folded() {
             let expected = delta_of(&fact, &meter::PriceBook::default()).calls;
@@ -288,6 +309,21 @@ fn long(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// One component of the check's estimate on the wire: zero is "nothing
+/// estimated", written as null like the absent field of an older version.
+fn estimated(v: u64) -> Option<i64> {
+    (v != 0).then(|| long(v))
+}
+
+/// One component of the check's estimate read back: null (an older version,
+/// or nothing estimated) is zero; a negative count is not a quantity.
+fn estimate(field: &str, v: Option<i64>) -> Result<u64, SchemaError> {
+    match v {
+        None => Ok(0),
+        Some(v) => u64::try_from(v).map_err(|_| SchemaError::invalid(field, format!("must not be negative, got {v}"))),
+    }
+}
+
 fn parse_id<T>(field: &str, s: String, parse: fn(String) -> Result<T, IdError>) -> Result<T, SchemaError> {
     parse(s).map_err(|e| SchemaError::invalid(field, e.to_string()))
 }
@@ -321,6 +357,8 @@ mod tests {
             breaches: None,
             corrects: None,
             void: false,
+            estimate_tokens: None,
+            estimate_cost: None,
         }
     }
 
@@ -335,7 +373,7 @@ mod tests {
     #[test]
     fn each_bad_field_is_named() {
         type Break = fn(&mut UsageEvent);
-        let cases: [(&str, Break); 9] = [
+        let cases: [(&str, Break); 11] = [
             ("id", |e| e.id = String::new()),
             ("project_id", |e| e.project_id = "a b".into()),
             ("api_key_id", |e| e.api_key_id = Some("{k}".into())),
@@ -345,6 +383,8 @@ mod tests {
             ("calls", |e| e.calls = 0),
             ("calls", |e| e.outcome = Outcome::Failure),
             ("calls", |e| e.kind = EventKind::Request),
+            ("estimate_tokens", |e| e.estimate_tokens = Some(-1)),
+            ("estimate_cost", |e| e.estimate_cost = Some(i64::MIN)),
         ];
         for (field, break_it) in cases {
             let mut e = event();
@@ -377,10 +417,43 @@ mod tests {
     }
 
     #[test]
+    fn an_estimate_is_written_per_component_with_zero_as_null() {
+        let mut fact = UsageFact::try_from(event()).expect("valid");
+        assert_eq!(fact.estimate, Estimate::default(), "null reads as nothing estimated");
+        fact.estimate = Estimate { tokens: 4096, cost: 0 };
+        let e = UsageEvent::from(&fact);
+        assert_eq!((e.estimate_tokens, e.estimate_cost), (Some(4096), None));
+        assert_eq!(UsageFact::try_from(e).expect("valid"), fact);
+        fact.estimate = Estimate { tokens: 0, cost: 12_500_000 };
+        let e = UsageEvent::from(&fact);
+        assert_eq!((e.estimate_tokens, e.estimate_cost), (None, Some(12_500_000)));
+        assert_eq!(UsageFact::try_from(e).expect("valid"), fact);
+        // A writer that spells zero out reads the same as one that leaves it null.
+        let mut e = event();
+        e.estimate_tokens = Some(0);
+        e.estimate_cost = Some(0);
+        assert_eq!(UsageFact::try_from(e).expect("valid").estimate, Estimate::default());
+    }
+
+    #[test]
+    fn an_estimate_beyond_an_avro_long_saturates() {
+        let mut fact = UsageFact::try_from(event()).expect("valid");
+        fact.estimate = Estimate { tokens: u64::MAX, cost: i64::MAX as u64 + 1 };
+        let e = UsageEvent::from(&fact);
+        assert_eq!((e.estimate_tokens, e.estimate_cost), (Some(i64::MAX), Some(i64::MAX)));
+        let back = UsageFact::try_from(e).expect("valid");
+        assert_eq!(back.estimate, Estimate { tokens: i64::MAX as u64, cost: i64::MAX as u64 });
+    }
+
+    #[test]
     fn the_error_reads_as_a_dlq_reason() {
         let mut e = event();
         e.rows = -3;
         let err = UsageFact::try_from(e).expect_err("negative rows");
         assert_eq!(err.to_string(), "invalid rows: must not be negative, got -3");
+        let mut e = event();
+        e.estimate_cost = Some(-7);
+        let err = UsageFact::try_from(e).expect_err("negative estimate");
+        assert_eq!(err.to_string(), "invalid estimate_cost: must not be negative, got -7");
     }
 }

@@ -40,6 +40,8 @@ pub const USAGE_SOURCES: &[(u32, &str)] = &[
     (1, include_str!("../avro/usage_event.v1.avsc")),
     (2, include_str!("../avro/usage_event.v2.avsc")),
     (3, include_str!("../avro/usage_event.v3.avsc")),
+    // The check's estimate on an admitted request (estimate_tokens, estimate_cost).
+    (4, include_str!("../avro/usage_event.v4.avsc")),
 ];
 
 /// The source of every shipped audit entry schema version
@@ -272,5 +274,30 @@ mod tests {
         let v1 = &usage_schema_versions()[0];
         assert_eq!(v1.fingerprint, 0x23c3_b9e7_7b4f_2fc3);
         assert!(v1.canonical_form.contains(r#"{"name":"occurred_at","type":"long"}"#));
+    }
+
+    #[test]
+    fn v2_and_v3_are_frozen() {
+        // Computed once with the specification's algorithm, independently of
+        // this crate, and the fingerprints their golden vectors carry. If
+        // this fails, usage_event.v<N>.avsc was edited: restore it and add a
+        // new version.
+        let versions = usage_schema_versions();
+        assert_eq!(versions[1].fingerprint, 0x9ced_d480_e2e7_55fe, "v2");
+        assert_eq!(versions[2].fingerprint, 0x2be1_a090_66ba_4aa3, "v3");
+    }
+
+    #[test]
+    fn v4_is_frozen_and_current() {
+        // Computed once with the specification's algorithm (CRC-64-AVRO of
+        // the Parsing Canonical Form below), independently of this crate.
+        // If this fails, usage_event.v4.avsc was edited: restore it and add a v5.
+        let v4 = &usage_schema_versions()[3];
+        assert_eq!(
+            v4.canonical_form,
+            r#"{"name":"tollgate.UsageEvent","type":"record","fields":[{"name":"id","type":"string"},{"name":"project_id","type":"string"},{"name":"api_key_id","type":["null","string"]},{"name":"agent_id","type":["null","string"]},{"name":"actor_id","type":["null","string"]},{"name":"user_id","type":["null","string"]},{"name":"occurred_at","type":"long"},{"name":"kind","type":{"name":"tollgate.UsageKind","type":"enum","symbols":["request","call","tokens","storage_delta","storage_snapshot","correction"]}},{"name":"outcome","type":{"name":"tollgate.Outcome","type":"enum","symbols":["success","failure"]}},{"name":"calls","type":"long"},{"name":"rows","type":"long"},{"name":"tokens","type":["null",{"type":"array","items":{"name":"tollgate.TokenUsage","type":"record","fields":[{"name":"provider","type":"string"},{"name":"model","type":"string"},{"name":"input","type":"long"},{"name":"output","type":"long"},{"name":"cached","type":"long"},{"name":"reasoning","type":"long"},{"name":"embedding","type":"boolean"}]}}]},{"name":"storage_bytes","type":["null","long"]},{"name":"meter_type","type":["null","string"]},{"name":"reservation_id","type":["null","string"]},{"name":"gateway","type":"string"},{"name":"received_at","type":["null","long"]},{"name":"admitted","type":["null","boolean"]},{"name":"lease_until","type":["null","long"]},{"name":"held","type":["null",{"type":"array","items":{"name":"tollgate.HeldCounter","type":"record","fields":[{"name":"counter","type":"string"},{"name":"resets_at","type":["null","long"]}]}}]},{"name":"breaches","type":["null",{"type":"array","items":{"name":"tollgate.QuotaBreach","type":"record","fields":[{"name":"quota_id","type":"string"},{"name":"window_key","type":"string"},{"name":"limit","type":"long"},{"name":"observed","type":"long"},{"name":"enforce","type":"boolean"}]}}]},{"name":"corrects","type":["null","string"]},{"name":"void","type":"boolean"},{"name":"estimate_tokens","type":["null","long"]},{"name":"estimate_cost","type":["null","long"]}]}"#
+        );
+        assert_eq!(v4.fingerprint, 0x9237_b399_d0dd_147c);
+        assert_eq!(usage_schema_version().version, 4, "the writer writes v4");
     }
 }

@@ -12,11 +12,15 @@
 //!   current schema with Avro's schema resolution, so fields added since get
 //!   their defaults and fields removed since are skipped.
 //! - The whole message must be one datum: trailing bytes are an error, not
-//!   ignored, so two frames glued together are never half-read.
+//!   ignored, so two frames glued together are never half-read; and a datum
+//!   cut short is an error too, even where the decoder alone would read the
+//!   missing trailing fields as null (see [`Exact`]).
 //! - Decoding never panics on bad bytes; it returns a [`SchemaError`] whose
 //!   `Display` is the DLQ reason.
 //!
 //! [Avro specification]: https://avro.apache.org/docs/current/specification/#single-object-encoding
+
+use std::io::{self, Read};
 
 use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value};
 use meter::UsageFact;
@@ -101,16 +105,43 @@ pub(crate) fn unframe<T: DeserializeOwned>(
     current: &SchemaVersion,
     what: (&str, &str),
 ) -> Result<T, SchemaError> {
-    let (fingerprint, mut body) = split_header(bytes)?;
+    let (fingerprint, body) = split_header(bytes)?;
     let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
     // Resolution is only needed when the writer used another version.
     let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
-    let value = from_avro_datum(&writer.schema, &mut body, reader)
+    let mut datum = Exact { rest: body, overrun: false };
+    let value = from_avro_datum(&writer.schema, &mut datum, reader)
         .map_err(|e| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version)))?;
-    if !body.is_empty() {
-        return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", body.len())));
+    if datum.overrun {
+        return Err(SchemaError::Malformed(format!("as {} v{}: the datum is cut short", what.0, writer.version)));
+    }
+    if !datum.rest.is_empty() {
+        return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", datum.rest.len())));
     }
     from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the {}: {e}", what.1)))
+}
+
+/// The datum's bytes, remembering whether the decoder asked for more than
+/// there were.
+///
+/// Why: apache-avro 0.21 decodes a union index, a boolean or a string at the
+/// end of its input as null instead of failing. A message cut short just
+/// before trailing nullable fields (since v4, `estimate_tokens` and
+/// `estimate_cost`) would then decode with them null: an admitted request
+/// silently losing its estimate. Decoding a whole datum never reads past its
+/// last byte, so any read at the end means the datum is truncated.
+struct Exact<'a> {
+    rest: &'a [u8],
+    overrun: bool,
+}
+
+impl Read for Exact<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if !buf.is_empty() && self.rest.is_empty() {
+            self.overrun = true;
+        }
+        self.rest.read(buf)
+    }
 }
 
 /// Splits a single-object message into its writer fingerprint and datum.
@@ -240,6 +271,27 @@ mod tests {
         let mut trailing = good.clone();
         trailing.push(0);
         assert_eq!(decode_usage(&trailing), Err(SchemaError::Malformed("1 trailing bytes after the datum".into())));
+    }
+
+    #[test]
+    fn no_prefix_of_a_message_decodes() {
+        // The estimate's nullable longs end the datum: a cut before, between
+        // or inside them must fail, not read them as null.
+        let mut f = fact();
+        f.kind = EventKind::Request;
+        f.rows = 0;
+        f.admitted = Some(true);
+        f.estimate = meter::Estimate { tokens: 4096, cost: 12_288_000_000 };
+        for fact in [fact(), f] {
+            let good = encode_usage(&fact).expect("encodes");
+            assert_eq!(decode_usage(&good).expect("decodes"), fact);
+            for n in 0..good.len() {
+                match decode_usage(&good[..n]) {
+                    Err(SchemaError::BadMarker | SchemaError::Malformed(_)) => {}
+                    other => panic!("{n} of {} bytes: {other:?}", good.len()),
+                }
+            }
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use apache_avro::schema_compatibility::SchemaCompatibility;
 use apache_avro::types::Value;
 use apache_avro::{Schema, from_avro_datum, to_avro_datum};
-use meter::UsageFact;
+use meter::{Estimate, UsageFact};
 use schemas::single_object::split_header;
 use schemas::{
     AuditRecord, audit_schema_versions, decode_audit, decode_usage, find_audit_schema, find_usage_schema,
@@ -63,6 +63,37 @@ fn golden_vectors_name_the_version_they_were_written_with() {
         let writer = find_usage_schema(fingerprint).expect("known fingerprint");
         assert!(file.starts_with(&format!("usage_event.v{}.", writer.version)), "{file}");
     }
+}
+
+/// The schema version a golden vector's file name says it was written with.
+fn version_of(file: &str) -> u32 {
+    file.strip_prefix("usage_event.v")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{file}: not usage_event.v<N>.<name>.bin"))
+}
+
+#[test]
+fn the_estimate_reads_as_zero_before_v4_and_is_kept_from_v4_on() {
+    let mut both_components = false;
+    for (file, fact) in expectations() {
+        let decoded = decode_usage(&golden_bytes(&file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        if version_of(&file) < 4 {
+            // No field to hold it: such events estimated nothing.
+            assert_eq!(decoded.estimate, Estimate::default(), "{file}");
+        } else if !decoded.estimate.is_zero() {
+            assert_eq!(decoded.estimate, fact.estimate, "{file}");
+            assert_eq!(decoded.admitted, Some(true), "{file}: only an admitted request holds an estimate");
+            assert!(!decoded.held.is_empty(), "{file}: the estimate is held on its counters");
+            both_components |= decoded.estimate.tokens > 0 && decoded.estimate.cost > 0;
+        }
+    }
+    assert!(both_components, "a v4 vector holds an estimate of both tokens and cost");
+    let admitted = expectations()
+        .into_iter()
+        .find(|(f, _)| f == "usage_event.v4.request_admitted.bin")
+        .expect("a v4 request_admitted vector");
+    assert!(!admitted.1.estimate.is_zero(), "v4 request_admitted carries an estimate");
 }
 
 /// Whether data written with `writer` reads with `reader`: Avro's schema

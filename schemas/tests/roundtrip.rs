@@ -2,8 +2,8 @@
 
 use chrono::{DateTime, Utc};
 use meter::{
-    ApiKeyId, Counter, CounterKey, Dimension, EventId, EventKind, LoggedBreach, MeterType, Outcome, ProjectId, QuotaId,
-    ReservationId, TokenUsage, UsageFact, WindowKind,
+    ApiKeyId, Counter, CounterKey, Dimension, Estimate, EventId, EventKind, LoggedBreach, MeterType, Outcome,
+    ProjectId, QuotaId, ReservationId, TokenUsage, UsageFact, WindowKind,
 };
 use proptest::prelude::*;
 use schemas::{decode_usage, encode_usage};
@@ -35,6 +35,7 @@ fn fact() -> impl Strategy<Value = UsageFact> {
             proptest::option::of(proptest::sample::select(MeterType::ALL.to_vec())),
         ),
         v3(),
+        estimate(),
     )
         .prop_map(
             |(
@@ -46,8 +47,10 @@ fn fact() -> impl Strategy<Value = UsageFact> {
                 rows,
                 (user_id, tokens, storage_bytes, meter_type),
                 (received_at, admitted, lease_until, held, breaches, corrects, void),
+                estimate,
             )| {
                 UsageFact {
+                    estimate,
                     received_at,
                     admitted,
                     lease_until,
@@ -123,6 +126,17 @@ fn v3() -> impl Strategy<Value = V3> {
     )
 }
 
+/// One component of the check's estimate: zero (written as null), a usual
+/// amount, or anything an Avro `long` holds.
+fn estimate_component() -> impl Strategy<Value = u64> {
+    prop_oneof![Just(0_u64), 1..1_000_000_u64, 0..=i64::MAX as u64]
+}
+
+/// The field schema v4 added.
+fn estimate() -> impl Strategy<Value = Estimate> {
+    (estimate_component(), estimate_component()).prop_map(|(tokens, cost)| Estimate { tokens, cost })
+}
+
 fn token_usage() -> impl Strategy<Value = TokenUsage> {
     (".{1,20}", ".{1,20}", 0..=i64::MAX as u64, 0..1_000_000_u64, 0..1_000_000_u64, 0..1_000_000_u64, any::<bool>())
         .prop_map(|(provider, model, input, output, cached, reasoning, embedding)| TokenUsage {
@@ -141,6 +155,19 @@ proptest! {
     fn encode_then_decode_is_identity(fact in fact()) {
         let bytes = encode_usage(&fact).expect("a valid fact encodes");
         prop_assert_eq!(decode_usage(&bytes).expect("its bytes decode"), fact);
+    }
+
+    #[test]
+    fn an_estimate_beyond_an_avro_long_saturates_instead_of_failing(
+        fact in fact(),
+        tokens in (i64::MAX as u64 + 1)..=u64::MAX,
+        cost in estimate_component(),
+    ) {
+        let fact = UsageFact { estimate: Estimate { tokens, cost }, ..fact };
+        let bytes = encode_usage(&fact).expect("a valid fact encodes");
+        let decoded = decode_usage(&bytes).expect("its bytes decode");
+        prop_assert_eq!(decoded.estimate, Estimate { tokens: i64::MAX as u64, cost });
+        prop_assert_eq!(UsageFact { estimate: fact.estimate, ..decoded }, fact);
     }
 
     #[test]
