@@ -619,7 +619,7 @@ async fn script_check(view: &RedisView, project: &ProjectId, key: &ApiKeyId, quo
     let plan = meter::plan_check(
         quotas,
         chrono_tz::Tz::UTC,
-        &meter::CheckInput { caller: meter::Caller::key(key, None), storage_delta: None },
+        &meter::CheckInput { caller: meter::Caller::key(key, None), storage_delta: None, ..Default::default() },
         now,
     );
     let hold = Hold {

@@ -287,7 +287,7 @@ mod tests {
         let plan = meter::plan_check(
             &[],
             chrono_tz::Tz::UTC,
-            &CheckInput { caller: Caller::default(), storage_delta: None },
+            &CheckInput { caller: Caller::default(), storage_delta: None, ..Default::default() },
             at,
         );
         let hold = Hold {

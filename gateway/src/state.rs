@@ -623,6 +623,7 @@ mod tests {
             storage_delta: None,
             permit: false,
             explain: false,
+            estimate: admission::EstimateAsk::None,
         }
     }
 

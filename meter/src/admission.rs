@@ -11,6 +11,16 @@
 //! calls never exceed the limit at any concurrency. `rows` are known only
 //! after the call: a call is admitted while `used < limit` and may overshoot
 //! by the rows of the calls in flight.
+//!
+//! Tokens and cost: without an [`Estimate`] a call is admitted while
+//! `used < limit` (`need = 1`), so concurrent generations may overshoot by
+//! the tokens (or cost) of every generation in flight, one per admitted
+//! check. A check that names an estimate reserves it on the matching
+//! enforce `tokens` / `cost_usd` quotas exactly as a call reserves on
+//! `calls` (`need` = the estimate, held on the counter with the lease): the
+//! overshoot is then bounded by the error of the estimates, not by their
+//! number. The settle replaces the estimate with the actual usage; a lease
+//! that lapses frees it.
 
 use std::collections::BTreeMap;
 
@@ -53,8 +63,41 @@ pub struct PlannedLimit {
     pub need: u64,
     /// Only enforce limits can refuse.
     pub enforce: bool,
-    /// Whether an admitted check holds one call on this counter until settled.
+    /// Whether an admitted check holds its reservation on this counter
+    /// until settled: one call, and the plan's [`Estimate`] (if any).
     pub reserve: bool,
+}
+
+/// What a call is expected to use, named by its check: `tokens` (billable
+/// tokens) and `cost` (picodollars on the `llm_tokens` meter). Zero means
+/// "not estimated".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Estimate {
+    pub tokens: u64,
+    pub cost: u64,
+}
+
+impl Estimate {
+    pub fn is_zero(&self) -> bool {
+        self.tokens == 0 && self.cost == 0
+    }
+
+    /// The estimate as counter amounts: what a reservation holding it adds
+    /// to a limit reading these fields.
+    pub fn totals(&self) -> crate::usage::Totals {
+        crate::usage::Totals { tokens: self.tokens, cost_llm_tokens: self.cost, ..Default::default() }
+    }
+
+    /// What the estimate adds to a limit summing `fields`.
+    pub fn on(&self, fields: &[Field]) -> u64 {
+        fields.iter().fold(0u64, |acc, f| {
+            acc.saturating_add(match f {
+                Field::Tokens => self.tokens,
+                Field::CostLlmTokens => self.cost,
+                _ => 0,
+            })
+        })
+    }
 }
 
 /// Everything the view needs to run one check.
@@ -66,6 +109,9 @@ pub struct CheckPlan {
     pub count_request: Vec<usize>,
     /// The window of each limit (for `resets_at`).
     pub windows: Vec<Window>,
+    /// What an admitted check's reservation holds on each of its counters
+    /// besides one call (zero when nothing reserves it).
+    pub estimate: Estimate,
 }
 
 impl CheckPlan {
@@ -100,8 +146,9 @@ impl CheckOutcome {
 /// One limit's usage as the view read it, in the same step as its verdict:
 /// `durable` the folded totals of its fields (each at least 0), `settled`
 /// what settled but unfolded facts add to them (negative when a correction
-/// takes some back), `reserved` the live reservations of other checks (for
-/// a limit on `calls`). A cap's `used` is `durable + settled + reserved`
+/// takes some back), `reserved` what the live reservations of other checks
+/// hold on its fields: one call each (a limit on `calls`), and their
+/// [`Estimate`]s (a limit on `tokens` or `cost_usd`). A cap's `used` is `durable + settled + reserved`
 /// (each field at least 0); a blackout's is its LLM events when none is
 /// priced, else 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -217,6 +264,8 @@ impl Watched {
 pub struct CheckInput {
     pub caller: Caller,
     pub storage_delta: Option<i64>,
+    /// What the call is expected to use, reserved on the matching quotas.
+    pub estimate: Estimate,
 }
 
 /// The counter fields a quota's usage sums (as the check reads them, and
@@ -246,12 +295,18 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
         if metric == Metric::Requests && caller.api_key.is_none() {
             continue;
         }
+        let fields = quota_fields(q);
+        let estimated = match metric {
+            Metric::Tokens | Metric::CostUsd => input.estimate.on(&fields),
+            _ => 0,
+        };
         let need = match metric {
             Metric::StorageBytes => match input.storage_delta {
                 Some(d) if d > 0 => d as u64,
                 _ => continue,
             },
             Metric::Requests => 0,
+            _ if estimated > 0 => estimated,
             _ => 1,
         };
         let Some(dimension) = dimension_for(q, caller) else {
@@ -267,12 +322,12 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
         if metric == Metric::Requests && !plan.count_request.contains(&counter) {
             plan.count_request.push(counter);
         }
-        let fields = quota_fields(q);
         let mut push = |kind, fields, limit, need, enforce, reserve| {
             plan.limits.push(PlannedLimit { quota: qi, counter, metric, kind, fields, limit, need, enforce, reserve });
             plan.windows.push(window.clone());
         };
-        push(LimitKind::Cap, fields, q.spec.limit, need, enforce, metric == Metric::Calls && enforce);
+        let reserve = enforce && (metric == Metric::Calls || estimated > 0);
+        push(LimitKind::Cap, fields, q.spec.limit, need, enforce, reserve);
         // The unpriced verdict reads the AI meter: a quota naming a
         // platform meter has none.
         if metric == Metric::CostUsd && matches!(q.spec.meter(), None | Some(MeterType::LlmTokens)) {
@@ -283,6 +338,9 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
             push(LimitKind::Probe, vec![Field::LlmUnpriced], 0, 0, false, false);
             push(LimitKind::Probe, vec![Field::LlmEvents], 0, 0, false, false);
         }
+    }
+    if plan.limits.iter().any(|l| l.reserve && matches!(l.metric, Metric::Tokens | Metric::CostUsd)) {
+        plan.estimate = input.estimate;
     }
     plan
 }
@@ -576,7 +634,7 @@ mod tests {
         let plan = plan_check(
             quotas,
             Tz::UTC,
-            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None },
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None, ..Default::default() },
             at,
         );
         assert_eq!(plan.limits.len(), used.len(), "one usage per planned limit");
@@ -652,6 +710,40 @@ mod tests {
         assert_eq!(b.resets_at, Some(utc("2026-08-01T00:00:00Z")));
     }
 
+    /// An estimate is what an enforce tokens or cost quota needs and holds
+    /// (cost: the AI meter's, so a platform-meter quota needs one
+    /// picodollar as without one); a monitor quota holds nothing, and
+    /// without an estimate a tokens quota needs 1 and holds nothing.
+    #[test]
+    fn an_estimate_is_the_need_of_tokens_and_cost_quotas_and_is_held() {
+        let tokens = quota("q_tok", Scope::Project, None, Metric::Tokens, WindowKind::Day, 1_000);
+        let cost = quota("q_cost", Scope::Project, None, Metric::CostUsd, WindowKind::Day, 5_000);
+        let mut platform = quota("q_api", Scope::Project, None, Metric::CostUsd, WindowKind::Day, 5_000);
+        platform.spec.meter_type = Some("api_request".into());
+        let watch = monitor(quota("q_watch", Scope::Actor, None, Metric::Tokens, WindowKind::Day, 10));
+        let quotas = vec![tokens.clone(), cost, platform, watch];
+        let input =
+            |estimate| CheckInput { caller: Caller::key(&key("k1"), Some("u1")), estimate, ..Default::default() };
+        let estimate = Estimate { tokens: 300, cost: 1_200 };
+        let plan = plan_check(&quotas, Tz::UTC, &input(estimate), utc(AT));
+        let caps: Vec<(&str, u64, bool)> = plan
+            .limits
+            .iter()
+            .filter(|l| l.kind == LimitKind::Cap)
+            .map(|l| (quotas[l.quota].id.as_str(), l.need, l.reserve))
+            .collect();
+        assert_eq!(caps, [("q_tok", 300, true), ("q_cost", 1_200, true), ("q_api", 1, false), ("q_watch", 300, false)]);
+        assert_eq!(plan.estimate, estimate, "held with the reservation");
+        let plan = plan_check(std::slice::from_ref(&tokens), Tz::UTC, &input(Estimate::default()), utc(AT));
+        assert_eq!((plan.limits[0].need, plan.limits[0].reserve), (1, false));
+        assert!(plan.reserved_counters().is_empty() && plan.estimate.is_zero());
+        // Only a cost estimate: the tokens quota reads the call as unestimated.
+        let plan = plan_check(&quotas[..2], Tz::UTC, &input(Estimate { tokens: 0, cost: 7 }), utc(AT));
+        let needs: Vec<(u64, bool)> =
+            plan.limits.iter().filter(|l| l.kind == LimitKind::Cap).map(|l| (l.need, l.reserve)).collect();
+        assert_eq!(needs, [(1, false), (7, true)]);
+    }
+
     #[test]
     fn monitor_quotas_report_but_never_refuse() {
         let q = monitor(quota("q_watch", Scope::Actor, None, Metric::Calls, WindowKind::Day, 2));
@@ -714,7 +806,7 @@ mod tests {
         let plan = plan_check(
             std::slice::from_ref(&day),
             chrono_tz::Asia::Kathmandu,
-            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None, ..Default::default() },
             at,
         );
         let v = decide(std::slice::from_ref(&day), &plan, &CheckOutcome::of(false, vec![4]), at);
@@ -732,7 +824,7 @@ mod tests {
         let plan = plan_check(
             &quotas,
             Tz::UTC,
-            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+            &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None, ..Default::default() },
             utc(AT),
         );
         // One counter (project, day) carries all three limits.
@@ -755,7 +847,7 @@ mod tests {
         let plan = plan_check(
             std::slice::from_ref(&q),
             Tz::UTC,
-            &CheckInput { caller: Caller::key(&key("k1"), Some("u7")), storage_delta: None },
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u7")), storage_delta: None, ..Default::default() },
             utc(AT),
         );
         assert_eq!(plan.counters.len(), 1);
@@ -767,7 +859,7 @@ mod tests {
             plan_check(
                 std::slice::from_ref(&q),
                 Tz::UTC,
-                &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None },
+                &CheckInput { caller: Caller::key(&key("k1"), None), storage_delta: None, ..Default::default() },
                 utc(AT)
             )
             .limits
@@ -808,7 +900,7 @@ mod tests {
         let at = utc(AT);
         // Everything a plan reads is watched, for any caller.
         for (k, a) in [("k1", Some("u1")), ("k2", Some("u9")), ("k1", None)] {
-            let input = CheckInput { caller: Caller::key(&key(k), a), storage_delta: Some(10) };
+            let input = CheckInput { caller: Caller::key(&key(k), a), storage_delta: Some(10), ..Default::default() };
             for c in plan_check(&quotas, Tz::UTC, &input, at).counters {
                 assert!(w.covers(&c.key), "{:?} is planned but not watched", c.key);
             }
@@ -833,7 +925,7 @@ mod tests {
         let plan = plan_check(
             &[every, one],
             Tz::UTC,
-            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None },
+            &CheckInput { caller: Caller::key(&key("k1"), Some("u1")), storage_delta: None, ..Default::default() },
             utc(AT),
         );
         assert_eq!(plan.counters.len(), 1);

@@ -512,6 +512,7 @@ mod tests {
             &crate::CheckInput {
                 caller: crate::Caller::key(&ApiKeyId::parse("k1").expect("key"), None),
                 storage_delta: None,
+                ..Default::default()
             },
             at,
         );

@@ -96,8 +96,8 @@ pub mod webhook;
 pub mod window;
 
 pub use admission::{
-    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Explained, LimitKind, LimitVerdict, PlannedLimit,
-    UnpricedFinding, UsageParts, Verdict, Watched, decide, explain, plan_check,
+    Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Estimate, Explained, LimitKind, LimitVerdict,
+    PlannedLimit, UnpricedFinding, UsageParts, Verdict, Watched, decide, explain, plan_check,
 };
 pub use apply::{DesiredQuota, QuotaPlan};
 pub use audit::{

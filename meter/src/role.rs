@@ -215,14 +215,29 @@ mod tests {
         let alice = role_quotas(&r, &user("user:alice"));
         assert_eq!(alice.len(), 1);
         assert_eq!(alice[0].id.as_str(), "role:role_partner:calls");
-        let plan = plan_check(&alice, Tz::UTC, &CheckInput { caller: user("user:alice"), storage_delta: None }, at);
+        let plan = plan_check(
+            &alice,
+            Tz::UTC,
+            &CheckInput { caller: user("user:alice"), storage_delta: None, ..Default::default() },
+            at,
+        );
         assert_eq!(plan.counters[0].key.dimension, Dimension::User("user:alice".into()));
         assert_eq!(plan.counters[0].key.window, WindowKind::CalendarMonth);
         // Alice's quota never matches Bob, and Bob's is his own counter.
-        let plan = plan_check(&alice, Tz::UTC, &CheckInput { caller: user("user:bob"), storage_delta: None }, at);
+        let plan = plan_check(
+            &alice,
+            Tz::UTC,
+            &CheckInput { caller: user("user:bob"), storage_delta: None, ..Default::default() },
+            at,
+        );
         assert!(plan.limits.is_empty());
         let bob = role_quotas(&r, &user("user:bob"));
-        let plan = plan_check(&bob, Tz::UTC, &CheckInput { caller: user("user:bob"), storage_delta: None }, at);
+        let plan = plan_check(
+            &bob,
+            Tz::UTC,
+            &CheckInput { caller: user("user:bob"), storage_delta: None, ..Default::default() },
+            at,
+        );
         assert_eq!(plan.counters[0].key.dimension, Dimension::User("user:bob".into()));
         let v = decide(&bob, &plan, &CheckOutcome::of(false, vec![2]), at);
         let b = v.breach.expect("used up");

@@ -119,6 +119,10 @@ pub struct UsageFact {
     /// On an admitted request event: the counters its reservation holds.
     #[serde(default)]
     pub held: Vec<Counter>,
+    /// On an admitted request event: what its reservation holds on each of
+    /// those counters besides one call (zero: nothing estimated).
+    #[serde(default)]
+    pub estimate: crate::admission::Estimate,
     /// On a request event: the quotas its check found over their limit.
     #[serde(default)]
     pub breaches: Vec<LoggedBreach>,
@@ -167,6 +171,7 @@ impl UsageFact {
             admitted: None,
             lease_until: None,
             held: Vec::new(),
+            estimate: crate::admission::Estimate::default(),
             breaches: Vec::new(),
             corrects: None,
             void: false,

@@ -61,6 +61,8 @@ pub struct SeedHold {
     pub lease_until: DateTime<Utc>,
     /// The counters it holds (its check's reserving counters).
     pub counters: Vec<Counter>,
+    /// What it holds on each of them besides one call.
+    pub estimate: crate::admission::Estimate,
 }
 
 /// A counter as the view sees it.
@@ -69,4 +71,7 @@ pub struct CounterUsage {
     pub durable: Totals,
     pub pending: Totals,
     pub reserved_calls: u64,
+    /// What the live reservations hold besides their calls: the sum of
+    /// their checks' estimates (tokens, cost).
+    pub reserved: Totals,
 }

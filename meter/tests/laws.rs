@@ -688,7 +688,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                 let plan = plan_check(
                     quotas,
                     tz,
-                    &CheckInput { caller: Caller::key(&api_key, actor), storage_delta: None },
+                    &CheckInput { caller: Caller::key(&api_key, actor), storage_delta: None, ..Default::default() },
                     at,
                 );
 
@@ -919,7 +919,7 @@ proptest! {
         let quotas = quotas_from(gens, true);
         let at = utc("2026-07-07T12:00:00Z");
         let api_key = ApiKeyId::parse(KEYS[key]).expect("id");
-        let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&api_key, actor.map(|a| ACTORS[a])), storage_delta: None }, at);
+        let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller: Caller::key(&api_key, actor.map(|a| ACTORS[a])), storage_delta: None, ..Default::default() }, at);
         prop_assert!(plan.reserved_counters().is_empty(), "a monitor quota reserved");
         let used = used[..plan.limits.len()].to_vec();
         let verdict = decide(&quotas, &plan, &CheckOutcome::of(true, used), at);

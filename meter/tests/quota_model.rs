@@ -204,6 +204,7 @@ fn caller(actor: Option<&str>, agent: Option<&str>) -> CheckInput {
             user: None,
         },
         storage_delta: None,
+        ..CheckInput::default()
     }
 }
 

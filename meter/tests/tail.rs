@@ -94,7 +94,7 @@ proptest! {
             match op {
                 Op::Check { key: k, lease_s } => {
                     let caller = Caller { api_key: Some(key(*k)), ..Caller::default() };
-                    let plan = plan_check(&q, tz, &CheckInput { caller, storage_delta: None }, at);
+                    let plan = plan_check(&q, tz, &CheckInput { caller, storage_delta: None, ..Default::default() }, at);
                     let hold = Hold {
                         reservation: ReservationId::parse(format!("r{i}")).expect("id"),
                         request_event: EventId::parse(format!("q{i}")).expect("id"),
@@ -151,7 +151,7 @@ proptest! {
         seeded.seed(&p, &seed, at);
 
         let caller = Caller { api_key: Some(key(0)), ..Caller::default() };
-        let plan = plan_check(&q, tz, &CheckInput { caller, storage_delta: None }, at);
+        let plan = plan_check(&q, tz, &CheckInput { caller, storage_delta: None, ..Default::default() }, at);
         for c in &plan.counters {
             let a = live.usage(&p, &c.key, at).expect("seeded");
             let b = seeded.usage(&p, &c.key, at).expect("seeded");

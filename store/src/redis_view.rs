@@ -28,6 +28,7 @@
 //! |---|---|---|
 //! | `P{p}:c:<counter>` | hash | `t_<f>` (durable) and `p_<f>` (pending) for each [`Field`] `f` by its short name ([`Field::as_str`]), a missing field being 0; expires one hour after the window resets |
 //! | `P{p}:r:<counter>` | zset | reservation id → lease expiry (ms) |
+//! | `P{p}:e:<counter>` | hash | reservation id → the estimate it holds there besides one call (a value list); an entry only beside its lease in `r:`, with the same expiry written |
 //! | `P{p}:res:<rid>` | set | the counters a reservation holds, or once released a tombstone (the one member `~`); expires at lease + [`LEASE_GRACE`] |
 //! | `P{p}:ev:<event>` | hash | counter → the value list (signed decimals in [`Field::ALL`] order, trailing zeros left out) that event added to pending; expires [`EVENT_INDEX_TTL`] after the `at` of its last write; once folded, a tombstone (the one field `~`) until [`TOMBSTONE_TTL`] after the fold |
 //! | `P{p}:loaded` | string | the `run_id` of the server that seeded the project ([`RedisView::run_id`]) |
@@ -87,8 +88,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::view::model::{
-    CounterRecord, EventRecord, HoldRecord, LeaseRecord, Values, event_expiry, hold_expiry, merged_deltas, sum_field,
-    tombstone_expiry, validate_plan,
+    CounterRecord, EstimateRecord, EventRecord, HoldRecord, LeaseRecord, Values, event_expiry, hold_expiry,
+    merged_deltas, sum_field, tombstone_expiry, validate_plan,
 };
 #[cfg(doc)]
 use meter::view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, TOMBSTONE_TTL};
@@ -397,6 +398,22 @@ impl RedisView {
                     rec.leases.insert(rid, lease as i64);
                 }
                 dump.leases.insert(name.to_owned(), rec);
+            } else if let Some(name) = rest.strip_prefix("e:") {
+                let (fields, t): (Vec<(String, String)>, i64) = read("HGETALL")
+                    .query_async(&mut conn)
+                    .instrument(span.clone())
+                    .await
+                    .map_err(|e| classify("dump", &e))?;
+                if t == -2 {
+                    continue;
+                }
+                let mut rec = EstimateRecord { expires: expiry(t), ..EstimateRecord::default() };
+                for (rid, list) in fields {
+                    let rid = ReservationId::parse(rid).map_err(|e| bad(&key, &e.to_string()))?;
+                    let v = parse_value_list(&list).ok_or_else(|| bad(&key, &format!("value list {list:?}")))?;
+                    rec.amounts.insert(rid, v);
+                }
+                dump.estimates.insert(name.to_owned(), rec);
             } else if let Some(rid) = rest.strip_prefix("res:") {
                 let (counters, t): (Vec<String>, i64) = read("SMEMBERS")
                     .query_async(&mut conn)
@@ -599,6 +616,7 @@ impl View for RedisView {
                 .arg(l.need.to_string())
                 .arg(if l.enforce { "1" } else { "0" });
         }
+        inv.arg(value_list(&plan.estimate.totals().values()));
         let reply: Option<Vec<String>> = self.run("check", project, &inv).await?;
         let Some(reply) = reply else { return Ok(None) };
         let Some((admitted, values)) = reply.split_first() else {
@@ -643,6 +661,7 @@ impl View for RedisView {
             inv.arg(h.reservation.as_str())
                 .arg(ms(h.lease_until).to_string())
                 .arg(ms(h.lease_until).saturating_add(grace_ms()).to_string())
+                .arg(value_list(&h.estimate.totals().values()))
                 .arg(h.counters.len().to_string());
             for c in &h.counters {
                 inv.arg(c.key.encode());
@@ -764,13 +783,16 @@ impl View for RedisView {
         let base = self.base(project);
         let name = counter.encode();
         let mut inv = self.scripts.usage.prepare_invoke();
-        inv.key(format!("{base}loaded")).key(format!("{base}c:{name}")).key(format!("{base}r:{name}"));
+        inv.key(format!("{base}loaded"))
+            .key(format!("{base}c:{name}"))
+            .key(format!("{base}r:{name}"))
+            .key(format!("{base}e:{name}"));
         inv.arg(ms(at).to_string());
         let reply: Option<Vec<String>> = self.run("usage", project, &inv).await?;
         let Some(v) = reply else { return Ok(None) };
         let n = Field::ALL.len();
-        if v.len() != 2 * n + 1 {
-            return Err(PortError::Permanent(format!("redis usage: {} values, expected {}", v.len(), 2 * n + 1)));
+        if v.len() != 3 * n + 1 {
+            return Err(PortError::Permanent(format!("redis usage: {} values, expected {}", v.len(), 3 * n + 1)));
         }
         let mut durable = Totals::default();
         for (f, s) in Field::ALL.iter().zip(&v[..n]) {
@@ -778,7 +800,8 @@ impl View for RedisView {
         }
         // Pending sums are never negative in a consistent view; Totals clamps them at 0 anyway.
         let pending = Totals::from_values(&v[n..2 * n].iter().map(|s| parse_i64(s)).collect::<Vec<_>>());
-        Ok(Some(CounterUsage { durable, pending, reserved_calls: parse_used(&v[2 * n]) }))
+        let reserved = Totals::from_values(&v[2 * n + 1..].iter().map(|s| parse_signed(s)).collect::<Vec<_>>());
+        Ok(Some(CounterUsage { durable, pending, reserved_calls: parse_used(&v[2 * n]), reserved }))
     }
 }
 

@@ -725,7 +725,7 @@ async fn suite_a_storage_cap_refuses_past_the_exact_byte(view: &dyn View) {
     let p = seeded(view, &[(fp.clone(), held(1_000, 3))]).await;
     let q = [storage_quota(&p, 1_500, at)];
     let write = |delta: i64| {
-        let input = CheckInput { caller: Caller::default(), storage_delta: Some(delta) };
+        let input = CheckInput { caller: Caller::default(), storage_delta: Some(delta), ..Default::default() };
         plan_check(&q, Tz::UTC, &input, at)
     };
     let pl = write(500);

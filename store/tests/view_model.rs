@@ -42,9 +42,9 @@ use std::future::Future;
 use chrono::{DateTime, Duration, Utc};
 use chrono_tz::Tz;
 use meter::{
-    ApiKeyId, Caller, CheckInput, Counter, CounterKey, Dimension, EventId, Hold, Metric, Mode, ProjectDump, ProjectId,
-    Quota, QuotaId, QuotaSpec, ReservationId, Scope, Seed, SeedHold, Settlement, Totals, View, ViewModel, WindowKind,
-    plan_check, window_at,
+    ApiKeyId, Caller, CheckInput, Counter, CounterKey, Dimension, Estimate, EventId, Hold, Metric, Mode, ProjectDump,
+    ProjectId, Quota, QuotaId, QuotaSpec, ReservationId, Scope, Seed, SeedHold, Settlement, Totals, View, ViewModel,
+    WindowKind, plan_check, window_at,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -143,6 +143,9 @@ struct CheckGen {
     retry: bool,
     /// The gateway's clock is behind the view's by this much.
     skew_ms: i64,
+    /// The call's estimate (tokens, picodollars), reserved on the tokens
+    /// and cost quotas.
+    estimate: Estimate,
 }
 
 #[derive(Debug, Clone)]
@@ -175,14 +178,14 @@ enum Op {
 struct SeedGen {
     totals: Vec<(Index, Totals)>,
     pending: Vec<SettleGen>,
-    holds: Vec<(Index, Vec<Index>)>,
+    holds: Vec<(Index, Vec<Index>, Estimate)>,
 }
 
 fn seed_gen(max: usize) -> impl Strategy<Value = SeedGen> {
     (
         counter_amounts(max),
         prop::collection::vec(settle_gen(), 0..3),
-        prop::collection::vec((any::<Index>(), prop::collection::vec(any::<Index>(), 1..3)), 0..3),
+        prop::collection::vec((any::<Index>(), prop::collection::vec(any::<Index>(), 1..3), estimate()), 0..3),
     )
         .prop_map(|(totals, pending, holds)| SeedGen { totals, pending, holds })
 }
@@ -215,6 +218,15 @@ fn amounts() -> impl Strategy<Value = Totals> {
     ]
 }
 
+/// Nothing estimated half the time; else tokens, picodollars or both, some
+/// as large as the tokens and cost quotas' limits.
+fn estimate() -> impl Strategy<Value = Estimate> {
+    prop_oneof![
+        2 => Just(Estimate::default()),
+        2 => (0u64..120, 0u64..1_800).prop_map(|(tokens, cost)| Estimate { tokens, cost }),
+    ]
+}
+
 fn counter_amounts(max: usize) -> impl Strategy<Value = Vec<(Index, Totals)>> {
     prop::collection::vec((any::<Index>(), amounts()), 0..max)
 }
@@ -228,8 +240,9 @@ fn check_gen() -> impl Strategy<Value = CheckGen> {
         prop_oneof![1 => Just(-2 * 3_600_000i64), 1 => Just(-1i64), 5 => 1_000i64..120_000],
         prop::bool::weighted(0.15),
         prop_oneof![4 => Just(0i64), 1 => 1i64..2_000],
+        estimate(),
     )
-        .prop_map(|(key, actor, mask, storage_delta, lease_ms, retry, skew_ms)| CheckGen {
+        .prop_map(|(key, actor, mask, storage_delta, lease_ms, retry, skew_ms, estimate)| CheckGen {
             key,
             actor,
             mask,
@@ -237,6 +250,7 @@ fn check_gen() -> impl Strategy<Value = CheckGen> {
             lease_ms,
             retry,
             skew_ms,
+            estimate,
         })
 }
 
@@ -377,13 +391,14 @@ impl Run<'_> {
                     holds: g
                         .holds
                         .iter()
-                        .filter_map(|(h, counters)| {
+                        .filter_map(|(h, counters, estimate)| {
                             let h = self.hold(h)?;
                             let u = self.counters();
                             Some(SeedHold {
                                 reservation: h.reservation.clone(),
                                 lease_until: h.lease_until,
                                 counters: counters.iter().map(|i| u[i.index(u.len())].clone()).collect(),
+                                estimate: *estimate,
                             })
                         })
                         .collect(),
@@ -421,7 +436,12 @@ impl Run<'_> {
                     actor: g.actor.map(|a| ACTORS[a].to_owned()),
                     ..Caller::default()
                 };
-                let plan = plan_check(&quotas, Tz::UTC, &CheckInput { caller, storage_delta: g.storage_delta }, at);
+                let plan = plan_check(
+                    &quotas,
+                    Tz::UTC,
+                    &CheckInput { caller, storage_delta: g.storage_delta, estimate: g.estimate },
+                    at,
+                );
                 let model = self.model.check(&p, &plan, &hold, at);
                 let m = self.memory.check(&p, &plan, &hold, at).await;
                 let r = on_redis(redis, |r| r.check(&p, &plan, &hold, at)).await;

@@ -4,6 +4,7 @@
 mod alerts;
 mod audit;
 mod corrections;
+mod estimates;
 mod explain;
 mod faults_fold;
 mod faults_outage;

@@ -8,8 +8,9 @@ use meter::{ApiKeyId, FieldError, Permit, RoleId};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{Flag, Text, Whole, opt_id};
-use crate::service::admission::{CheckRequest, KeyRef, Who};
+use super::events::TokenBody;
+use super::{Count, DecimalText, Flag, List, Object, Text, Whole, opt_id};
+use crate::service::admission::{CheckRequest, EstimateAsk, KeyRef, Who};
 
 /// A check names its caller by one of: an API key's secret (`api_key`), its
 /// id (`api_key_id`), a signed-in user with a role (`user` + `role_id`), or
@@ -60,6 +61,70 @@ pub struct CheckBody {
     /// unchanged. From the same read the verdict came from.
     #[schema(value_type = Option<bool>)]
     pub explain: Option<Flag>,
+    /// What the call is expected to use, reserved on the caller's enforce
+    /// `tokens` and `cost_usd` quotas as a call is on `calls` (all or
+    /// nothing: refused when used + reserved + estimate > limit), replaced
+    /// by the actual usage when the call's event settles the reservation,
+    /// freed when its lease lapses.
+    #[schema(value_type = Option<EstimateBody>)]
+    pub estimate: Option<Object<EstimateBody>>,
+}
+
+/// A check's estimate: the amounts (`tokens`, `cost_usd`), or the tokens of
+/// each model (`models`, as a `tokens` event reports them), from which the
+/// billable tokens are counted and the cost priced by the price book at the
+/// check (a model without a price adds no cost: the check then reserves its
+/// tokens only, and cost quotas read it as an unestimated call).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"models": [{"provider": "openai", "model": "gpt-4o", "input": 1000, "output": 500}]}))]
+pub struct EstimateBody {
+    /// Billable tokens (input + output + cached).
+    #[schema(value_type = Option<u64>, minimum = 0)]
+    pub tokens: Option<Count>,
+    /// Dollars on the `llm_tokens` meter, up to 12 decimal places: a
+    /// decimal string or a number taken as written.
+    #[schema(value_type = Option<String>, example = "0.05")]
+    pub cost_usd: Option<DecimalText>,
+    /// Token counts per model, priced from the price book.
+    #[schema(value_type = Option<Vec<TokenBody>>)]
+    pub models: Option<List<TokenBody>>,
+}
+
+impl TryFrom<EstimateBody> for EstimateAsk {
+    type Error = FieldError;
+    fn try_from(b: EstimateBody) -> Result<EstimateAsk, FieldError> {
+        if let Some(List(models)) = b.models {
+            if b.tokens.is_some() || b.cost_usd.is_some() {
+                return Err(FieldError::new("models", "give tokens and cost_usd, or models, not both"));
+            }
+            if models.is_empty() {
+                return Err(FieldError::new("models", "must name at least one model"));
+            }
+            let models = models
+                .into_iter()
+                .enumerate()
+                .map(|(j, t)| meter::TokenUsage::try_from(t).map_err(|e| e.under(&format!("models[{j}]."))))
+                .collect::<Result<Vec<_>, _>>()?;
+            for (j, m) in models.iter().enumerate() {
+                meter::price::check_name("provider", &m.provider).map_err(|e| e.under(&format!("models[{j}].")))?;
+                meter::price::check_name("model", &m.model).map_err(|e| e.under(&format!("models[{j}].")))?;
+            }
+            return Ok(EstimateAsk::Models(models));
+        }
+        let tokens = b.tokens.map_or(0, |Count(t)| t);
+        let cost = match b.cost_usd {
+            None => 0,
+            Some(DecimalText(d)) => {
+                let usd = meter::Usd::parse(&d).map_err(|m| FieldError::new("cost_usd", m))?;
+                u64::try_from(usd.picos()).map_err(|_| FieldError::new("cost_usd", "must be ≥ 0"))?
+            }
+        };
+        if tokens == 0 && cost == 0 {
+            return Err(FieldError::new("tokens", "an estimate names tokens > 0, cost_usd > 0 or models"));
+        }
+        Ok(EstimateAsk::Amounts(meter::Estimate { tokens, cost }))
+    }
 }
 
 impl TryFrom<CheckBody> for CheckRequest {
@@ -71,7 +136,11 @@ impl TryFrom<CheckBody> for CheckRequest {
         let project = b.project_id.map(|Text(p)| p);
         let permit = b.permit.is_some_and(|Flag(p)| p);
         let explain = b.explain.is_some_and(|Flag(e)| e);
-        let req = |who| CheckRequest { who, project, agent, actor, storage_delta, permit, explain };
+        let estimate = match b.estimate {
+            None => EstimateAsk::None,
+            Some(Object(e)) => EstimateAsk::try_from(e).map_err(|e| e.under("estimate."))?,
+        };
+        let req = |who| CheckRequest { who, project, agent, actor, storage_delta, permit, explain, estimate };
         // The break-glass caller is never limited or counted (ADR-0011).
         if b.break_glass.is_some_and(|Flag(f)| f) {
             return Ok(req(Who::BreakGlass));
@@ -201,17 +270,27 @@ pub struct ExplainedView {
     pub kind: String,
     pub window: String,
     pub window_key: String,
-    /// Folded into the durable totals.
-    pub durable: u64,
+    /// Folded into the durable totals. The amounts of a `cost_usd` cap are
+    /// dollars as decimal strings, like its limit; every other is a count.
+    #[schema(value_type = Amount)]
+    pub durable: Amount,
     /// Settled but not folded yet (negative when a correction takes some back).
-    pub settled: i64,
-    /// Other checks' live reservations (a `calls` limit).
-    pub reserved: u64,
+    #[schema(value_type = Amount)]
+    pub settled: Amount,
+    /// What other checks' live reservations hold: a call each (a `calls`
+    /// limit), their estimates (a `tokens` or `cost_usd` limit).
+    #[schema(value_type = Amount)]
+    pub reserved: Amount,
     /// What the limit compared: durable + settled + reserved for a cap.
-    pub used: u64,
-    pub limit: u64,
-    /// What this check adds before comparing (1 for a call, 0 for rows).
-    pub need: u64,
+    #[schema(value_type = Amount)]
+    pub used: Amount,
+    #[schema(value_type = Amount)]
+    pub limit: Amount,
+    /// What this check adds before comparing: 1 for a call (and a tokens
+    /// or cost limit without an estimate), its estimate (a tokens or cost
+    /// limit), 0 for requests.
+    #[schema(value_type = Amount)]
+    pub need: Amount,
     /// `within`, `refused` (over, an enforce quota), `over` (a monitor
     /// quota) or `read` (a probe).
     pub verdict: String,
@@ -219,8 +298,28 @@ pub struct ExplainedView {
     pub reported: bool,
 }
 
+/// An amount in an explained limit: a count, or dollars as a decimal
+/// string (`"0.0105"`) on a `cost_usd` cap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(untagged)]
+#[schema(example = json!("0.0105"))]
+pub enum Amount {
+    Count(i64),
+    Dollars(String),
+}
+
+impl Amount {
+    /// `v` in the limit's unit: picodollars shown as dollars when `money`.
+    fn of(money: bool, v: i64) -> Amount {
+        if money { Amount::Dollars(meter::Usd(v).to_string()) } else { Amount::Count(v) }
+    }
+}
+
 impl From<&meter::Explained> for ExplainedView {
     fn from(e: &meter::Explained) -> Self {
+        // A blackout and a probe of a cost quota count LLM events.
+        let money = e.metric.is_money() && e.kind == meter::LimitKind::Cap;
+        let amount = |v: u64| Amount::of(money, i64::try_from(v).unwrap_or(i64::MAX));
         ExplainedView {
             quota_id: e.quota_id.to_string(),
             scope: e.scope.as_str().to_owned(),
@@ -234,12 +333,12 @@ impl From<&meter::Explained> for ExplainedView {
             .to_owned(),
             window: e.window.as_str().to_owned(),
             window_key: e.window_key.clone(),
-            durable: e.parts.durable,
-            settled: e.parts.settled,
-            reserved: e.parts.reserved,
-            used: e.used,
-            limit: e.limit,
-            need: e.need,
+            durable: amount(e.parts.durable),
+            settled: Amount::of(money, e.parts.settled),
+            reserved: amount(e.parts.reserved),
+            used: amount(e.used),
+            limit: amount(e.limit),
+            need: amount(e.need),
             verdict: e.verdict.as_str().to_owned(),
             reported: e.reported,
         }

@@ -111,6 +111,36 @@ pub struct CheckRequest {
     pub permit: bool,
     /// Answer every limit the check evaluated.
     pub explain: bool,
+    /// What the call is expected to use, reserved on the matching quotas.
+    pub estimate: EstimateAsk,
+}
+
+/// The estimate a check names (see [`meter::Estimate`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum EstimateAsk {
+    #[default]
+    None,
+    /// Billable tokens and picodollars, as given.
+    Amounts(meter::Estimate),
+    /// Token counts per model: the tokens counted and the cost priced by
+    /// the price book at the check, as a `tokens` event's would be.
+    Models(Vec<meter::TokenUsage>),
+}
+
+impl EstimateAsk {
+    /// The amounts to reserve, pricing a per-model estimate by the book as
+    /// it is at `at`.
+    async fn resolve(&self, s: &AppState, at: DateTime<Utc>) -> Result<meter::Estimate> {
+        Ok(match self {
+            EstimateAsk::None => meter::Estimate::default(),
+            EstimateAsk::Amounts(e) => *e,
+            EstimateAsk::Models(models) => {
+                let book = s.price_book().await?;
+                let priced = meter::price::price_tokens(models, meter::MeterType::LlmTokens, at, &book);
+                meter::Estimate { tokens: priced.tokens, cost: u64::try_from(priced.cost.picos()).unwrap_or(0) }
+            }
+        })
+    }
 }
 
 /// What a `/v1/check` granted.
@@ -166,6 +196,8 @@ struct Context {
     permit: Option<PermitAsk>,
     /// Answer every limit the check evaluated (see [`meter::explain`]).
     explain: bool,
+    /// What the call is expected to use.
+    estimate: EstimateAsk,
 }
 
 /// A permit a check is to take: the caller's cap (whose it is, and its
@@ -205,6 +237,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
         storage_delta: req.storage_delta,
         permit: None,
         explain: req.explain,
+        estimate: req.estimate,
     };
     match req.who {
         Who::BreakGlass => {
@@ -269,7 +302,7 @@ pub async fn admit(
     actor: Option<String>,
     storage_delta: Option<i64>,
 ) -> Result<Admission> {
-    let ctx = Context { agent, actor, storage_delta, permit: None, explain: false };
+    let ctx = Context { agent, actor, storage_delta, permit: None, explain: false, estimate: EstimateAsk::None };
     admit_key(s, key, ctx, false).await.map(|(a, _)| a)
 }
 
@@ -281,7 +314,7 @@ pub async fn admit_holding(
     actor: Option<String>,
     explain: bool,
 ) -> Result<(Admission, Option<Permit>)> {
-    let ctx = Context { agent: None, actor, storage_delta: None, permit: None, explain };
+    let ctx = Context { agent: None, actor, storage_delta: None, permit: None, explain, estimate: EstimateAsk::None };
     admit_key(s, key, ctx, true).await
 }
 
@@ -362,13 +395,14 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>,
         _ => cfg.quotas.clone(),
     };
     let now = s.clock.now();
+    let estimate = ctx.estimate.resolve(s, now).await?;
     // The slot first: a full pool refuses before anything is reserved or counted.
     let permit = match &ctx.permit {
         Some(ask) => Some(take_permit(s, &project, &caller, ask, now).await?),
         None => None,
     };
-    let plan =
-        meter::plan_check(&quotas, cfg.project.timezone, &CheckInput { caller, storage_delta: ctx.storage_delta }, now);
+    let input = CheckInput { caller, storage_delta: ctx.storage_delta, estimate };
+    let plan = meter::plan_check(&quotas, cfg.project.timezone, &input, now);
     let result = reserve(s, &subject, &quotas, &project, &plan, &ctx, now).await;
     match (result, permit) {
         (Ok(g), permit) => Ok(Granted { permit, ..g }),
@@ -587,6 +621,8 @@ struct LoggedRequest {
     admitted: bool,
     lease_until: Option<DateTime<Utc>>,
     held: Vec<meter::Counter>,
+    /// What the reservation holds on each of them besides one call.
+    estimate: meter::Estimate,
     breaches: Vec<LoggedBreach>,
 }
 
@@ -629,6 +665,7 @@ fn logged_request(
         } else {
             Vec::new()
         },
+        estimate: if admitted { plan.estimate } else { meter::Estimate::default() },
         breaches,
     }
 }
@@ -658,6 +695,7 @@ fn publish_request(
         admitted: Some(logged.admitted),
         lease_until: logged.lease_until,
         held: logged.held,
+        estimate: logged.estimate,
         breaches: logged.breaches,
         ..UsageFact::new(hold.request_event.clone(), key.project_id.clone(), EventKind::Request, now)
     };

@@ -123,9 +123,10 @@ pub async fn report(s: &AppState, q: UsageQuery) -> Result<Report> {
     Ok(Report { project, window, group_by: q.group_by, rows })
 }
 
-/// A counter's usage (durable + pending) and its live reservations: from the
-/// view (which seeds an unseeded project), or the durable totals alone, with
-/// no reservations, when the view cannot answer.
+/// A counter's usage (durable + pending + the estimates its live
+/// reservations hold) and its live reservations: from the view (which seeds
+/// an unseeded project), or the durable totals alone, with no reservations,
+/// when the view cannot answer.
 pub async fn live_count(
     s: &AppState,
     project: &ProjectId,
@@ -135,6 +136,7 @@ pub async fn live_count(
     if let Ok(Some(u)) = s.view.usage(project, key, at).await {
         let mut t = u.durable;
         t.add(u.pending);
+        t.add(u.reserved);
         return Ok((t, u.reserved_calls));
     }
     let totals = s.stores.ledger.totals(project, std::slice::from_ref(key)).await?;

@@ -20,6 +20,7 @@
 //! |---|---|---|---|
 //! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
 //! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
+//! | [`EstimateRecord`] | `e:<counter>` | reservation id → the estimate it holds there (a value list) | as its lease record |
 //! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`] |
 //! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending; or, once folded, a tombstone | [`EVENT_INDEX_TTL`] after the `at` of its last write; a tombstone [`TOMBSTONE_TTL`] after its fold |
 //! | `loaded` | `loaded` | the project was seeded (by this server instance, see below) | never |
@@ -43,7 +44,11 @@
 //!   the check is refused and reserves nothing; else it reserves this
 //!   reservation on every reserving counter. A limit's `used` counts the live
 //!   reservations (lease after the check's `at`) when `calls` is among its
-//!   fields, without the check's own reservation (a retry).
+//!   fields, and their estimates of its other fields (tokens, cost: an
+//!   [`EstimateRecord`]), without the check's own reservation (a retry). An
+//!   admitted check holds the plan's estimate with its lease on every
+//!   reserving counter; the lease's end frees both (a check purges the
+//!   estimates of ended leases with the leases).
 //! - **A settle replaces the reservation with the real delta**: it releases
 //!   the reservation and adds the deltas to pending (a counter named twice is
 //!   summed), indexed by event id. An event already indexed adds nothing.
@@ -300,6 +305,16 @@ pub struct LeaseRecord {
     pub expires: Option<Millis>,
 }
 
+/// `e:<counter>`: what the reservations held on a counter hold there
+/// besides one call (their checks' estimates), by reservation id. An entry
+/// exists only beside the same reservation's lease in the counter's
+/// [`LeaseRecord`], with the same expiry written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EstimateRecord {
+    pub amounts: BTreeMap<ReservationId, Values>,
+    pub expires: Option<Millis>,
+}
+
 /// `res:<rid>`: the counters a reservation holds; once released (settled or
 /// freed), a tombstone until the hold would have expired.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -331,7 +346,7 @@ macro_rules! expiring {
         }
     )*};
 }
-expiring!(CounterRecord, LeaseRecord, HoldRecord, EventRecord);
+expiring!(CounterRecord, LeaseRecord, EstimateRecord, HoldRecord, EventRecord);
 
 /// `PEXPIREAT` unless the record already expires later (`extend_expiry`).
 fn extend(expires: &mut Option<Millis>, until: Millis) {
@@ -397,6 +412,7 @@ pub struct ProjectDump {
     pub loaded: bool,
     pub counters: BTreeMap<String, CounterRecord>,
     pub leases: BTreeMap<String, LeaseRecord>,
+    pub estimates: BTreeMap<String, EstimateRecord>,
     pub holds: BTreeMap<ReservationId, HoldRecord>,
     pub events: BTreeMap<EventId, EventRecord>,
 }
@@ -407,13 +423,14 @@ struct ProjectState {
     loaded: bool,
     counters: HashMap<String, CounterRecord>,
     leases: HashMap<String, LeaseRecord>,
+    estimates: HashMap<String, EstimateRecord>,
     holds: HashMap<ReservationId, HoldRecord>,
     events: HashMap<EventId, EventRecord>,
 }
 
 impl ProjectState {
     fn records(&self) -> usize {
-        self.counters.len() + self.leases.len() + self.holds.len() + self.events.len()
+        self.counters.len() + self.leases.len() + self.estimates.len() + self.holds.len() + self.events.len()
     }
 
     /// Writes a counter (creating it), then sets its expiry (`expire_at`,
@@ -519,16 +536,30 @@ impl ProjectState {
     }
 
     /// Holds a reservation on counters until `lease_until`, as an admitted
-    /// check does.
-    fn hold(&mut self, rid: &ReservationId, names: &[String], lease_until: DateTime<Utc>, now: Millis) {
+    /// check does: one call on each, and `estimate` beside it unless zero.
+    fn hold(
+        &mut self,
+        rid: &ReservationId,
+        names: &[String],
+        lease_until: DateTime<Utc>,
+        estimate: &Values,
+        now: Millis,
+    ) {
         let lease = millis(lease_until);
         let until = lease_expiry(lease_until);
+        let estimated = estimate.iter().any(|v| *v != 0);
         let mut held = false;
         for name in names {
             let z = live_or_new(&mut self.leases, name, now);
             z.leases.insert(rid.clone(), lease);
             extend(&mut z.expires, until);
             drop_if_expired(&mut self.leases, name, now);
+            if estimated {
+                let e = live_or_new(&mut self.estimates, name, now);
+                e.amounts.insert(rid.clone(), *estimate);
+                extend(&mut e.expires, until);
+                drop_if_expired(&mut self.estimates, name, now);
+            }
             live_or_new(&mut self.holds, rid, now).counters.insert(name.clone());
             held = true;
         }
@@ -553,7 +584,7 @@ impl ProjectState {
                 continue; // held since the tail was read, or released since: not again
             }
             let names: Vec<String> = h.counters.iter().map(|c| c.key.encode()).collect();
-            self.hold(&h.reservation, &names, h.lease_until, now);
+            self.hold(&h.reservation, &names, h.lease_until, &h.estimate.totals().values(), now);
         }
         self.loaded = true;
     }
@@ -568,6 +599,12 @@ impl ProjectState {
                 z.leases.remove(rid);
                 if z.leases.is_empty() {
                     self.leases.remove(name.as_str());
+                }
+            }
+            if let Some(e) = live(&mut self.estimates, name.as_str(), now) {
+                e.amounts.remove(rid);
+                if e.amounts.is_empty() {
+                    self.estimates.remove(name.as_str());
                 }
             }
         }
@@ -591,9 +628,19 @@ impl ProjectState {
         let mut counted = false;
         for (i, c) in plan.counters.iter().enumerate() {
             if let Some(z) = live(&mut self.leases, names[i].as_str(), now) {
+                let ended: Vec<ReservationId> =
+                    z.leases.iter().filter(|(_, lease)| **lease <= at_ms).map(|(r, _)| r.clone()).collect();
                 z.leases.retain(|_, lease| *lease > at_ms);
                 if z.leases.is_empty() {
                     self.leases.remove(names[i].as_str());
+                }
+                if !ended.is_empty()
+                    && let Some(e) = live(&mut self.estimates, names[i].as_str(), now)
+                {
+                    e.amounts.retain(|r, _| !ended.contains(r));
+                    if e.amounts.is_empty() {
+                        self.estimates.remove(names[i].as_str());
+                    }
                 }
             }
             if plan.count_request.contains(&i) {
@@ -627,16 +674,28 @@ impl ProjectState {
                     .map_or(0, |z| z.leases.iter().filter(|(r, lease)| **lease > at_ms && *r != rid).count())
             };
             let durable = |f: Field| rec.map_or(0, |c| u128::try_from(durable_value(&c.durable, f)).unwrap_or(0));
+            // The estimates of the other live reservations, of one field.
+            let estimated = |f: Field| -> u128 {
+                let (Some(e), Some(z)) = (live_ref(&self.estimates, name, now), live_ref(&self.leases, name, now))
+                else {
+                    return 0;
+                };
+                e.amounts
+                    .iter()
+                    .filter(|(r, _)| *r != rid && z.leases.get(*r).is_some_and(|lease| *lease > at_ms))
+                    .fold(0u128, |acc, (_, v)| acc.saturating_add(u128::try_from(v[f.index()]).unwrap_or(0)))
+            };
             let (mut u, mut base, mut kept, mut reserved): (u128, u128, u128, u128) = (0, 0, 0, 0);
             for f in &l.fields {
                 u = u.saturating_add(value(*f));
                 base = base.saturating_add(value(*f));
                 kept = kept.saturating_add(durable(*f));
-                if *f == Field::Calls && l.kind != LimitKind::Blackout {
-                    let h = held() as u128;
-                    u = u.saturating_add(h);
-                    reserved = reserved.saturating_add(h);
+                if l.kind == LimitKind::Blackout {
+                    continue;
                 }
+                let h = if *f == Field::Calls { held() as u128 } else { estimated(*f) };
+                u = u.saturating_add(h);
+                reserved = reserved.saturating_add(h);
             }
             if l.kind == LimitKind::Blackout && value(Field::LlmPriced) > 0 {
                 u = 0;
@@ -652,7 +711,7 @@ impl ProjectState {
 
         if admitted {
             let reserved: Vec<String> = plan.reserved_counters().into_iter().map(|i| names[i].clone()).collect();
-            self.hold(rid, &reserved, hold.lease_until, now);
+            self.hold(rid, &reserved, hold.lease_until, &plan.estimate.totals().values(), now);
         }
 
         CheckOutcome { admitted, used, parts }
@@ -675,9 +734,17 @@ impl ProjectState {
             .map(|c| (c.durable, Totals::from_values(&c.pending)))
             .unwrap_or_default();
         let at_ms = millis(at);
-        let reserved = live_ref(&self.leases, name.as_str(), now)
-            .map_or(0, |z| z.leases.values().filter(|lease| **lease > at_ms).count());
-        CounterUsage { durable, pending, reserved_calls: reserved as u64 }
+        let leases = live_ref(&self.leases, name.as_str(), now);
+        let reserved = leases.map_or(0, |z| z.leases.values().filter(|lease| **lease > at_ms).count());
+        let mut estimates: Values = [0; Field::ALL.len()];
+        if let (Some(z), Some(e)) = (leases, live_ref(&self.estimates, name.as_str(), now)) {
+            for (rid, v) in &e.amounts {
+                if z.leases.get(rid).is_some_and(|lease| *lease > at_ms) {
+                    add_values(&mut estimates, v);
+                }
+            }
+        }
+        CounterUsage { durable, pending, reserved_calls: reserved as u64, reserved: Totals::from_values(&estimates) }
     }
 
     fn dump(&self, now: Millis) -> ProjectDump {
@@ -685,6 +752,7 @@ impl ProjectState {
             loaded: self.loaded,
             counters: live_sorted(&self.counters, now),
             leases: live_sorted(&self.leases, now),
+            estimates: live_sorted(&self.estimates, now),
             holds: live_sorted(&self.holds, now),
             events: live_sorted(&self.events, now),
         }
@@ -694,6 +762,7 @@ impl ProjectState {
     fn sweep(&mut self, now: Millis) -> bool {
         self.counters.retain(|_, v| !v.expired(now));
         self.leases.retain(|_, v| !v.expired(now) && !v.leases.is_empty());
+        self.estimates.retain(|_, v| !v.expired(now) && !v.amounts.is_empty());
         self.holds.retain(|_, v| !v.expired(now));
         self.events.retain(|_, v| !v.expired(now));
         self.loaded || self.records() > 0
@@ -904,7 +973,68 @@ mod tests {
             ],
             count_request: vec![0],
             windows: Vec::new(),
+            estimate: crate::Estimate::default(),
         }
+    }
+
+    /// Caps tokens at `limit` on one counter, reserving `estimate` tokens.
+    fn token_plan(c: &Counter, limit: u64, estimate: u64) -> CheckPlan {
+        CheckPlan {
+            counters: vec![c.clone()],
+            limits: vec![PlannedLimit {
+                quota: 0,
+                counter: 0,
+                metric: Metric::Tokens,
+                kind: LimitKind::Cap,
+                fields: vec![Field::Tokens],
+                limit,
+                need: estimate,
+                enforce: true,
+                reserve: true,
+            }],
+            count_request: Vec::new(),
+            windows: Vec::new(),
+            estimate: crate::Estimate { tokens: estimate, cost: 0 },
+        }
+    }
+
+    /// An estimate is held with the lease: other checks read it until the
+    /// settle replaces it with the actual tokens, or the lease ends.
+    #[test]
+    fn an_estimate_is_reserved_until_settled_or_its_lease_ends() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        v.seed(&p, &Seed::default(), t0());
+        let first = hold(1, t0() + Span::seconds(10));
+        let o = v.check(&p, &token_plan(&c, 100, 60), &first, t0()).expect("valid").expect("seeded");
+        assert!(o.admitted);
+        // 60 held + 41 > 100: refused, reserving nothing; 40 fits.
+        let o = v.check(&p, &token_plan(&c, 100, 41), &hold(2, t0() + Span::seconds(10)), t0()).expect("v").expect("s");
+        assert_eq!((o.admitted, o.used, o.parts[0].reserved), (false, vec![60], 60));
+        let third = hold(3, t0() + Span::seconds(20));
+        assert!(v.check(&p, &token_plan(&c, 100, 40), &third, t0()).expect("v").expect("s").admitted);
+        // A retry of the first reads the others' estimates, not its own.
+        let o = v.check(&p, &token_plan(&c, 100, 60), &first, t0()).expect("v").expect("s");
+        assert_eq!((o.admitted, o.used), (true, vec![40]));
+        // The first settles with 10 actual tokens: its 60 are replaced.
+        let actual = Settlement {
+            event: EventId::parse("t1").expect("id"),
+            reservation: Some(first.reservation.clone()),
+            deltas: vec![(c.clone(), Totals { tokens: 10, ..Totals::default() })],
+        };
+        v.settle(&p, &[actual], t0());
+        let o = v.check(&p, &token_plan(&c, 100, 50), &hold(4, t0() + Span::seconds(30)), t0()).expect("v").expect("s");
+        assert_eq!((o.admitted, o.used, o.parts[0].reserved), (true, vec![50], 40), "10 settled + 40 held");
+        // Past the third's lease only the fourth's 50 and the 10 are read.
+        let later = t0() + Span::seconds(25);
+        let o =
+            v.check(&p, &token_plan(&c, 100, 41), &hold(5, later + Span::seconds(5)), later).expect("v").expect("s");
+        assert_eq!((o.admitted, o.used), (false, vec![60]));
+        let d = v.dump(&p);
+        let held = &d.estimates[&c.key.encode()].amounts;
+        assert!(!held.contains_key(&third.reservation), "the ended lease's estimate is purged: {held:?}");
+        assert!(!held.contains_key(&first.reservation), "the settled one's is released");
     }
 
     #[test]
@@ -1082,11 +1212,13 @@ mod tests {
             reservation: ReservationId::parse("r1").expect("id"),
             lease_until: t0() + Span::seconds(30),
             counters: vec![c.clone()],
+            estimate: Default::default(),
         };
         let ended = crate::view::SeedHold {
             reservation: ReservationId::parse("r2").expect("id"),
             lease_until: t0(),
             counters: vec![c.clone()],
+            estimate: Default::default(),
         };
         let seed = Seed {
             totals: vec![(c.clone(), Totals::default())],
@@ -1125,6 +1257,7 @@ mod tests {
             reservation: h.reservation.clone(),
             lease_until: h.lease_until,
             counters: vec![c.clone()],
+            estimate: Default::default(),
         };
         // The first gateway settles the call; then the second seed lands.
         v.settle(&p, &[call_settlement("call", &c, Some(&h))], t0());

@@ -82,7 +82,12 @@ pub fn seed_from_tail(
             && !f.held.is_empty()
             && held.insert(rid)
         {
-            holds.push(SeedHold { reservation: rid.clone(), lease_until, counters: f.held.clone() });
+            holds.push(SeedHold {
+                reservation: rid.clone(),
+                lease_until,
+                counters: f.held.clone(),
+                estimate: f.estimate,
+            });
         }
     }
     Seed { totals, pending, holds }
@@ -158,7 +163,7 @@ mod tests {
         let plan = plan_check(
             &quotas(1),
             Tz::UTC,
-            &CheckInput { caller: Caller { api_key: Some(key()), ..Caller::default() }, storage_delta: None },
+            &CheckInput { caller: Caller { api_key: Some(key()), ..Caller::default() }, ..Default::default() },
             t0(),
         );
         plan.counters[plan.reserved_counters()[0]].clone()
@@ -260,7 +265,7 @@ mod tests {
             let plan = plan_check(
                 &q,
                 Tz::UTC,
-                &CheckInput { caller: Caller { api_key: Some(key()), ..Caller::default() }, storage_delta: None },
+                &CheckInput { caller: Caller { api_key: Some(key()), ..Caller::default() }, ..Default::default() },
                 t0(),
             );
             let mut admitted = 0;

@@ -20,10 +20,14 @@
 -- then           L; then per limit 6 values: counter index (1-based), kind
 --                (cap|blackout|probe), fields (short names joined by ','),
 --                limit, need, enforce ('1'/'0')
+-- then           the estimate an admitted check holds on each reserving
+--                counter besides one call: a value list ('' = none)
+-- Derived keys (same hash tag): P{p}:e:<n_i>, the estimates held on counter i.
 --
 -- A limit reads its counter as meter's LimitKind says, with v(f) =
 -- max(0, t_f + p_f) for each of its fields f:
 --   cap       used = sum of v(f) (+ live reservations when calls is among the
+--             fields, + the live reservations' estimates of its other
 --             fields); refuses when enforce and used + need > limit
 --   blackout  used = sum of v(f) when v(llm_p) = 0 (nothing in the window is
 --             priced), else 0; refuses like a cap
@@ -35,7 +39,7 @@
 -- durable_j, settled_j, reserved_j }, each used after this request was
 -- counted and before this check's own reservation. The split (meter's
 -- UsageParts): durable = sum of max(0, t_f), settled = sum of v(f) - durable,
--- reserved = the live reservations a calls limit counted.
+-- reserved = the live reservations (and estimates) the limit counted.
 -- A refused check reserves nothing; the request count stays (a refused
 -- request is still a request). A malformed plan is refused with an error
 -- before anything is written.
@@ -50,6 +54,7 @@ local now = ARGV[1]
 local lease = ARGV[2]
 local rid = ARGV[3]
 local n = tonumber(ARGV[6])
+local prefix = string.sub(KEYS[1], 1, #KEYS[1] - #'loaded')
 
 -- The limits, read (and checked) before anything is written.
 local a = 7 + 4 * n
@@ -76,6 +81,10 @@ for j = 1, tonumber(ARGV[a]) do
     limit = tonumber(ARGV[b + 3]), need = tonumber(ARGV[b + 4]), enforce = ARGV[b + 5] == '1',
   }
 end
+local estimate = ARGV[a + 1 + 6 * #limits] or ''
+if not valid_list(split(estimate)) then
+  return redis.error_reply('tollgate: bad estimate ' .. estimate)
+end
 
 -- Purge expired leases; count the request once per event and counter (and
 -- not at all once the request event is folded: its tombstone).
@@ -88,6 +97,13 @@ for i = 1, n do
   names[i], reserves[i] = ARGV[a], ARGV[a + 3]
   local exp, counts = ARGV[a + 1], ARGV[a + 2]
   a = a + 4
+  local ekey = prefix .. 'e:' .. names[i]
+  if redis.call('EXISTS', ekey) == 1 then
+    local ended = redis.call('ZRANGEBYSCORE', rkey, '-inf', now)
+    if #ended > 0 then
+      redis.call('HDEL', ekey, unpack(ended))
+    end
+  end
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
   if counts == '1' and not folded and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
     redis.call('HINCRBY', ckey, P_FIELDS[REQ], 1)
@@ -134,17 +150,39 @@ local function live(i)
   return held
 end
 
+-- The estimates of the live reservations on a counter, without this
+-- check's own, per field (after the purge every lease left is live).
+local held_est = {}
+local function estimated(i, f)
+  local e = held_est[i]
+  if not e then
+    e = {}
+    held_est[i] = e
+    local ekey, rkey = prefix .. 'e:' .. names[i], KEYS[3 + 2 * i]
+    local kv = redis.call('HGETALL', ekey)
+    for k = 1, #kv, 2 do
+      if kv[k] ~= rid and redis.call('ZSCORE', rkey, kv[k]) then
+        for g, v in ipairs(split(kv[k + 1])) do
+          e[g] = (e[g] or 0) + (tonumber(v) or 0)
+        end
+      end
+    end
+  end
+  return math.max(0, e[f] or 0)
+end
+
 local admitted = true
 local out = { '1' }
-local split = {}
+local parts = {}
 for j, l in ipairs(limits) do
   local used, base, kept, reserved = 0, 0, 0, 0
   for _, f in ipairs(l.fields) do
     used = used + value(l.ci, f)
     base = base + value(l.ci, f)
     kept = kept + durable(l.ci, f)
-    if f == CALLS and l.kind ~= 'blackout' then
-      local held = live(l.ci)
+    if l.kind ~= 'blackout' then
+      local held
+      if f == CALLS then held = live(l.ci) else held = estimated(l.ci, f) end
       used = used + held
       reserved = reserved + held
     end
@@ -153,9 +191,9 @@ for j, l in ipairs(limits) do
     used = 0
   end
   out[j + 1] = string.format('%.0f', used)
-  split[#split + 1] = string.format('%.0f', kept)
-  split[#split + 1] = string.format('%.0f', base - kept)
-  split[#split + 1] = string.format('%.0f', reserved)
+  parts[#parts + 1] = string.format('%.0f', kept)
+  parts[#parts + 1] = string.format('%.0f', base - kept)
+  parts[#parts + 1] = string.format('%.0f', reserved)
   if l.enforce and l.kind ~= 'probe' and used + l.need > l.limit then
     admitted = false
   end
@@ -168,6 +206,11 @@ if admitted then
       local rkey = KEYS[3 + 2 * i]
       redis.call('ZADD', rkey, lease, rid)
       extend_expiry(rkey, ARGV[4])
+      if estimate ~= '' then
+        local ekey = prefix .. 'e:' .. names[i]
+        redis.call('HSET', ekey, rid, estimate)
+        extend_expiry(ekey, ARGV[4])
+      end
       redis.call('SADD', KEYS[3], names[i])
       held = true
     end
@@ -179,7 +222,7 @@ else
   out[1] = '0'
 end
 
-for _, v in ipairs(split) do
+for _, v in ipairs(parts) do
   out[#out + 1] = v
 end
 return out

@@ -8,6 +8,9 @@
 --                           p_<f> (pending: settled, not folded) for each
 --                           field f of FIELDS below; a missing field is 0
 --   P{p}:r:<n>        zset  reservation id -> lease expiry (ms)
+--   P{p}:e:<n>        hash  reservation id -> the estimate it holds on the
+--                           counter besides one call (a value list); only
+--                           beside its lease in r:<n>, same expiry written
 --   P{p}:res:<rid>    set   the counter names a reservation holds; once
 --                           released, a tombstone: the one member '~'
 --   P{p}:ev:<event>   hash  counter name -> the value list that event added
@@ -161,6 +164,7 @@ local function release(base, reskey, rid)
   for _, n in ipairs(names) do
     if n ~= TOMBSTONE then
       redis.call('ZREM', base .. 'r:' .. n, rid)
+      redis.call('HDEL', base .. 'e:' .. n, rid)
       redis.call('SREM', reskey, n)
     end
   end

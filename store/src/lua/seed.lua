@@ -16,7 +16,8 @@
 -- then      S; then per fact: event id, D, then per delta 3 values: counter
 --           name, expire-at, the delta as a value list (common.lua)
 -- then      H; then per reservation: id, lease end (ms), when its keys may
---           expire (ms), N, then N counter names
+--           expire (ms), its estimate (a value list, '' = none), N, then N
+--           counter names
 -- Totals are raised as raise_totals says; a fact whose event is already
 -- indexed (settled since the loss, or a tombstone: folded since) adds
 -- nothing; reservations are held as check.lua holds them, but not one
@@ -69,8 +70,11 @@ end
 local h = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, h do
-  local rid, lease, until_, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  a = a + 4
+  local rid, lease, until_, estimate, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
+  a = a + 5
+  if not valid_list(split(estimate)) then
+    return redis.error_reply('tollgate: bad estimate ' .. estimate)
+  end
   local reskey = base .. 'res:' .. rid
   -- Not one already indexed: held since the tail was read, or released
   -- since (a tombstone, see release in common.lua).
@@ -83,6 +87,11 @@ for _ = 1, h do
       local rkey = base .. 'r:' .. name
       redis.call('ZADD', rkey, lease, rid)
       extend_expiry(rkey, until_)
+      if estimate ~= '' then
+        local ekey = base .. 'e:' .. name
+        redis.call('HSET', ekey, rid, estimate)
+        extend_expiry(ekey, until_)
+      end
       redis.call('SADD', reskey, name)
       held = true
     end
