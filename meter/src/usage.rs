@@ -314,12 +314,15 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
             ("admitted", fact.admitted.is_some()),
             ("lease_until", fact.lease_until.is_some()),
             ("held", !fact.held.is_empty()),
+            ("estimate", !fact.estimate.is_zero()),
             ("breaches", !fact.breaches.is_empty()),
         ];
         if let Some((name, _)) = request_only.iter().find(|(_, set)| *set) {
             return Err(FieldError::new(*name, format!("is only carried by request events, not {k}")));
         }
-    } else if fact.admitted != Some(true) && (fact.lease_until.is_some() || !fact.held.is_empty()) {
+    } else if fact.admitted != Some(true)
+        && (fact.lease_until.is_some() || !fact.held.is_empty() || !fact.estimate.is_zero())
+    {
         return Err(FieldError::new("held", "a refused (or unknown) check holds nothing"));
     }
     if k != EventKind::Correction && (fact.corrects.is_some() || fact.void) {
@@ -614,6 +617,11 @@ impl Totals {
 /// What one fact adds, wherever it is counted, priced against `book`.
 pub fn delta_of(fact: &UsageFact, book: &PriceBook) -> Totals {
     match (fact.kind, fact.outcome) {
+        // A signed-in user's check (no key) is on the log for its
+        // reservation, and counts no request: requests are key traffic.
+        (EventKind::Request, _) if fact.api_key_id.is_none() && fact.user_id.is_some() && fact.admitted.is_some() => {
+            Totals::default()
+        }
         (EventKind::Request, _) => Totals { requests: 1, ..Totals::default() },
         (EventKind::Call, Outcome::Success) => Totals { calls: 1, rows: fact.rows, ..Totals::default() },
         (EventKind::Tokens, _) => {
@@ -812,6 +820,22 @@ mod tests {
         assert!(counters_for(&fact(EventKind::Call, Outcome::Failure, 7), Tz::UTC, &PriceBook::default()).is_empty());
         let c = counters_for(&fact(EventKind::Request, Outcome::Success, 0), Tz::UTC, &PriceBook::default());
         assert_eq!(c.len(), 3 * 5);
+    }
+
+    /// A signed-in user's check is logged (its reservation must survive a
+    /// lost view) and counts no request; a request event without a key that
+    /// records no check (one a client reported) still counts one.
+    #[test]
+    fn a_signed_in_users_check_counts_no_request() {
+        let user_check = UsageFact {
+            api_key_id: None,
+            user_id: Some("user:alice".into()),
+            admitted: Some(true),
+            ..fact(EventKind::Request, Outcome::Success, 0)
+        };
+        assert!(counters_for(&user_check, Tz::UTC, &PriceBook::default()).is_empty());
+        let reported = UsageFact { api_key_id: None, ..fact(EventKind::Request, Outcome::Success, 0) };
+        assert_eq!(delta_of(&reported, &PriceBook::default()).requests, 1);
     }
 
     #[test]

@@ -344,3 +344,51 @@ async fn faults_view_unreachable_follows_the_policy() {
         assert!(metric(&text, policy) >= 1.0, "{policy} decisions counted on {gw}/metrics");
     }
 }
+
+/// A signed-in user's check reserves on its role's quota like a key's, and
+/// its request event is on the log too (counting no request): a `FLUSHALL`
+/// while the user holds reservations does not give their slots away — the
+/// reseed reads them from the log on the other gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn faults_view_flush_keeps_a_signed_in_users_reservations() {
+    testkit::require!(Postgres, Kafka);
+    let redis = testkit::RedisServer::start().await;
+    let mut env = Env::with_redis(redis.url()).await;
+    let first = env.start_gateway().await;
+    let second = env.start_gateway().await;
+    let (pid, _, _) = env.project_with_key(safe_timezone()).await;
+    let (s, role) = env
+        .admin_post(
+            &format!("/v1/projects/{pid}/roles"),
+            json!({"name": "analyst", "quota": {"calls": 3, "per": "day"}}),
+        )
+        .await;
+    assert_eq!(s, 201, "{role}");
+    let user = json!({"user": "user:alice", "role_id": role["id"]});
+    let ask = |gw: String| {
+        let (http, user) = (env.http.clone(), user.clone());
+        async move {
+            let r = http.post(format!("{gw}/v1/check")).bearer_auth(GATEWAY).json(&user).send().await.expect("check");
+            r.status().as_u16()
+        }
+    };
+    assert_eq!(ask(first.clone()).await, 200);
+    assert_eq!(ask(first.clone()).await, 200);
+    // Both request events reach the log (published in the background).
+    let on_log = || async {
+        let facts = crate::invariants::LogAudit::of(&env).await.facts();
+        facts
+            .iter()
+            .filter(|(_, _, f)| f.project_id.as_str() == pid && f.user_id.as_deref() == Some("user:alice"))
+            .count()
+            == 2
+    };
+    env.eventually(30, "the user's request events are on the log", on_log).await;
+    let client = redis::Client::open(redis.url()).expect("redis client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to own redis");
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("flushall");
+    assert_eq!(ask(second.clone()).await, 200, "the third slot");
+    assert_eq!(ask(second.clone()).await, 429, "2 held (from the log) + 1 admitted = the role's 3");
+    drop(env);
+    drop(redis);
+}

@@ -469,12 +469,16 @@ async fn reserve(
     };
     let outcome = observe(s, &project, plan, &hold, now).await?;
     let verdict = outcome.as_ref().map(|o| meter::decide(quotas, plan, o, now));
-    // Requests are key-authenticated traffic only: a signed-in user's check
-    // is not a counted request.
-    if let Subject::Key(key) = subject {
-        let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
-        publish_request(s, key, ctx.agent.clone(), ctx.actor.clone(), &hold, logged, now);
-    }
+    // Every check's request event is on the log, so a view rebuilt from it
+    // holds the check's reservation again. Requests are key-authenticated
+    // traffic only: a signed-in user's (no api key) counts no request.
+    let (key, user) = match subject {
+        Subject::Key(k) => (Some(k.id.clone()), None),
+        Subject::User { user, .. } => (None, Some(user.clone())),
+    };
+    let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
+    let asker = Asker { project: project.clone(), key, user, agent: ctx.agent.clone(), actor: ctx.actor.clone() };
+    publish_request(s, asker, &hold, logged, now);
     let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
@@ -676,19 +680,22 @@ fn logged_request(
 /// queue loses it from the log, counted in
 /// `tollgate_request_events_unacknowledged_total`, and then its pending
 /// count over-counts until the window ends.
-fn publish_request(
-    s: &AppState,
-    key: &ApiKey,
+/// Who a request event is of.
+struct Asker {
+    project: ProjectId,
+    key: Option<meter::ApiKeyId>,
+    /// A signed-in user (`user:<subject>`), checked without a key.
+    user: Option<String>,
     agent: Option<String>,
     actor: Option<String>,
-    hold: &Hold,
-    logged: LoggedRequest,
-    now: DateTime<Utc>,
-) {
+}
+
+fn publish_request(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedRequest, now: DateTime<Utc>) {
     let fact = UsageFact {
-        api_key_id: Some(key.id.clone()),
-        agent_id: agent,
-        actor_id: actor,
+        api_key_id: asker.key,
+        user_id: asker.user,
+        agent_id: asker.agent,
+        actor_id: asker.actor,
         reservation_id: Some(hold.reservation.clone()),
         gateway: s.settings.instance.clone(),
         received_at: Some(now),
@@ -697,7 +704,7 @@ fn publish_request(
         held: logged.held,
         estimate: logged.estimate,
         breaches: logged.breaches,
-        ..UsageFact::new(hold.request_event.clone(), key.project_id.clone(), EventKind::Request, now)
+        ..UsageFact::new(hold.request_event.clone(), asker.project, EventKind::Request, now)
     };
     let log = s.log.clone();
     tokio::spawn(async move {
