@@ -39,7 +39,7 @@ use serde_json::{Value, json};
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
 
 mod support;
-use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, throughput};
+use support::{AnyResult, Latency, NullLog, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
 
 const ADMIN: &str = "admin-token-bench";
 const GATEWAY: &str = "gateway-token-bench";
@@ -85,15 +85,6 @@ async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> bool {
         }
         Err(_) => false,
     }
-}
-
-async fn serve(router: axum::Router) -> AnyResult<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(format!("http://{addr}"))
 }
 
 async fn admin_post(http: &reqwest::Client, url: &str, body: Value) -> AnyResult<Value> {
@@ -628,16 +619,6 @@ async fn script_check(view: &RedisView, project: &ProjectId, key: &ApiKeyId, quo
         lease_until: now + chrono::Duration::seconds(60),
     };
     matches!(view.check(project, &plan, &hold, now).await, Ok(Some(o)) if o.admitted)
-}
-
-/// A log that accepts everything and keeps nothing (diagnostics only).
-struct NullLog;
-
-#[async_trait::async_trait]
-impl meter::Log for NullLog {
-    async fn publish(&self, _facts: &[UsageFact]) -> meter::PortResult<()> {
-        Ok(())
-    }
 }
 
 /// Redis commands naming `prefix` per call of `op`, counted on a MONITOR

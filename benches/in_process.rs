@@ -48,7 +48,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod support;
-use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, throughput};
+use support::{AnyResult, Latency, NullLog, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
 
 /// Sequential HTTP requests per latency measurement (after warm-up).
 const HTTP_N: usize = 5_000;
@@ -76,15 +76,6 @@ async fn post_json(http: &reqwest::Client, url: &str, secret: &str, body: &Value
         }
         Err(_) => false,
     }
-}
-
-async fn serve(router: axum::Router) -> AnyResult<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(format!("http://{addr}"))
 }
 
 /// The baseline handler: `hot_path`'s baseline B.
@@ -277,16 +268,6 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
             (state, Running::Nothing)
         }
     })
-}
-
-/// A log that accepts everything and keeps nothing (diagnostics only).
-struct NullLog;
-
-#[async_trait::async_trait]
-impl meter::Log for NullLog {
-    async fn publish(&self, _facts: &[meter::UsageFact]) -> PortResult<()> {
-        Ok(())
-    }
 }
 
 /// A Tollgate on `backend` in `path`, the hello-world app under its layer,

@@ -40,7 +40,7 @@ use serde_json::{Value, json};
 use store::{KafkaConfig, KafkaLog, KafkaReader, MemoryView, PgStore};
 
 mod support;
-use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, throughput};
+use support::{AnyResult, Latency, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
 
 const ADMIN: &str = "admin-token-bench";
 const GATEWAY: &str = "gateway-token-bench";
@@ -92,15 +92,6 @@ async fn receive(State(inbox): State<Inbox>, headers: HeaderMap, body: axum::bod
         got.entry(id.to_owned()).or_insert((kind, project, at));
     }
     StatusCode::NO_CONTENT
-}
-
-async fn serve(router: axum::Router) -> AnyResult<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(format!("http://{addr}"))
 }
 
 async fn api(http: &reqwest::Client, url: &str, token: &str, body: Value) -> AnyResult<Value> {

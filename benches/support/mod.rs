@@ -135,3 +135,24 @@ pub fn loadavg() -> String {
 pub fn ms(us: f64) -> String {
     format!("{:.3} ms", us / 1000.0)
 }
+
+/// Serves `router` on a free port of 127.0.0.1 in the background: its URL.
+pub async fn serve(router: axum::Router) -> AnyResult<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(format!("http://{addr}"))
+}
+
+/// A log that accepts everything and keeps nothing: a diagnostic's, or a
+/// measurement's where the log is the same for every variant.
+pub struct NullLog;
+
+#[async_trait::async_trait]
+impl meter::Log for NullLog {
+    async fn publish(&self, _facts: &[meter::UsageFact]) -> meter::PortResult<()> {
+        Ok(())
+    }
+}
