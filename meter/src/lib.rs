@@ -80,6 +80,7 @@ pub mod audit;
 pub mod clock;
 pub mod correction;
 pub mod error;
+pub mod export;
 pub mod fold;
 pub mod ids;
 pub mod ledger;

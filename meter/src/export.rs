@@ -1,0 +1,311 @@
+//! # Billing exports: what a run adds
+//!
+//! The rule of issue 11 item 3 (DESIGN §13), as plain data: an export run
+//! is selected by what was **folded**, not by event time. Each run compares
+//! the fold's totals per line item (a charge period, a customer dimension,
+//! an item) with what the earlier runs of the same export already wrote, and
+//! writes only the difference:
+//!
+//! - a line whose charge period is still **open** (its end plus the grace
+//!   is after the run) is written in that period, `charge_class: usage`;
+//! - a line whose charge period is **closed** is never written there again:
+//!   what was folded for it since (a late event, a correction, negative for
+//!   a credit) is written in the period open at the run, `charge_class:
+//!   correction`, keeping its own charge period.
+//!
+//! So the sum of every run's rows per charge period and line is the fold's
+//! total to the unit (the reconciliation of item 4), a closed period's rows
+//! never change, and a run that follows another with nothing folded in
+//! between writes nothing. Wiring (the fold's totals by line, the store of
+//! what each export wrote, the formats) builds on this.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::error::FieldError;
+use crate::usage::Dimension;
+
+/// How long after a charge period ends its usage may still arrive before
+/// the period closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grace(Duration);
+
+impl Grace {
+    pub const DEFAULT: Grace = Grace(Duration::from_secs(3600));
+    pub const MAX: Duration = Duration::from_secs(72 * 3600);
+
+    /// A grace of at most 72 hours.
+    pub fn new(d: Duration) -> Result<Grace, FieldError> {
+        if d > Grace::MAX {
+            return Err(FieldError::new("grace", "must be at most 72 hours"));
+        }
+        Ok(Grace(d))
+    }
+
+    pub fn duration(self) -> Duration {
+        self.0
+    }
+}
+
+/// A charge period: a `day` or `calendar_month` window of the project's
+/// zone, by its key (`2026-07-07`, `2026-07`) and its end.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Period {
+    pub key: String,
+    pub end: DateTime<Utc>,
+}
+
+impl Period {
+    /// Closed once its end plus the grace is not after `at`.
+    pub fn closed(&self, grace: Grace, at: DateTime<Utc>) -> bool {
+        let grace = chrono::Duration::from_std(grace.0).unwrap_or(chrono::Duration::hours(72));
+        self.end + grace <= at
+    }
+}
+
+/// What a line measures: a metric (`requests`, `calls`, `rows`, `tokens`,
+/// `cost_usd:<meter>`…) or one (provider, model, component).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Item {
+    Metric(String),
+    Model { provider: String, model: String, component: String },
+}
+
+/// One line item: its charge period, its customer, what it measures.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Line {
+    pub period: Period,
+    pub dimension: Dimension,
+    pub item: Item,
+}
+
+/// A line's amounts: consumed quantity, its priced and unpriced parts, and
+/// the cost of the priced part in picodollars. Signed: a run's difference
+/// is negative where a correction took usage back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Amounts {
+    pub consumed: i128,
+    pub priced: i128,
+    pub unpriced: i128,
+    pub cost: i128,
+}
+
+impl Amounts {
+    pub fn is_zero(&self) -> bool {
+        *self == Amounts::default()
+    }
+
+    fn minus(self, o: Amounts) -> Amounts {
+        Amounts {
+            consumed: self.consumed - o.consumed,
+            priced: self.priced - o.priced,
+            unpriced: self.unpriced - o.unpriced,
+            cost: self.cost - o.cost,
+        }
+    }
+
+    pub fn plus(self, o: Amounts) -> Amounts {
+        Amounts {
+            consumed: self.consumed + o.consumed,
+            priced: self.priced + o.priced,
+            unpriced: self.unpriced + o.unpriced,
+            cost: self.cost + o.cost,
+        }
+    }
+}
+
+/// Whether a row bills usage of its own period or corrects a closed one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChargeClass {
+    Usage,
+    Correction,
+}
+
+impl ChargeClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChargeClass::Usage => "usage",
+            ChargeClass::Correction => "correction",
+        }
+    }
+}
+
+/// One row of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    /// The period the row is billed in: its line's own while open, else the
+    /// period open at the run.
+    pub billing_period: Period,
+    pub charge_class: ChargeClass,
+    /// The line, with its own charge period.
+    pub line: Line,
+    pub amounts: Amounts,
+}
+
+/// The rows a run writes: for every line, what the fold holds (`folded`)
+/// less what earlier runs wrote of it (`exported`, by charge period); a line
+/// of a period closed at `at` is billed in `open` (the period open at the
+/// run) as a correction. Rows are in line order; a line with no difference
+/// writes none.
+pub fn run(
+    folded: &BTreeMap<Line, Amounts>,
+    exported: &BTreeMap<Line, Amounts>,
+    open: &Period,
+    grace: Grace,
+    at: DateTime<Utc>,
+) -> Vec<Row> {
+    let lines: BTreeSet<&Line> = folded.keys().chain(exported.keys()).collect();
+    let mut rows = Vec::new();
+    for line in lines {
+        let now = folded.get(line).copied().unwrap_or_default();
+        let before = exported.get(line).copied().unwrap_or_default();
+        let amounts = now.minus(before);
+        if amounts.is_zero() {
+            continue;
+        }
+        let (billing_period, charge_class) = if line.period.closed(grace, at) {
+            (open.clone(), ChargeClass::Correction)
+        } else {
+            (line.period.clone(), ChargeClass::Usage)
+        };
+        rows.push(Row { billing_period, charge_class, line: line.clone(), amounts });
+    }
+    rows
+}
+
+/// What the runs wrote of each line (by its own charge period): the
+/// `exported` of the next run, once `rows` are written.
+pub fn record(exported: &mut BTreeMap<Line, Amounts>, rows: &[Row]) {
+    for r in rows {
+        let e = exported.entry(r.line.clone()).or_default();
+        *e = e.plus(r.amounts);
+        if e.is_zero() {
+            exported.remove(&r.line);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn at(h: i64) -> DateTime<Utc> {
+        DateTime::<Utc>::UNIX_EPOCH + chrono::Duration::hours(h)
+    }
+
+    /// Days of 24 hours from the epoch: day `d` ends at hour 24 (d + 1).
+    fn day(d: i64) -> Period {
+        Period { key: format!("d{d}"), end: at(24 * (d + 1)) }
+    }
+
+    fn line(d: i64, who: u8, item: &str) -> Line {
+        let dimension = if who == 0 { Dimension::Project } else { Dimension::Actor(format!("a{who}")) };
+        Line { period: day(d), dimension, item: Item::Metric(item.into()) }
+    }
+
+    fn amounts(n: i128) -> Amounts {
+        Amounts { consumed: n, priced: n, unpriced: 0, cost: 10 * n }
+    }
+
+    #[test]
+    fn the_grace_is_at_most_72_hours() {
+        assert!(Grace::new(Duration::from_secs(72 * 3600)).is_ok());
+        assert_eq!(Grace::new(Duration::from_secs(72 * 3600 + 1)).map_err(|e| e.field), Err("grace".to_owned()));
+    }
+
+    #[test]
+    fn a_closed_periods_late_usage_is_a_correction_in_the_open_period() {
+        let grace = Grace::DEFAULT;
+        let mut folded = BTreeMap::from([(line(0, 0, "calls"), amounts(5))]);
+        let mut exported = BTreeMap::new();
+        // Hour 24.5: day 0 ended, within the grace: still open.
+        let rows = run(&folded, &exported, &day(1), grace, at(24) + chrono::Duration::minutes(30));
+        assert_eq!((rows.len(), rows[0].charge_class, rows[0].billing_period.clone()), (1, ChargeClass::Usage, day(0)));
+        record(&mut exported, &rows);
+        // Late usage of day 0 and a credit, folded after it closed.
+        folded.insert(line(0, 0, "calls"), amounts(7));
+        folded.insert(line(1, 0, "calls"), amounts(1));
+        let rows = run(&folded, &exported, &day(1), grace, at(26));
+        assert_eq!(rows.len(), 2);
+        assert_eq!(
+            (rows[0].charge_class, &rows[0].billing_period, &rows[0].line.period),
+            (ChargeClass::Correction, &day(1), &day(0))
+        );
+        assert_eq!(rows[0].amounts, amounts(2));
+        assert_eq!((rows[1].charge_class, rows[1].amounts), (ChargeClass::Usage, amounts(1)));
+        record(&mut exported, &rows);
+        folded.insert(line(0, 0, "calls"), amounts(6)); // a correction took one back
+        let rows = run(&folded, &exported, &day(1), grace, at(27));
+        assert_eq!((rows.len(), rows[0].charge_class, rows[0].amounts), (1, ChargeClass::Correction, amounts(-1)));
+        record(&mut exported, &rows);
+        assert!(run(&folded, &exported, &day(1), grace, at(28)).is_empty(), "nothing folded since: nothing written");
+    }
+
+    /// A fold step: a line of some day gains (or, corrected, loses) some.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Fold { day: i64, who: u8, item: bool, n: i128 },
+        Run,
+        Wait(i64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => (0i64..4, 0u8..3, any::<bool>(), -3i128..20).prop_map(|(day, who, item, n)| Step::Fold { day, who, item, n }),
+            2 => Just(Step::Run),
+            2 => (1i64..30).prop_map(Step::Wait),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the order of folds, runs and time: the rows of all runs
+        /// sum, per line, to the fold; a row is never billed in a period
+        /// closed at its run; a usage row bills its own period, a
+        /// correction row a closed one's line in the period open at its run.
+        #[test]
+        fn the_runs_sum_to_the_fold_and_closed_periods_never_change(steps in prop::collection::vec(step(), 1..60)) {
+            let grace = Grace::new(Duration::from_secs(2 * 3600)).expect("grace");
+            let (mut folded, mut exported) = (BTreeMap::new(), BTreeMap::new());
+            let mut written: BTreeMap<Line, Amounts> = BTreeMap::new();
+            let mut hour = 0i64;
+            let mut steps = steps;
+            steps.push(Step::Wait(200));
+            steps.push(Step::Run);
+            for s in steps {
+                match s {
+                    Step::Fold { day, who, item, n } => {
+                        let l = line(day, who, if item { "calls" } else { "tokens" });
+                        let e: &mut Amounts = folded.entry(l).or_default();
+                        *e = e.plus(amounts(n));
+                    }
+                    Step::Wait(h) => hour += h,
+                    Step::Run => {
+                        let now = at(hour);
+                        let open = day(hour.div_euclid(24));
+                        let rows = run(&folded, &exported, &open, grace, now);
+                        for r in &rows {
+                            prop_assert!(!r.billing_period.closed(grace, now), "billed in a closed period: {r:?}");
+                            match r.charge_class {
+                                ChargeClass::Usage => prop_assert_eq!(&r.billing_period, &r.line.period),
+                                ChargeClass::Correction => {
+                                    prop_assert!(r.line.period.closed(grace, now));
+                                    prop_assert_eq!(&r.billing_period, &open);
+                                }
+                            }
+                            let w: &mut Amounts = written.entry(r.line.clone()).or_default();
+                            *w = w.plus(r.amounts);
+                        }
+                        record(&mut exported, &rows);
+                    }
+                }
+            }
+            written.retain(|_, a| !a.is_zero());
+            folded.retain(|_, a: &mut Amounts| !a.is_zero());
+            prop_assert_eq!(written, folded);
+        }
+    }
+}
