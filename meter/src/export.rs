@@ -187,6 +187,61 @@ pub fn record(exported: &mut BTreeMap<Line, Amounts>, rows: &[Row]) {
     }
 }
 
+/// Whether a dimension is a customer an export bills: the project, a key,
+/// an actor, an agent or a signed-in user (not the all-keys sum).
+pub fn is_customer(d: &Dimension) -> bool {
+    matches!(
+        d,
+        Dimension::Project | Dimension::ApiKey(_) | Dimension::Actor(_) | Dimension::Agent(_) | Dimension::User(_)
+    )
+}
+
+/// The metric lines of one folded counter of a charge period (a `day` or
+/// `calendar_month` window of a customer): requests, calls, rows and
+/// billable tokens as consumed quantities, and the cost of each meter that
+/// has one (`cost_usd:<meter>`, the cost in picodollars). Zero lines are
+/// left out; a counter of another window or dimension has none.
+pub fn metric_lines(counter: &crate::usage::Counter, t: &crate::usage::Totals) -> Vec<(Line, Amounts)> {
+    use crate::window::WindowKind;
+    let k = &counter.key;
+    let (true, Some(end)) = (
+        matches!(k.window, WindowKind::Day | WindowKind::CalendarMonth) && is_customer(&k.dimension),
+        counter.resets_at,
+    ) else {
+        return Vec::new();
+    };
+    let period = Period { key: k.window_key.clone(), end };
+    let line = |item: String| Line { period: period.clone(), dimension: k.dimension.clone(), item: Item::Metric(item) };
+    let quantity = |n: u64| Amounts { consumed: i128::from(n), ..Amounts::default() };
+    let mut out = Vec::new();
+    for (name, n) in [("requests", t.requests), ("calls", t.calls), ("rows", t.rows), ("tokens", t.tokens)] {
+        if n > 0 {
+            out.push((line(name.to_owned()), quantity(n)));
+        }
+    }
+    for meter in crate::price::MeterType::ALL {
+        let picos = t.get(crate::usage::Field::cost_of(meter));
+        if picos != 0 {
+            let cost = Amounts { cost: i128::from(picos), ..Amounts::default() };
+            out.push((line(format!("cost_usd:{}", meter.as_str())), cost));
+        }
+    }
+    out
+}
+
+/// The line of one (provider, model, component) of a charge period: its
+/// consumed tokens, the priced and unpriced parts, the cost of the priced.
+pub fn model_line(period: Period, dimension: Dimension, row: &crate::report::ModelUsageRow) -> (Line, Amounts) {
+    let (priced, unpriced) = (i128::from(row.priced_quantity), i128::from(row.unpriced_quantity));
+    let item = Item::Model {
+        provider: row.key.provider.clone(),
+        model: row.key.model.clone(),
+        component: row.key.component.as_str().to_owned(),
+    };
+    let amounts = Amounts { consumed: priced + unpriced, priced, unpriced, cost: i128::from(row.cost.picos()) };
+    (Line { period, dimension, item }, amounts)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -209,6 +264,53 @@ mod tests {
 
     fn amounts(n: i128) -> Amounts {
         Amounts { consumed: n, priced: n, unpriced: 0, cost: 10 * n }
+    }
+
+    #[test]
+    fn a_customers_day_counter_gives_its_metric_lines_and_others_none() {
+        use crate::usage::{Counter, CounterKey, Totals};
+        use crate::window::WindowKind;
+        let t = Totals { requests: 3, calls: 2, rows: 40, tokens: 1200, cost_llm_tokens: 4_500, ..Totals::default() };
+        let counter = |dimension, window| Counter {
+            key: CounterKey { dimension, window, window_key: "2026-07-07".into() },
+            resets_at: Some(at(24)),
+        };
+        let lines = metric_lines(&counter(Dimension::Actor("cust_42".into()), WindowKind::Day), &t);
+        let got: Vec<(String, i128, i128)> = lines
+            .iter()
+            .map(|(l, a)| match &l.item {
+                Item::Metric(m) => (m.clone(), a.consumed, a.cost),
+                Item::Model { .. } => panic!("a metric line"),
+            })
+            .collect();
+        let want = [
+            ("requests", 3, 0),
+            ("calls", 2, 0),
+            ("rows", 40, 0),
+            ("tokens", 1200, 0),
+            ("cost_usd:llm_tokens", 0, 4_500),
+        ];
+        assert_eq!(got, want.map(|(m, n, c)| (m.to_owned(), n, c)));
+        assert!(lines.iter().all(|(l, _)| l.period == Period { key: "2026-07-07".into(), end: at(24) }));
+        assert!(metric_lines(&counter(Dimension::AllApiKeys, WindowKind::Day), &t).is_empty(), "not a customer");
+        assert!(metric_lines(&counter(Dimension::Project, WindowKind::Rolling1h), &t).is_empty(), "not a period");
+    }
+
+    #[test]
+    fn a_model_line_keeps_priced_and_unpriced_apart() {
+        use crate::price::{Component, MeterType, PriceKey, Usd};
+        let row = crate::report::ModelUsageRow {
+            key: PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: Component::OutputTokens },
+            meter: MeterType::LlmTokens,
+            embedding: false,
+            priced_quantity: 200,
+            unpriced_quantity: 50,
+            cost: Usd(2_000_000_000),
+        };
+        let (l, a) = model_line(day(0), Dimension::Project, &row);
+        let item = Item::Model { provider: "openai".into(), model: "gpt-4o".into(), component: "output_tokens".into() };
+        assert_eq!((l.item, l.period, l.dimension), (item, day(0), Dimension::Project));
+        assert_eq!(a, Amounts { consumed: 250, priced: 200, unpriced: 50, cost: 2_000_000_000 });
     }
 
     #[test]
