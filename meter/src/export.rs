@@ -22,10 +22,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveDate, TimeZone, Utc};
+use chrono_tz::Tz;
 
 use crate::error::FieldError;
 use crate::usage::Dimension;
+use crate::window::{WindowKind, window_at};
 
 /// How long after a charge period ends its usage may still arrive before
 /// the period closes.
@@ -50,11 +52,27 @@ impl Grace {
 }
 
 /// A charge period: a `day` or `calendar_month` window of the project's
-/// zone, by its key (`2026-07-07`, `2026-07`) and its end.
+/// zone, by its key (`2026-07-07`, `2026-07`) and its bounds.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Period {
     pub key: String,
+    pub start: DateTime<Utc>,
     pub end: DateTime<Utc>,
+}
+
+/// The `day` or `calendar_month` period of `key` in `tz` (`None` for
+/// another window or a key that is not one).
+pub fn period_of(kind: WindowKind, key: &str, tz: Tz) -> Option<Period> {
+    let date = match kind {
+        WindowKind::Day => NaiveDate::parse_from_str(key, "%Y-%m-%d").ok()?,
+        WindowKind::CalendarMonth => NaiveDate::parse_from_str(&format!("{key}-01"), "%Y-%m-%d").ok()?,
+        _ => return None,
+    };
+    // Noon of the period's first day always exists, whatever the zone's
+    // daylight-saving changes (they happen at night).
+    let noon = tz.from_local_datetime(&date.and_hms_opt(12, 0, 0)?).earliest()?.with_timezone(&Utc);
+    let w = window_at(kind, tz, noon);
+    (w.key == key).then_some(Period { key: w.key, start: w.start, end: w.resets_at? })
 }
 
 impl Period {
@@ -197,20 +215,15 @@ pub fn is_customer(d: &Dimension) -> bool {
 }
 
 /// The metric lines of one folded counter of a charge period (a `day` or
-/// `calendar_month` window of a customer): requests, calls, rows and
-/// billable tokens as consumed quantities, and the cost of each meter that
-/// has one (`cost_usd:<meter>`, the cost in picodollars). Zero lines are
-/// left out; a counter of another window or dimension has none.
-pub fn metric_lines(counter: &crate::usage::Counter, t: &crate::usage::Totals) -> Vec<(Line, Amounts)> {
-    use crate::window::WindowKind;
-    let k = &counter.key;
-    let (true, Some(end)) = (
-        matches!(k.window, WindowKind::Day | WindowKind::CalendarMonth) && is_customer(&k.dimension),
-        counter.resets_at,
-    ) else {
+/// `calendar_month` window of a customer, in the project's zone `tz`):
+/// requests, calls, rows and billable tokens as consumed quantities, and
+/// the cost of each meter that has one (`cost_usd:<meter>`, the cost in
+/// picodollars). Zero lines are left out; a counter of another window or
+/// dimension has none.
+pub fn metric_lines(k: &crate::usage::CounterKey, tz: Tz, t: &crate::usage::Totals) -> Vec<(Line, Amounts)> {
+    let Some(period) = period_of(k.window, &k.window_key, tz).filter(|_| is_customer(&k.dimension)) else {
         return Vec::new();
     };
-    let period = Period { key: k.window_key.clone(), end };
     let line = |item: String| Line { period: period.clone(), dimension: k.dimension.clone(), item: Item::Metric(item) };
     let quantity = |n: u64| Amounts { consumed: i128::from(n), ..Amounts::default() };
     let mut out = Vec::new();
@@ -254,7 +267,7 @@ mod tests {
 
     /// Days of 24 hours from the epoch: day `d` ends at hour 24 (d + 1).
     fn day(d: i64) -> Period {
-        Period { key: format!("d{d}"), end: at(24 * (d + 1)) }
+        Period { key: format!("d{d}"), start: at(24 * d), end: at(24 * (d + 1)) }
     }
 
     fn line(d: i64, who: u8, item: &str) -> Line {
@@ -268,14 +281,11 @@ mod tests {
 
     #[test]
     fn a_customers_day_counter_gives_its_metric_lines_and_others_none() {
-        use crate::usage::{Counter, CounterKey, Totals};
-        use crate::window::WindowKind;
+        use crate::usage::{CounterKey, Totals};
         let t = Totals { requests: 3, calls: 2, rows: 40, tokens: 1200, cost_llm_tokens: 4_500, ..Totals::default() };
-        let counter = |dimension, window| Counter {
-            key: CounterKey { dimension, window, window_key: "2026-07-07".into() },
-            resets_at: Some(at(24)),
-        };
-        let lines = metric_lines(&counter(Dimension::Actor("cust_42".into()), WindowKind::Day), &t);
+        let counter = |dimension, window| CounterKey { dimension, window, window_key: "2026-07-07".into() };
+        let tz = Tz::Asia__Kathmandu;
+        let lines = metric_lines(&counter(Dimension::Actor("cust_42".into()), WindowKind::Day), tz, &t);
         let got: Vec<(String, i128, i128)> = lines
             .iter()
             .map(|(l, a)| match &l.item {
@@ -291,9 +301,25 @@ mod tests {
             ("cost_usd:llm_tokens", 0, 4_500),
         ];
         assert_eq!(got, want.map(|(m, n, c)| (m.to_owned(), n, c)));
-        assert!(lines.iter().all(|(l, _)| l.period == Period { key: "2026-07-07".into(), end: at(24) }));
-        assert!(metric_lines(&counter(Dimension::AllApiKeys, WindowKind::Day), &t).is_empty(), "not a customer");
-        assert!(metric_lines(&counter(Dimension::Project, WindowKind::Rolling1h), &t).is_empty(), "not a period");
+        let utc = |s: &str| DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc);
+        let period =
+            Period { key: "2026-07-07".into(), start: utc("2026-07-06T18:15:00Z"), end: utc("2026-07-07T18:15:00Z") };
+        assert!(lines.iter().all(|(l, _)| l.period == period), "{lines:?}");
+        assert!(metric_lines(&counter(Dimension::AllApiKeys, WindowKind::Day), tz, &t).is_empty(), "not a customer");
+        assert!(metric_lines(&counter(Dimension::Project, WindowKind::Rolling1h), tz, &t).is_empty(), "not a period");
+    }
+
+    #[test]
+    fn a_period_is_found_from_its_key_across_daylight_saving() {
+        let ny = Tz::America__New_York;
+        let utc = |s: &str| DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc);
+        // The day clocks go forward is 23 hours long; March is an hour short.
+        let d = period_of(WindowKind::Day, "2026-03-08", ny).expect("a day");
+        assert_eq!((d.start, d.end), (utc("2026-03-08T05:00:00Z"), utc("2026-03-09T04:00:00Z")));
+        let m = period_of(WindowKind::CalendarMonth, "2026-03", ny).expect("a month");
+        assert_eq!((m.start, m.end), (utc("2026-03-01T05:00:00Z"), utc("2026-04-01T04:00:00Z")));
+        assert_eq!(period_of(WindowKind::Day, "2026-02-30", ny), None);
+        assert_eq!(period_of(WindowKind::Rolling1m, "2026-03-08", ny), None);
     }
 
     #[test]
