@@ -29,6 +29,8 @@ use crate::error::FieldError;
 use crate::usage::Dimension;
 use crate::window::{WindowKind, window_at};
 
+pub mod format;
+
 /// How long after a charge period ends its usage may still arrive before
 /// the period closes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
