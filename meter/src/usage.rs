@@ -249,6 +249,39 @@ fn check_instant(field: &str, at: DateTime<Utc>) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// The rules of a list of token counts (a tokens event's, a check's
+/// estimate by model), named `field`: at most [`MAX_TOKEN_ENTRIES`]
+/// entries, named providers and models, every count and every sum over the
+/// entries at most [`MAX_QUANTITY`].
+pub fn check_token_usage(field: &str, list: &[TokenUsage]) -> Result<(), FieldError> {
+    if list.len() > MAX_TOKEN_ENTRIES {
+        return Err(FieldError::new(field, format!("at most {MAX_TOKEN_ENTRIES} entries")));
+    }
+    let mut sums = [0u64; 4];
+    for (i, t) in list.iter().enumerate() {
+        check_name(&format!("{field}[{i}].provider"), &t.provider)?;
+        check_name(&format!("{field}[{i}].model"), &t.model)?;
+        for (j, (name, v)) in
+            [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)]
+                .into_iter()
+                .enumerate()
+        {
+            bounded(format!("{field}[{i}].{name}"), v)?;
+            // Each term is at most 2^53 and there are at most 64: no overflow.
+            sums[j] += v;
+        }
+    }
+    for (name, sum) in ["input", "output", "cached", "reasoning"].iter().zip(sums) {
+        if sum > MAX_QUANTITY {
+            return Err(FieldError::new(field, format!("the {name} tokens of its entries sum past 2^53")));
+        }
+    }
+    if sums[0] + sums[1] + sums[2] > MAX_QUANTITY {
+        return Err(FieldError::new(field, "its billable tokens (input + output + cached) sum past 2^53"));
+    }
+    Ok(())
+}
+
 /// Checks what the fold needs of a fact beyond its types.
 pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
     if !fact.kind.is_folded() {
@@ -273,31 +306,7 @@ pub fn check_fact(fact: &UsageFact) -> Result<(), FieldError> {
         if fact.tokens.is_empty() {
             return Err(FieldError::new("tokens", "a tokens event needs at least one entry"));
         }
-        if fact.tokens.len() > MAX_TOKEN_ENTRIES {
-            return Err(FieldError::new("tokens", format!("at most {MAX_TOKEN_ENTRIES} entries")));
-        }
-        let mut sums = [0u64; 4];
-        for (i, t) in fact.tokens.iter().enumerate() {
-            check_name(&format!("tokens[{i}].provider"), &t.provider)?;
-            check_name(&format!("tokens[{i}].model"), &t.model)?;
-            for (j, (name, v)) in
-                [("input", t.input), ("output", t.output), ("cached", t.cached), ("reasoning", t.reasoning)]
-                    .into_iter()
-                    .enumerate()
-            {
-                bounded(format!("tokens[{i}].{name}"), v)?;
-                // Each term is at most 2^53 and there are at most 64: no overflow.
-                sums[j] += v;
-            }
-        }
-        for (name, sum) in ["input", "output", "cached", "reasoning"].iter().zip(sums) {
-            if sum > MAX_QUANTITY {
-                return Err(FieldError::new("tokens", format!("the {name} tokens of its entries sum past 2^53")));
-            }
-        }
-        if sums[0] + sums[1] + sums[2] > MAX_QUANTITY {
-            return Err(FieldError::new("tokens", "its billable tokens (input + output + cached) sum past 2^53"));
-        }
+        check_token_usage("tokens", &fact.tokens)?;
     } else {
         if !fact.tokens.is_empty() {
             return Err(FieldError::new("tokens", format!("a {k} event carries no tokens")));

@@ -221,6 +221,12 @@ async fn a_bad_estimate_is_refused_naming_the_field() {
         (json!({"tokens": 5, "models": generation()}), "estimate.models"),
         (json!({"models": []}), "estimate.models"),
         (json!({"models": [{"model": "m", "input": 1}]}), "estimate.models[0].provider"),
+        (
+            json!({"models": [{"provider": "p", "model": "m", "input": 9_007_199_254_740_993u64}]}),
+            "estimate.models[0].input",
+        ),
+        (json!({"models": vec![json!({"provider": "p", "model": "m", "input": 1}); 65]}), "estimate.models"),
+        (json!({"tokens": 9_007_199_254_740_993u64}), "estimate.tokens"),
         (json!({"calls": 1}), "estimate.calls"),
         (json!("lots"), "estimate"),
     ] {

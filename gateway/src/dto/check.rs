@@ -106,13 +106,15 @@ impl TryFrom<EstimateBody> for EstimateAsk {
                 .enumerate()
                 .map(|(j, t)| meter::TokenUsage::try_from(t).map_err(|e| e.under(&format!("models[{j}]."))))
                 .collect::<Result<Vec<_>, _>>()?;
-            for (j, m) in models.iter().enumerate() {
-                meter::price::check_name("provider", &m.provider).map_err(|e| e.under(&format!("models[{j}].")))?;
-                meter::price::check_name("model", &m.model).map_err(|e| e.under(&format!("models[{j}].")))?;
-            }
+            // The rules of a tokens event's counts, so an estimate prices
+            // exactly as the event that settles it will.
+            meter::usage::check_token_usage("models", &models)?;
             return Ok(EstimateAsk::Models(models));
         }
         let tokens = b.tokens.map_or(0, |Count(t)| t);
+        if tokens > meter::usage::MAX_QUANTITY {
+            return Err(FieldError::new("tokens", format!("is more than 2^53 ({})", meter::usage::MAX_QUANTITY)));
+        }
         let cost = match b.cost_usd {
             None => 0,
             Some(DecimalText(d)) => {
