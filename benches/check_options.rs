@@ -379,9 +379,10 @@ fn report(rows: &[Row], load_before: &str, load_after: &str) -> String {
          the installation's). Load average before {load_before}, after {load_after}.\n\n"
     ));
     out.push_str(
-        "| backend | check | p50 | p99 | p50 added | p99 added | Redis commands | PostgreSQL commits | errors |\n",
+        "| backend | check | p50 | p99 | p50 × check | p50 added | p99 added | Redis commands | PostgreSQL commits \
+         | errors |\n",
     );
-    out.push_str("|---|---|---|---|---|---|---|---|---|\n");
+    out.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
     for r in rows {
         let base = rows.iter().find(|x| x.backend == r.backend && x.variant == Variant::Plain).map(|x| x.latency);
         let added = |f: fn(&Latency) -> f64| match (base, r.variant) {
@@ -389,12 +390,14 @@ fn report(rows: &[Row], load_before: &str, load_after: &str) -> String {
             _ => "—".into(),
         };
         let per = |v: Option<f64>| v.map_or("—".into(), |x| format!("{x:.2}"));
+        let ratio = base.map_or("—".into(), |b| format!("{:.2}", r.latency.p50 / b.p50));
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.backend,
             r.variant.name(),
             ms(r.latency.p50),
             ms(r.latency.p99),
+            ratio,
             added(|l| l.p50),
             added(|l| l.p99),
             per(r.redis),
