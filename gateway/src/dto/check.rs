@@ -65,7 +65,9 @@ pub struct CheckBody {
     /// `tokens` and `cost_usd` quotas as a call is on `calls` (all or
     /// nothing: refused when used + reserved + estimate > limit), replaced
     /// by the actual usage when the call's event settles the reservation,
-    /// freed when its lease lapses.
+    /// freed when its lease lapses. A caller with no such quota, an exempt
+    /// role's and the break-glass caller reserve nothing (it is still
+    /// validated).
     #[schema(value_type = Option<EstimateBody>)]
     pub estimate: Option<Object<EstimateBody>>,
 }
