@@ -184,7 +184,7 @@ enum Backend {
 
 /// A running backend, to stop once measured.
 enum Running {
-    Embedded(Embedded),
+    Embedded(Box<Embedded>),
     Projector(oneshot::Sender<()>, JoinHandle<PortResult<()>>),
     Nothing,
 }
@@ -229,11 +229,11 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
     Ok(match backend {
         Backend::Memory => {
             let e = Embedded::open(path, settings, clock).await?;
-            (e.state.clone(), Running::Embedded(e))
+            (e.state.clone(), Running::Embedded(Box::new(e)))
         }
         Backend::View(view) => {
             let e = Embedded::open_with_view(path, settings, clock, view).await?;
-            (e.state.clone(), Running::Embedded(e))
+            (e.state.clone(), Running::Embedded(Box::new(e)))
         }
         Backend::SyncNormal => {
             // What `Embedded::open_with_view` does, on a pool of our own.

@@ -21,6 +21,7 @@ use tracing::info;
 
 mod apply;
 mod dev;
+mod export;
 mod notify;
 mod replay;
 
@@ -54,6 +55,11 @@ enum Command {
     /// print the differences (exit status 1 if any); `--swap` makes the
     /// shadow live and re-seeds the view.
     Replay(replay::ReplayArgs),
+    /// Run a billing export: a project's (or every project's) usage per
+    /// billing period and customer, as CSV, JSON Lines or Parquet; each run
+    /// adds what was folded since the previous run of the same export.
+    /// `--verify` also folds the log to the run's watermark and compares.
+    Export(Box<export::ExportArgs>),
 }
 
 #[derive(Args, Clone)]
@@ -273,6 +279,15 @@ struct ServeArgs {
     /// policy meanwhile).
     #[arg(long, env = "TOLLGATE_SEED_FLUSH_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     seed_flush_timeout: Duration,
+    /// Where runs of `POST /v1/exports` write their files (one per run).
+    #[arg(long, env = "TOLLGATE_EXPORT_DIR", default_value = "tollgate-exports")]
+    export_dir: std::path::PathBuf,
+    /// Most rows one export run writes; past them it stops, marked ROWS.
+    #[arg(long, env = "TOLLGATE_EXPORT_MAX_ROWS", default_value_t = 10_000_000)]
+    export_max_rows: u64,
+    /// How long one export run may write; past it it stops, marked TIME.
+    #[arg(long, env = "TOLLGATE_EXPORT_MAX_TIME", default_value = "10m", value_parser = humantime::parse_duration)]
+    export_max_time: Duration,
     /// Also run a notifier in this process (or run `tollgate notify`).
     #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
     notify: bool,
@@ -398,6 +413,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     info!(backend = ?args.permits, installation_cap = settings.installation_permits, "permits");
     let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
+    settings.exports = gateway::state::ExportSettings {
+        dir: args.export_dir,
+        max_rows: args.export_max_rows,
+        max_time: args.export_max_time,
+        consumer: args.consumer.clone(),
+        topic: kafka.usage_topic(),
+    };
     let tail = gateway::seeding::TailSource {
         tail: Arc::new(KafkaTail::new(&kafka)),
         consumer: args.consumer,
@@ -488,6 +510,13 @@ async fn main() -> anyhow::Result<()> {
             if !replay::run(a).await? {
                 // The differences are printed; the status says there were some.
                 std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Export(a) => {
+            let status = export::run(*a).await?;
+            if status != 0 {
+                std::process::exit(status);
             }
             Ok(())
         }

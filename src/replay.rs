@@ -236,6 +236,42 @@ const CATCH_UP_ROUNDS: usize = 20;
 const STALL: Duration = Duration::from_secs(60);
 
 impl<B: Backend, R: LogReader> Shadow<B, R> {
+    /// A shadow at offset 0: the projector's own fold over `reader`, into
+    /// `store`, with a view of its own, publishing no dead letters.
+    async fn new(
+        store: SqlStore<B>,
+        mut reader: R,
+        consumer: &str,
+        topic: &str,
+        max_batch: usize,
+    ) -> anyhow::Result<Self> {
+        let ends = reader.ends().await.unwrap_or_default();
+        let bar = ProgressBar::new(u64::try_from(sum(&ends)).unwrap_or(0));
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} {elapsed_precise} [{bar:30}] {pos}/{len} offsets · {per_sec} · ETA {eta} · {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        let mut config = ProjectorConfig::new(topic);
+        config.consumer = consumer.to_owned();
+        config.max_batch = max_batch;
+        config.publish_dead_letters = false;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let shadow: Arc<dyn meter::Store> = Arc::new(store.clone());
+        let mut projector = Projector::new(Bounded::new(reader), shadow, Arc::new(MemoryView::new()), clock, config);
+        projector.start().await.context("positioning the shadow at offset 0")?;
+        Ok(Shadow {
+            store,
+            projector,
+            consumer: consumer.to_owned(),
+            topic: topic.to_owned(),
+            bar,
+            outcome: Outcome::default(),
+        })
+    }
+
     /// Folds the shadow to exactly `target` (live offsets read before the
     /// call), having copied the fold's inputs from the live store first.
     async fn fold_to(&mut self, live: &SqlStore<B>, target: &BTreeMap<i32, i64>) -> anyhow::Result<()> {
@@ -275,6 +311,24 @@ impl<B: Backend, R: LogReader> Shadow<B, R> {
     async fn offsets(&self) -> PortResult<BTreeMap<i32, i64>> {
         self.store.offsets(&self.consumer, &self.topic).await
     }
+}
+
+/// Folds the whole log into `shadow` (fresh) up to exactly `target`, with
+/// the projector's own fold (the inputs it reads besides the log copied
+/// from `live`), and gives the shadow back with how many records it read:
+/// what `tollgate export --verify` counts the log with.
+pub(crate) async fn fold_log<B: Backend, R: LogReader>(
+    live: &SqlStore<B>,
+    shadow: SqlStore<B>,
+    reader: R,
+    consumer: &str,
+    topic: &str,
+    target: &BTreeMap<i32, i64>,
+) -> anyhow::Result<(SqlStore<B>, u64)> {
+    let mut s = Shadow::new(shadow, reader, consumer, topic, 5000).await?;
+    s.fold_to(live, target).await?;
+    s.bar.finish_and_clear();
+    Ok((s.store, s.outcome.records))
 }
 
 fn sum(m: &BTreeMap<i32, i64>) -> i64 {
@@ -330,7 +384,7 @@ async fn rebuild_audit<R: LogReader>(
 async fn rebuild<B, R, F>(
     live: &SqlStore<B>,
     shadow: SqlStore<B>,
-    mut reader: R,
+    reader: R,
     audit: AuditSide<R>,
     consumer: &str,
     topic: &str,
@@ -345,33 +399,11 @@ where
     for t in shadow.uncompared_tables().await.context("listing the shadow's tables")? {
         warn!(table = %t, "table not compared by replay (add it to store::sql::shadow::FOLD_TABLES if the fold writes it)");
     }
-    let ends = reader.ends().await.unwrap_or_default();
-    let bar = ProgressBar::new(u64::try_from(sum(&ends)).unwrap_or(0));
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} {elapsed_precise} [{bar:30}] {pos}/{len} offsets · {per_sec} · ETA {eta} · {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    let mut config = ProjectorConfig::new(topic);
-    config.consumer = consumer.to_owned();
-    config.max_batch = max_batch;
-    config.publish_dead_letters = false;
-    let keep = config.horizon + config.receipt_disorder;
+    let mut s = Shadow::new(shadow, reader, consumer, topic, max_batch).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let store: Arc<dyn meter::Store> = Arc::new(shadow.clone());
-    let mut projector = Projector::new(Bounded::new(reader), store, Arc::new(MemoryView::new()), clock.clone(), config);
-    projector.start().await.context("positioning the shadow at offset 0")?;
+    let defaults = ProjectorConfig::new(topic);
+    let keep = defaults.horizon + defaults.receipt_disorder;
     let started = Instant::now();
-    let mut s = Shadow {
-        store: shadow,
-        projector,
-        consumer: consumer.to_owned(),
-        topic: topic.to_owned(),
-        bar,
-        outcome: Outcome::default(),
-    };
 
     // Most of the log, without holding anything of the live store: up to
     // where the live fold stands, again and again while it moves on.

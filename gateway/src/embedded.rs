@@ -54,6 +54,15 @@ impl Embedded {
         let topic = log.usage_topic().to_owned();
         let store: Arc<dyn Store> = Arc::new(store);
         let config = ProjectorConfig::new(topic.clone());
+        // Exports read this fold, and write beside the data file unless told.
+        let mut settings = settings;
+        settings.exports.topic = topic.clone();
+        settings.exports.consumer = config.consumer.clone();
+        if settings.exports.dir == crate::state::ExportSettings::default().dir
+            && let Some(dir) = path.parent()
+        {
+            settings.exports.dir = dir.join("exports");
+        }
         let tail = TailSource {
             tail: Arc::new(log.clone()),
             consumer: config.consumer.clone(),

@@ -190,6 +190,15 @@ impl From<service::Error> for ApiError {
                     })))
                     .header("retry-after", "1")
             }
+            e @ E::ExportRunning { .. } => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too-many-heavy-requests", e.to_string())
+                    .with_meta(ErrorMeta::Heavy(Box::new(crate::dto::errors::HeavyMeta {
+                        endpoint: "exports".to_owned(),
+                        limit: 1,
+                        whose: "project".to_owned(),
+                    })))
+                    .header("retry-after", "1")
+            }
             E::Explained { error, explain } => {
                 let mut e = ApiError::from(*error);
                 e.explain = Some(Box::new(crate::dto::check::explained(&explain)));

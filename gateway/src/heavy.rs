@@ -46,12 +46,15 @@ pub struct Endpoint {
     /// How long one request may run. (Its row cap is its page size, which
     /// its `limit` parameter is held to: see the module doc.)
     pub time: Duration,
+    /// Whose the concurrency cap is: `caller`, or `project` (an export:
+    /// one per project at a time, whoever asks).
+    pub per: &'static str,
 }
 
 impl Endpoint {
     /// The endpoint named `name`, bounded by the server's settings.
     pub fn of(s: &AppState, name: &'static str) -> Endpoint {
-        Endpoint { name, concurrency: s.settings.heavy_concurrency, time: s.settings.heavy_timeout }
+        Endpoint { name, concurrency: s.settings.heavy_concurrency, time: s.settings.heavy_timeout, per: "caller" }
     }
 
     /// The permit holder of one caller on this endpoint.
@@ -113,8 +116,11 @@ fn too_many(endpoint: Endpoint, pool: Pool, installation: u32) -> ApiError {
     let (limit, whose, message) = match pool {
         Pool::Caller => (
             endpoint.concurrency,
-            "caller",
-            format!("Too many heavy requests: {} allows {} at once per caller.", endpoint.name, endpoint.concurrency),
+            endpoint.per,
+            format!(
+                "Too many heavy requests: {} allows {} at once per {}.",
+                endpoint.name, endpoint.concurrency, endpoint.per
+            ),
         ),
         Pool::Installation => (
             installation,
@@ -156,7 +162,7 @@ mod tests {
     }
 
     fn endpoint(concurrency: u32, time: Duration) -> Endpoint {
-        Endpoint { name: "audit", concurrency, time }
+        Endpoint { name: "audit", concurrency, time, per: "caller" }
     }
 
     /// A read that answers 200 after `ms`.

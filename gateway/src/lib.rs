@@ -21,6 +21,8 @@ pub mod embedded;
 pub mod error;
 pub mod heavy;
 pub mod layer;
+#[cfg(feature = "parquet")]
+pub mod parquet;
 pub mod routes;
 pub mod seeding;
 pub mod service;

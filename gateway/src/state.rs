@@ -93,6 +93,35 @@ pub struct Settings {
     /// (`TOLLGATE_PERMITS_CAP`; by default a quarter of the PostgreSQL
     /// pool, at least one: [`meter::permit::installation_cap`]).
     pub installation_permits: u32,
+    /// Billing exports run through the API (see [`crate::service::exports`]).
+    pub exports: ExportSettings,
+}
+
+/// Where API export runs write their files, and their bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSettings {
+    /// The directory of API runs' files (`TOLLGATE_EXPORT_DIR`), one file
+    /// per run, `<run id>.<ext>`.
+    pub dir: std::path::PathBuf,
+    /// Most rows one run writes (`TOLLGATE_EXPORT_MAX_ROWS`, 10,000,000).
+    pub max_rows: u64,
+    /// How long one run may write (`TOLLGATE_EXPORT_MAX_TIME`, 10 min).
+    pub max_time: Duration,
+    /// The projector whose fold is exported: its consumer name and usage topic.
+    pub consumer: String,
+    pub topic: String,
+}
+
+impl Default for ExportSettings {
+    fn default() -> Self {
+        ExportSettings {
+            dir: std::path::PathBuf::from("tollgate-exports"),
+            max_rows: 10_000_000,
+            max_time: Duration::from_secs(600),
+            consumer: "tollgate-projector".to_owned(),
+            topic: "tollgate.usage".to_owned(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Settings {
@@ -113,6 +142,7 @@ impl std::fmt::Debug for Settings {
             .field("heavy_concurrency", &self.heavy_concurrency)
             .field("heavy_timeout", &self.heavy_timeout)
             .field("installation_permits", &self.installation_permits)
+            .field("exports", &self.exports)
             .finish()
     }
 }
@@ -136,6 +166,7 @@ impl Settings {
             heavy_concurrency: 4,
             heavy_timeout: DEFAULT_QUERY_TIMEOUT,
             installation_permits: meter::permit::installation_cap(DEFAULT_POOL_SIZE, None),
+            exports: ExportSettings::default(),
         }
     }
 }
@@ -310,6 +341,7 @@ pub struct Stores {
     pub ledger: Arc<dyn Ledger>,
     pub reports: Arc<dyn ReportStore>,
     pub webhooks: Arc<dyn WebhookStore>,
+    pub exports: Arc<dyn meter::ExportStore>,
 }
 
 impl Stores {
@@ -322,7 +354,8 @@ impl Stores {
             prices: store.clone(),
             ledger: store.clone(),
             reports: store.clone(),
-            webhooks: store,
+            webhooks: store.clone(),
+            exports: store,
         }
     }
 }

@@ -179,13 +179,10 @@ async fn every_answer_matches_the_document() {
     let log = SqliteLog::new(store.pool().clone(), "tollgate.");
     log.ensure_schema().await.expect("log schema");
     let (store, log) = (Arc::new(store), Arc::new(log));
-    let state = AppState::new(
-        store.clone(),
-        Arc::new(MemoryView::new()),
-        log.clone(),
-        Arc::new(SystemClock),
-        Settings::new("adm", "gw"),
-    );
+    let mut settings = Settings::new("adm", "gw");
+    settings.exports.dir = dir.join("exports");
+    settings.exports.topic = log.usage_topic().to_owned();
+    let state = AppState::new(store.clone(), Arc::new(MemoryView::new()), log.clone(), Arc::new(SystemClock), settings);
     let app = gateway::app(state);
     let doc = document();
     let mut seen = std::collections::BTreeSet::new();
@@ -471,6 +468,27 @@ async fn every_answer_matches_the_document() {
     let both = format!("/v1/audit?scope=installation&project_id={pid}");
     let (s, e) = call(Method::GET, "/v1/audit", &both, adm, None).await;
     assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("project_id")));
+
+    // Exports: a run, read back, its file; bad input; unknown ids.
+    let export = json!({"project_id": pid, "period": "day", "dimensions": ["project", "actor"], "format": "csv"});
+    let (s, run) = call(Method::POST, "/v1/exports", "/v1/exports", adm, Some(export)).await;
+    assert_eq!((s, run["status"].as_str()), (StatusCode::CREATED, Some("complete")), "{run}");
+    let id = run["id"].as_str().expect("run id").to_owned();
+    let (s, _) = call(Method::GET, "/v1/exports/{id}", &format!("/v1/exports/{id}"), adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, file) = call(Method::GET, "/v1/exports/{id}/file", &format!("/v1/exports/{id}/file"), adm, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(file.as_str().is_some_and(|f| f.starts_with("export_run_id,")), "{file}");
+    let bad = json!({"project_id": pid, "period": "week", "dimensions": ["project"], "format": "csv"});
+    let (s, _) = call(Method::POST, "/v1/exports", "/v1/exports", adm, Some(bad)).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let nope = json!({"project_id": "proj_nope", "period": "day", "dimensions": ["project"], "format": "csv"});
+    let (s, _) = call(Method::POST, "/v1/exports", "/v1/exports", adm, Some(nope)).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(Method::GET, "/v1/exports/{id}", "/v1/exports/exr_nope", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(Method::GET, "/v1/exports/{id}/file", "/v1/exports/exr_nope/file", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
 
     // Webhooks: an endpoint (a public URL: this state refuses private ones),
     // its secret once, a test fire, the delivery log, resend, recover, rotation.

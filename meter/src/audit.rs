@@ -96,10 +96,12 @@ pub enum AuditAction {
     RotateWebhookSecret,
     /// Rows written to the price book (installation-wide).
     PutPrices,
+    /// A billing export run ended (complete, partial or failed).
+    RunExport,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 14] = [
+    pub const ALL: [AuditAction; 15] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
@@ -114,6 +116,7 @@ impl AuditAction {
         AuditAction::DeleteWebhook,
         AuditAction::RotateWebhookSecret,
         AuditAction::PutPrices,
+        AuditAction::RunExport,
     ];
 
     /// The IAM-style action string.
@@ -133,6 +136,7 @@ impl AuditAction {
             AuditAction::DeleteWebhook => "webhooks:DeleteEndpoint",
             AuditAction::RotateWebhookSecret => "webhooks:RotateSecret",
             AuditAction::PutPrices => "prices:PutPrices",
+            AuditAction::RunExport => "exports:RunExport",
         }
     }
 }
@@ -194,6 +198,19 @@ pub enum AuditDetail {
     /// Rows written to the price book, in the order they were given, each
     /// with the unit price it replaced.
     PriceChange { prices: Vec<PriceRowChange> },
+    /// A billing export run as it ended: `partial` with the bound it
+    /// stopped at (`ROWS` or `TIME`), `failed` with why.
+    ExportRun {
+        export_key: String,
+        format: String,
+        status: String,
+        mark: Option<String>,
+        rows: u64,
+        bytes: u64,
+        /// `partition:offset`, `;`-separated.
+        watermark: String,
+        error: Option<String>,
+    },
 }
 
 /// One row of a write of prices, as its audit entry shows it.
@@ -381,6 +398,8 @@ impl AuditEntry {
             | AuditDetail::WebhookChange { .. }
             | AuditDetail::WebhookSecretRotated { .. }
             | AuditDetail::PriceChange { .. } => None,
+            // One entry per run: its run id.
+            AuditDetail::ExportRun { .. } => Some(format!("export/{}", self.resource)),
             // One entry per correction folded, whatever refolds it.
             AuditDetail::EventCorrection { correction_id, .. } => {
                 Some(format!("correction/{}/{correction_id}", self.log_key()))

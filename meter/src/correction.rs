@@ -47,7 +47,9 @@ use crate::error::FieldError;
 use crate::ids::{AuditId, EventId, ProjectId};
 use crate::ledger::MODEL_USAGE_WINDOWS;
 use crate::price::{MeterType, PriceBook, PriceKey};
-use crate::usage::{CounterKey, EventKind, Outcome, UsageFact, component_usage, counters_for, priced};
+use crate::usage::{
+    CounterKey, Dimension, EventKind, Outcome, UsageFact, component_usage, counters_for, dimensions_of, priced,
+};
 use crate::window::{WindowKind, window_at};
 
 /// Whether events of `kind` can be corrected.
@@ -232,8 +234,9 @@ pub fn apply_correction(
 /// A signed change to every field of a counter's totals, in [`Field::ALL`] order.
 pub type Delta = [i64; 13];
 
-/// The key of one row of the breakdown by model in one window of a project.
-pub type ModelKey = (WindowKind, String, PriceKey, MeterType, bool);
+/// The key of one row of the breakdown by model in one window of a
+/// project, for one dimension.
+pub type ModelKey = (Dimension, WindowKind, String, PriceKey, MeterType, bool);
 
 /// What one counted event contributes everywhere it counts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -267,13 +270,16 @@ pub fn contribution(counted: &Counted, book: &PriceBook) -> Contribution {
     }
     if fact.kind == EventKind::Tokens {
         let rows = component_usage(fact, book);
-        for kind in MODEL_USAGE_WINDOWS {
-            let window_key = window_at(kind, tz, fact.occurred_at).key;
-            for r in &rows {
-                let e = out.models.entry((kind, window_key.clone(), r.key.clone(), r.meter, r.embedding)).or_default();
-                e[0] = e[0].saturating_add(clamp(r.priced_quantity));
-                e[1] = e[1].saturating_add(clamp(r.unpriced_quantity));
-                e[2] = e[2].saturating_add(r.cost.picos());
+        for dimension in dimensions_of(fact) {
+            for kind in MODEL_USAGE_WINDOWS {
+                let window_key = window_at(kind, tz, fact.occurred_at).key;
+                for r in &rows {
+                    let key = (dimension.clone(), kind, window_key.clone(), r.key.clone(), r.meter, r.embedding);
+                    let e = out.models.entry(key).or_default();
+                    e[0] = e[0].saturating_add(clamp(r.priced_quantity));
+                    e[1] = e[1].saturating_add(clamp(r.unpriced_quantity));
+                    e[2] = e[2].saturating_add(r.cost.picos());
+                }
             }
         }
         for k in priced(fact, book).unpriced_rows {

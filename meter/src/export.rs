@@ -6,15 +6,17 @@
 //! an item) with what the earlier runs of the same export already wrote, and
 //! writes only the difference:
 //!
-//! - a line whose charge period is still **open** (its end plus the grace
-//!   is after the run) is written in that period, `charge_class: usage`;
-//! - a line whose charge period is **closed** is never written there again:
+//! - a line whose charge period is not **final** is written in that
+//!   period, `charge_class: usage`. A period becomes final once a complete
+//!   run of the export ran after it **closed** (its end plus the grace):
+//!   that run wrote its last rows;
+//! - a line whose charge period is final is never written there again:
 //!   what was folded for it since (a late event, a correction, negative for
 //!   a credit) is written in the period open at the run, `charge_class:
 //!   correction`, keeping its own charge period.
 //!
 //! So the sum of every run's rows per charge period and line is the fold's
-//! total to the unit (the reconciliation of item 4), a closed period's rows
+//! total to the unit (the reconciliation of item 4), a final period's rows
 //! never change, and a run that follows another with nothing folded in
 //! between writes nothing. Wiring (the fold's totals by line, the store of
 //! what each export wrote, the formats) builds on this.
@@ -30,6 +32,9 @@ use crate::usage::Dimension;
 use crate::window::{WindowKind, window_at};
 
 pub mod format;
+pub mod run;
+
+pub use run::{Check, CustomerKind, ExportRun, ExportSpec, ExportedLine, Format, Mark, Reconciliation, RunStatus};
 
 /// How long after a charge period ends its usage may still arrive before
 /// the period closes.
@@ -164,17 +169,21 @@ pub struct Row {
     pub amounts: Amounts,
 }
 
-/// The rows a run writes: for every line, what the fold holds (`folded`)
-/// less what earlier runs wrote of it (`exported`, by charge period); a line
-/// of a period closed at `at` is billed in `open` (the period open at the
-/// run) as a correction. Rows are in line order; a line with no difference
-/// writes none.
+/// The rows a run writes at `at`: for every line, what the fold holds
+/// (`folded`) less what earlier runs wrote of it (`exported`, by charge
+/// period). A line's period is **final** once a complete earlier run (the
+/// newest at `frozen`) ran after it closed: that run wrote the period's
+/// last rows, and from then on what is folded for it is billed in `open`
+/// (the period open at the run) as a correction. A period that closed since
+/// the last complete run is still written in its own period, this once: a
+/// new export, or one that did not run while a period closed, bills it as
+/// usage. Rows are in line order; a line with no difference writes none.
 pub fn run(
     folded: &BTreeMap<Line, Amounts>,
     exported: &BTreeMap<Line, Amounts>,
     open: &Period,
     grace: Grace,
-    at: DateTime<Utc>,
+    frozen: Option<DateTime<Utc>>,
 ) -> Vec<Row> {
     let lines: BTreeSet<&Line> = folded.keys().chain(exported.keys()).collect();
     let mut rows = Vec::new();
@@ -185,7 +194,7 @@ pub fn run(
         if amounts.is_zero() {
             continue;
         }
-        let (billing_period, charge_class) = if line.period.closed(grace, at) {
+        let (billing_period, charge_class) = if frozen.is_some_and(|f| line.period.closed(grace, f)) {
             (open.clone(), ChargeClass::Correction)
         } else {
             (line.period.clone(), ChargeClass::Usage)
@@ -255,6 +264,105 @@ pub fn model_line(period: Period, dimension: Dimension, row: &crate::report::Mod
     };
     let amounts = Amounts { consumed: priced + unpriced, priced, unpriced, cost: i128::from(row.cost.picos()) };
     (Line { period, dimension, item }, amounts)
+}
+
+/// The footprint at each of `instants` (ascending) from a project's storage
+/// facts (in (occurred_at, event id) order): the newest snapshot before the
+/// instant plus the deltas after it and before the instant, as
+/// [`crate::usage::Footprint`] folds them.
+pub fn footprints_at(facts: &[crate::ports::StoredStorageFact], instants: &[DateTime<Utc>]) -> Vec<i128> {
+    let mut out = Vec::with_capacity(instants.len());
+    let (mut i, mut bytes, mut snapshot_at) = (0usize, 0i128, None::<DateTime<Utc>>);
+    for t in instants {
+        while let Some(f) = facts.get(i).filter(|f| f.occurred_at < *t) {
+            if f.snapshot {
+                bytes = i128::from(f.bytes);
+                snapshot_at = Some(f.occurred_at);
+            } else if snapshot_at.is_none_or(|s| f.occurred_at > s) {
+                bytes += i128::from(f.bytes);
+            }
+            i += 1;
+        }
+        out.push(bytes);
+    }
+    out
+}
+
+/// The storage lines of one charge period of the project (`tz` its zone),
+/// as of `at`: `storage_bytes`, the footprint at the period's end (at `at`
+/// while it has not ended), and `storage_byte_days`, the footprint at the
+/// end of each of its days that ended by `at`, summed (a day's footprint is
+/// the one it ends with). `facts` are the project's storage facts before
+/// `at`, in (occurred_at, event id) order. Zero lines are left out.
+pub fn storage_lines(
+    period: &Period,
+    tz: Tz,
+    facts: &[crate::ports::StoredStorageFact],
+    at: DateTime<Utc>,
+) -> Vec<(Line, Amounts)> {
+    let mut days = Vec::new();
+    let mut t = period.start;
+    while t < period.end {
+        let Some(end) = window_at(WindowKind::Day, tz, t).resets_at.filter(|e| *e > t) else { break };
+        let end = end.min(period.end);
+        if end > at {
+            break;
+        }
+        days.push(end);
+        t = end;
+    }
+    let mut instants = days.clone();
+    let level_at = period.end.min(at);
+    instants.push(level_at);
+    let values = footprints_at(facts, &instants);
+    let byte_days: i128 = values[..days.len()].iter().sum();
+    let level = values.last().copied().unwrap_or(0);
+    let line = |m: &str| Line { period: period.clone(), dimension: Dimension::Project, item: Item::Metric(m.into()) };
+    let mut out = Vec::new();
+    if level != 0 {
+        out.push((line("storage_bytes"), Amounts { consumed: level, ..Amounts::default() }));
+    }
+    if byte_days != 0 {
+        out.push((line("storage_byte_days"), Amounts { consumed: byte_days, ..Amounts::default() }));
+    }
+    out
+}
+
+/// What the fold holds of one charge period of an export: the metric lines
+/// of its customers' counters (`totals`, every counter of the period's
+/// window), the lines of their breakdown by model (`models`; the rows of one
+/// (provider, model, component) on several meters are one line), and, when
+/// the export bills the project, its storage lines ([`storage_lines`]).
+pub fn folded_lines(
+    spec: &ExportSpec,
+    period: &Period,
+    tz: Tz,
+    totals: &[(crate::usage::CounterKey, crate::usage::Totals)],
+    models: &[(Dimension, crate::report::ModelUsageRow)],
+    storage: &[crate::ports::StoredStorageFact],
+    at: DateTime<Utc>,
+) -> BTreeMap<Line, Amounts> {
+    let mut out: BTreeMap<Line, Amounts> = BTreeMap::new();
+    let mut add = |l: Line, a: Amounts| {
+        let e = out.entry(l).or_default();
+        *e = e.plus(a);
+    };
+    for (k, t) in totals {
+        if k.window == spec.period && k.window_key == period.key && spec.covers(&k.dimension) {
+            metric_lines(k, tz, t).into_iter().for_each(|(l, a)| add(l, a));
+        }
+    }
+    for (d, row) in models {
+        if spec.covers(d) {
+            let (l, a) = model_line(period.clone(), d.clone(), row);
+            add(l, a);
+        }
+    }
+    if spec.dimensions.contains(&CustomerKind::Project) {
+        storage_lines(period, tz, storage, at).into_iter().for_each(|(l, a)| add(l, a));
+    }
+    out.retain(|_, a| !a.is_zero());
+    out
 }
 
 #[cfg(test)]
@@ -342,6 +450,37 @@ mod tests {
     }
 
     #[test]
+    fn storage_gives_the_footprint_and_the_byte_days_of_ended_days() {
+        use crate::ports::StoredStorageFact;
+        let utc = |s: &str| DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc);
+        let fact = |id: &str, snapshot: bool, at: &str, bytes: i64| StoredStorageFact {
+            event_id: crate::EventId::parse(id).expect("id"),
+            snapshot,
+            occurred_at: utc(at),
+            bytes,
+        };
+        let facts = [
+            fact("e1", false, "2026-01-01T06:00:00Z", 100),
+            // A snapshot, and a delta at its very instant: not after it.
+            fact("e2", true, "2026-01-02T12:00:00Z", 1000),
+            fact("e3", false, "2026-01-02T12:00:00Z", 50),
+            fact("e4", false, "2026-01-03T01:00:00Z", 10),
+        ];
+        let month = period_of(WindowKind::CalendarMonth, "2026-01", Tz::UTC).expect("January");
+        let lines = storage_lines(&month, Tz::UTC, &facts, utc("2026-01-04T01:00:00Z"));
+        let got: Vec<(String, i128)> = lines
+            .iter()
+            .map(|(l, a)| (if let Item::Metric(m) = &l.item { m.clone() } else { String::new() }, a.consumed))
+            .collect();
+        // Days 1, 2 and 3 ended: 100 + 1000 + 1010; the level is now's.
+        assert_eq!(got, [("storage_bytes".to_owned(), 1010), ("storage_byte_days".to_owned(), 2110)]);
+        // A closed month: the level at its end, every day counted.
+        let all = storage_lines(&month, Tz::UTC, &facts, utc("2026-03-01T00:00:00Z"));
+        assert_eq!(all.iter().map(|(_, a)| a.consumed).collect::<Vec<_>>(), [1010, 100 + 1000 + 29 * 1010]);
+        assert!(storage_lines(&month, Tz::UTC, &[], utc("2026-03-01T00:00:00Z")).is_empty());
+    }
+
+    #[test]
     fn the_grace_is_at_most_72_hours() {
         assert!(Grace::new(Duration::from_secs(72 * 3600)).is_ok());
         assert_eq!(Grace::new(Duration::from_secs(72 * 3600 + 1)).map_err(|e| e.field), Err("grace".to_owned()));
@@ -353,13 +492,21 @@ mod tests {
         let mut folded = BTreeMap::from([(line(0, 0, "calls"), amounts(5))]);
         let mut exported = BTreeMap::new();
         // Hour 24.5: day 0 ended, within the grace: still open.
-        let rows = run(&folded, &exported, &day(1), grace, at(24) + chrono::Duration::minutes(30));
+        let rows = run(&folded, &exported, &day(1), grace, None);
         assert_eq!((rows.len(), rows[0].charge_class, rows[0].billing_period.clone()), (1, ChargeClass::Usage, day(0)));
         record(&mut exported, &rows);
-        // Late usage of day 0 and a credit, folded after it closed.
-        folded.insert(line(0, 0, "calls"), amounts(7));
+        let first = at(24) + chrono::Duration::minutes(30);
+        // Folded since, and a run at hour 26 (day 0 closed at 25): the
+        // last run saw day 0 open, so this one writes it in day 0, finally.
+        folded.insert(line(0, 0, "calls"), amounts(6));
+        let rows = run(&folded, &exported, &day(1), grace, Some(first));
+        assert_eq!((rows[0].charge_class, rows[0].amounts), (ChargeClass::Usage, amounts(1)));
+        record(&mut exported, &rows);
+        let closing = at(26);
+        // Late usage of day 0 and a credit, folded after that run.
+        folded.insert(line(0, 0, "calls"), amounts(8));
         folded.insert(line(1, 0, "calls"), amounts(1));
-        let rows = run(&folded, &exported, &day(1), grace, at(26));
+        let rows = run(&folded, &exported, &day(1), grace, Some(closing));
         assert_eq!(rows.len(), 2);
         assert_eq!(
             (rows[0].charge_class, &rows[0].billing_period, &rows[0].line.period),
@@ -368,11 +515,14 @@ mod tests {
         assert_eq!(rows[0].amounts, amounts(2));
         assert_eq!((rows[1].charge_class, rows[1].amounts), (ChargeClass::Usage, amounts(1)));
         record(&mut exported, &rows);
-        folded.insert(line(0, 0, "calls"), amounts(6)); // a correction took one back
-        let rows = run(&folded, &exported, &day(1), grace, at(27));
+        folded.insert(line(0, 0, "calls"), amounts(7)); // a correction took one back
+        let rows = run(&folded, &exported, &day(1), grace, Some(at(27)));
         assert_eq!((rows.len(), rows[0].charge_class, rows[0].amounts), (1, ChargeClass::Correction, amounts(-1)));
         record(&mut exported, &rows);
-        assert!(run(&folded, &exported, &day(1), grace, at(28)).is_empty(), "nothing folded since: nothing written");
+        assert!(
+            run(&folded, &exported, &day(1), grace, Some(at(28))).is_empty(),
+            "nothing folded since: nothing written"
+        );
     }
 
     /// A fold step: a line of some day gains (or, corrected, loses) some.
@@ -393,15 +543,17 @@ mod tests {
 
     proptest! {
         /// Whatever the order of folds, runs and time: the rows of all runs
-        /// sum, per line, to the fold; a row is never billed in a period
-        /// closed at its run; a usage row bills its own period, a
-        /// correction row a closed one's line in the period open at its run.
+        /// sum, per line, to the fold; no row is ever billed in a period an
+        /// earlier run saw closed (its rows never change after that run); a
+        /// usage row bills its own period, a correction row such a final
+        /// period's line in the period open at its run.
         #[test]
-        fn the_runs_sum_to_the_fold_and_closed_periods_never_change(steps in prop::collection::vec(step(), 1..60)) {
+        fn the_runs_sum_to_the_fold_and_final_periods_never_change(steps in prop::collection::vec(step(), 1..60)) {
             let grace = Grace::new(Duration::from_secs(2 * 3600)).expect("grace");
             let (mut folded, mut exported) = (BTreeMap::new(), BTreeMap::new());
             let mut written: BTreeMap<Line, Amounts> = BTreeMap::new();
             let mut hour = 0i64;
+            let mut last: Option<DateTime<Utc>> = None;
             let mut steps = steps;
             steps.push(Step::Wait(200));
             steps.push(Step::Run);
@@ -416,13 +568,14 @@ mod tests {
                     Step::Run => {
                         let now = at(hour);
                         let open = day(hour.div_euclid(24));
-                        let rows = run(&folded, &exported, &open, grace, now);
+                        let rows = run(&folded, &exported, &open, grace, last);
                         for r in &rows {
-                            prop_assert!(!r.billing_period.closed(grace, now), "billed in a closed period: {r:?}");
+                            let final_at = |p: &Period| last.is_some_and(|l| p.closed(grace, l));
+                            prop_assert!(!final_at(&r.billing_period), "billed in a final period: {r:?}");
                             match r.charge_class {
                                 ChargeClass::Usage => prop_assert_eq!(&r.billing_period, &r.line.period),
                                 ChargeClass::Correction => {
-                                    prop_assert!(r.line.period.closed(grace, now));
+                                    prop_assert!(final_at(&r.line.period));
                                     prop_assert_eq!(&r.billing_period, &open);
                                 }
                             }
@@ -430,6 +583,7 @@ mod tests {
                             *w = w.plus(r.amounts);
                         }
                         record(&mut exported, &rows);
+                        last = Some(now);
                     }
                 }
             }

@@ -46,7 +46,8 @@ use crate::ids::{EventId, ProjectId};
 use crate::price::{MeterType, PriceBook, PriceKey, Usd};
 use crate::report::{ModelUsageRow, UnpricedRow};
 use crate::usage::{
-    Counter, CounterKey, EventKind, Footprint, Totals, UsageFact, component_usage, counters_for, priced,
+    Counter, CounterKey, Dimension, EventKind, Footprint, Totals, UsageFact, component_usage, counters_for,
+    dimensions_of, priced,
 };
 use crate::window::{WindowKind, window_at};
 
@@ -195,10 +196,13 @@ impl StoredFootprint {
 }
 
 /// What a batch adds to one (provider, model, component, meter) of the
-/// token breakdown, in one window of a project.
+/// token breakdown, in one window of a project, for one of the dimensions
+/// the tokens land in ([`crate::usage::dimensions_of`]: the project, the
+/// agent, the actor).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelUsageAdd {
     pub project_id: ProjectId,
+    pub dimension: Dimension,
     pub window: WindowKind,
     pub window_key: String,
     pub row: ModelUsageRow,
@@ -309,7 +313,7 @@ impl<'a> BatchFold<'a> {
         let mut outcomes = Vec::with_capacity(self.facts.len());
         let mut fold = Fold::new();
         let mut unpriced: BTreeMap<(ProjectId, CounterKey, PriceKey), Option<DateTime<Utc>>> = BTreeMap::new();
-        type ModelKey = (ProjectId, WindowKind, String, PriceKey, MeterType, bool);
+        type ModelKey = (ProjectId, Dimension, WindowKind, String, PriceKey, MeterType, bool);
         let mut models: BTreeMap<ModelKey, (u64, u64, Usd)> = BTreeMap::new();
         let mut storage = Vec::new();
         let mut cuts: BTreeMap<ProjectId, Option<DateTime<Utc>>> = BTreeMap::new();
@@ -393,16 +397,27 @@ impl<'a> BatchFold<'a> {
             if fact.kind != EventKind::Tokens {
                 continue;
             }
-            // The breakdown by model, for the day and month of the fact.
+            // The breakdown by model, for the day and month of the fact, on
+            // each dimension it lands in.
             let rows = component_usage(fact, book);
-            for kind in MODEL_USAGE_WINDOWS {
-                let window_key = window_at(kind, tz, fact.occurred_at).key;
-                for r in &rows {
-                    let key = (fact.project_id.clone(), kind, window_key.clone(), r.key.clone(), r.meter, r.embedding);
-                    let (priced, unpriced, cost) = models.entry(key).or_default();
-                    *priced = priced.saturating_add(r.priced_quantity);
-                    *unpriced = unpriced.saturating_add(r.unpriced_quantity);
-                    *cost = cost.saturating_add(r.cost);
+            for dimension in dimensions_of(fact) {
+                for kind in MODEL_USAGE_WINDOWS {
+                    let window_key = window_at(kind, tz, fact.occurred_at).key;
+                    for r in &rows {
+                        let key = (
+                            fact.project_id.clone(),
+                            dimension.clone(),
+                            kind,
+                            window_key.clone(),
+                            r.key.clone(),
+                            r.meter,
+                            r.embedding,
+                        );
+                        let (priced, unpriced, cost) = models.entry(key).or_default();
+                        *priced = priced.saturating_add(r.priced_quantity);
+                        *unpriced = unpriced.saturating_add(r.unpriced_quantity);
+                        *cost = cost.saturating_add(r.cost);
+                    }
                 }
             }
             // Unpriced components are remembered on every counter the fact lands in.
@@ -430,21 +445,24 @@ impl<'a> BatchFold<'a> {
                 .collect(),
             model_usage: models
                 .into_iter()
-                .map(|((project_id, window, window_key, key, meter, embedding), (priced, unpriced, cost))| {
-                    ModelUsageAdd {
-                        project_id,
-                        window,
-                        window_key,
-                        row: ModelUsageRow {
-                            key,
-                            meter,
-                            embedding,
-                            priced_quantity: priced,
-                            unpriced_quantity: unpriced,
-                            cost,
-                        },
-                    }
-                })
+                .map(
+                    |((project_id, dimension, window, window_key, key, meter, embedding), (priced, unpriced, cost))| {
+                        ModelUsageAdd {
+                            project_id,
+                            dimension,
+                            window,
+                            window_key,
+                            row: ModelUsageRow {
+                                key,
+                                meter,
+                                embedding,
+                                priced_quantity: priced,
+                                unpriced_quantity: unpriced,
+                                cost,
+                            },
+                        }
+                    },
+                )
                 .collect(),
             storage,
             footprint_reads: cuts.into_iter().map(|(project_id, cut)| FootprintRead { project_id, cut }).collect(),
@@ -465,6 +483,7 @@ impl<'a> BatchFold<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelUsageChange {
     pub project_id: ProjectId,
+    pub dimension: Dimension,
     pub window: WindowKind,
     pub window_key: String,
     pub key: PriceKey,
@@ -563,7 +582,7 @@ impl Posting<'_> {
         for m in &self.model_usage {
             let key = (
                 m.project_id.clone(),
-                (m.window, m.window_key.clone(), m.row.key.clone(), m.row.meter, m.row.embedding),
+                (m.dimension.clone(), m.window, m.window_key.clone(), m.row.key.clone(), m.row.meter, m.row.embedding),
             );
             let q = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
             let e = out.entry(key).or_default();
@@ -573,9 +592,10 @@ impl Posting<'_> {
             correction::add_delta(out.entry(key.clone()).or_default(), d);
         }
         out.into_iter()
-            .map(|((project_id, (window, window_key, key, meter, embedding)), [priced, unpriced, cost])| {
+            .map(|((project_id, (dimension, window, window_key, key, meter, embedding)), [priced, unpriced, cost])| {
                 ModelUsageChange {
                     project_id,
+                    dimension,
                     window,
                     window_key,
                     key,
@@ -712,21 +732,28 @@ mod tests {
             tokens: vec![entry.clone()],
             ..fact("p1", id, EventKind::Tokens, "2026-07-07T12:31:00Z")
         };
-        let facts = vec![tokens("t1"), tokens("t2")];
+        // The second is a customer's (an actor's).
+        let facts = vec![tokens("t1"), UsageFact { actor_id: Some("cust_7".into()), ..tokens("t2") }];
         let batch = BatchFold::new(&facts);
         assert_eq!(batch.price_keys(), BTreeSet::from([("openai", "alpha")]));
         let posting = batch.post(&all_new(&batch), &zones(&["p1"]), &book).expect("post");
 
-        // Input priced, output not: two rows per window, summed over both facts.
-        assert_eq!(posting.model_usage.len(), 2 * MODEL_USAGE_WINDOWS.len());
-        let input = posting
-            .model_usage
-            .iter()
-            .find(|m| m.window == WindowKind::Day && m.row.key.component == Component::InputTokens)
-            .expect("input row");
-        assert_eq!((input.window_key.as_str(), input.row.priced_quantity, input.row.cost), ("2026-07-07", 20, Usd(40)));
-        // The unpriced output lands on every counter of the fact, once.
-        assert_eq!(posting.unpriced.len(), WindowKind::FLOW.len());
+        // Input priced, output not: two rows per window and dimension, the
+        // project's summed over both facts, the actor's of its own.
+        assert_eq!(posting.model_usage.len(), 2 * 2 * MODEL_USAGE_WINDOWS.len());
+        let input = |d: &Dimension| {
+            posting
+                .model_usage
+                .iter()
+                .find(|m| {
+                    &m.dimension == d && m.window == WindowKind::Day && m.row.key.component == Component::InputTokens
+                })
+                .map(|m| (m.window_key.as_str(), m.row.priced_quantity, m.row.cost))
+        };
+        assert_eq!(input(&Dimension::Project), Some(("2026-07-07", 20, Usd(40))));
+        assert_eq!(input(&Dimension::Actor("cust_7".into())), Some(("2026-07-07", 10, Usd(20))));
+        // The unpriced output lands on every counter of the facts, once.
+        assert_eq!(posting.unpriced.len(), 2 * WindowKind::FLOW.len());
         assert!(posting.unpriced.iter().all(|(_, r)| r.key.component == Component::OutputTokens));
     }
 

@@ -3,12 +3,13 @@
 //! PostgreSQL; and embedded ones), and every implementation runs the same
 //! conformance suite.
 //!
-//! The durable store is seven traits — [`TenantStore`] (projects, keys,
+//! The durable store is eight traits — [`TenantStore`] (projects, keys,
 //! roles), [`QuotaStore`], [`AuditStore`] (the audit outbox and the
 //! audit log folded from the audit topic), [`PriceStore`] (the price book
 //! and what it failed to price), [`Ledger`] (the fold, its offsets and the
 //! durable totals), [`ReportStore`] (usage reports) and [`WebhookStore`]
-//! (endpoints and the notification outbox) — which one database
+//! (endpoints and the notification outbox), [`ExportStore`] (billing
+//! export runs, and a cut of the fold to export from) — which one database
 //! implements together as a [`Store`]. A caller holds only the ones it uses.
 //!
 //! Errors say once, at the adapter, whether retrying can help.
@@ -23,6 +24,7 @@ use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::{AuditBatch, AuditEntry, PriceAudit};
 use crate::error::PortResult;
+use crate::export::{ExportRun, ExportedLine, Reconciliation};
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
 use crate::ids::{
     ApiKeyId, AuditId, EventId, MessageId, PermitId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId,
@@ -45,6 +47,8 @@ use crate::window::WindowKind;
 pub trait TenantStore: Send + Sync {
     async fn create_project(&self, project: &Project) -> PortResult<()>;
     async fn project(&self, id: &ProjectId) -> PortResult<Option<Project>>;
+    /// Every project, by id.
+    async fn projects(&self) -> PortResult<Vec<Project>>;
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()>;
     async fn api_key(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>>;
     async fn api_key_by_secret_hash(&self, hash: &str) -> PortResult<Option<ApiKey>>;
@@ -341,11 +345,102 @@ pub struct DeliveryLog {
     pub attempts: Vec<Attempt>,
 }
 
+/// One storage fact of a project, as the fold kept it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredStorageFact {
+    pub event_id: EventId,
+    /// A delta or a snapshot.
+    pub snapshot: bool,
+    pub occurred_at: DateTime<Utc>,
+    pub bytes: i64,
+}
+
+/// The fold as of one instant (a read-only snapshot: PostgreSQL
+/// `REPEATABLE READ`, a SQLite read transaction), for an export run: its
+/// offsets and every total read through it agree, whatever the projector
+/// commits meanwhile.
+#[async_trait]
+pub trait FoldCut: Send {
+    /// The consumer's next offset per partition of `topic`.
+    async fn offsets(&mut self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>>;
+    /// The newest receipt time the consumer folded.
+    async fn newest_receipt(&mut self, consumer: &str, topic: &str) -> PortResult<Option<DateTime<Utc>>>;
+    /// The keys of the `window` (`day` or `calendar_month`) counters and
+    /// breakdown rows the project has, in order.
+    async fn window_keys(&mut self, project: &ProjectId, window: WindowKind) -> PortResult<Vec<String>>;
+    /// Every counter of one window of the project, all dimensions.
+    async fn window_totals(
+        &mut self,
+        project: &ProjectId,
+        window: WindowKind,
+        key: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>>;
+    /// The breakdown by model of one window of the project, every dimension.
+    async fn window_models(
+        &mut self,
+        project: &ProjectId,
+        window: WindowKind,
+        key: &str,
+    ) -> PortResult<Vec<(crate::usage::Dimension, ModelUsageRow)>>;
+    /// The project's storage facts that occurred before `before`, in
+    /// (occurred_at, event id) order.
+    async fn storage_facts(&mut self, project: &ProjectId, before: DateTime<Utc>)
+    -> PortResult<Vec<StoredStorageFact>>;
+    /// Ends the cut.
+    async fn close(self: Box<Self>) -> PortResult<()>;
+}
+
+/// Billing exports: a cut of the fold to export from, the runs, and what
+/// the runs of each export wrote (see [`crate::export`]).
+#[async_trait]
+pub trait ExportStore: Send + Sync {
+    /// A cut of the fold, as of now.
+    async fn fold_cut(&self) -> PortResult<Box<dyn FoldCut>>;
+    /// Records a run as it starts (status `running`).
+    async fn create_export_run(&self, run: &ExportRun) -> PortResult<()>;
+    /// What the earlier runs of the export wrote of the lines of one charge
+    /// period (by the period's key), summed per line; lines summing to zero
+    /// are left out.
+    async fn exported_lines(&self, export_key: &str, period_key: &str) -> PortResult<Vec<ExportedLine>>;
+    /// The charge periods the export wrote lines of, in order.
+    async fn exported_periods(&self, export_key: &str) -> PortResult<Vec<String>>;
+    /// Ends a run, in one transaction: adds what it wrote (`written`, one
+    /// per line) to what the export wrote, stores the run as it ended, and
+    /// writes its audit entries to the outbox.
+    async fn finish_export_run(
+        &self,
+        run: &ExportRun,
+        written: &[ExportedLine],
+        audit: &[AuditEntry],
+    ) -> PortResult<()>;
+    async fn export_run(&self, id: &str) -> PortResult<Option<ExportRun>>;
+    /// The project's runs, newest first.
+    async fn export_runs(&self, project: &ProjectId, limit: usize) -> PortResult<Vec<ExportRun>>;
+    /// Sets a finished run's reconciliation; `false` when there is no such run.
+    async fn set_reconciliation(&self, id: &str, reconciliation: &Reconciliation) -> PortResult<bool>;
+    /// Marks the project's runs still `running` that started before
+    /// `started_before` as failed (their process died), at `at`; how many.
+    /// A project has at most one run `running` ([`ExportStore::create_export_run`]
+    /// of a second is a [`crate::PortError::Conflict`]).
+    async fn abandon_export_runs(
+        &self,
+        project: &ProjectId,
+        started_before: DateTime<Utc>,
+        at: DateTime<Utc>,
+    ) -> PortResult<u64>;
+}
+
 /// One database that is every store port at once (PostgreSQL, or the
 /// embedded SQLite file). Implemented for anything that implements them all.
-pub trait Store: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore {}
+pub trait Store:
+    TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore
+{
+}
 
-impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore> Store for T {}
+impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore> Store
+    for T
+{
+}
 
 /// The hot-path view (Redis, or memory): durable totals, pending deltas and
 /// live reservations, per counter.

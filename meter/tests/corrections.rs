@@ -108,7 +108,7 @@ fn amend_tokens(project: &str, id: &str, of: &str, input: u64, output: u64) -> U
 }
 
 type Sums = BTreeMap<(ProjectId, CounterKey), [i64; 13]>;
-type Models = BTreeMap<(ProjectId, WindowKind, String, PriceKey, MeterType, bool), [i64; 3]>;
+type Models = BTreeMap<(ProjectId, Dimension, WindowKind, String, PriceKey, MeterType, bool), [i64; 3]>;
 
 /// A store in memory that persists a posting the way the SQL stores do.
 #[derive(Debug, Default, Clone)]
@@ -149,7 +149,8 @@ impl ModelStore {
             }
         }
         for m in posting.model_changes() {
-            let e = self.models.entry((m.project_id, m.window, m.window_key, m.key, m.meter, m.embedding)).or_default();
+            let key = (m.project_id, m.dimension, m.window, m.window_key, m.key, m.meter, m.embedding);
+            let e = self.models.entry(key).or_default();
             for (x, d) in e.iter_mut().zip([m.priced_quantity, m.unpriced_quantity, m.cost_picos]) {
                 *x = x.saturating_add(d).max(0);
             }

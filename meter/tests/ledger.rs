@@ -18,9 +18,9 @@ use proptest::prelude::*;
 use proptest::sample::select;
 
 use meter::{
-    ApiKeyId, BatchFold, Component, CounterKey, EventId, EventKind, FactOutcome, Fold, Footprint, MeterType, Outcome,
-    Price, PriceBook, PriceKey, ProjectId, StorageFact, StorageKind, StoredFootprint, TokenUsage, Totals, UsageFact,
-    Usd, WindowKind,
+    ApiKeyId, BatchFold, Component, CounterKey, Dimension, EventId, EventKind, FactOutcome, Fold, Footprint, MeterType,
+    Outcome, Price, PriceBook, PriceKey, ProjectId, StorageFact, StorageKind, StoredFootprint, TokenUsage, Totals,
+    UsageFact, Usd, WindowKind,
 };
 
 fn utc(s: &str) -> DateTime<Utc> {
@@ -111,7 +111,7 @@ fn as_resends(facts: Vec<UsageFact>) -> Vec<UsageFact> {
     facts.into_iter().map(|f| first.entry((f.project_id.clone(), f.id.clone())).or_insert(f).clone()).collect()
 }
 
-type ModelKey = (ProjectId, WindowKind, String, PriceKey, MeterType, bool);
+type ModelKey = (ProjectId, Dimension, WindowKind, String, PriceKey, MeterType, bool);
 type Sums = BTreeMap<(ProjectId, CounterKey), (Option<DateTime<Utc>>, Totals)>;
 
 /// A store in memory that persists a posting the way the SQL stores do.
@@ -166,8 +166,15 @@ impl ModelStore {
             self.unpriced.insert((p.clone(), r.counter.key.clone(), r.key.clone()));
         }
         for m in &posting.model_usage {
-            let key =
-                (m.project_id.clone(), m.window, m.window_key.clone(), m.row.key.clone(), m.row.meter, m.row.embedding);
+            let key = (
+                m.project_id.clone(),
+                m.dimension.clone(),
+                m.window,
+                m.window_key.clone(),
+                m.row.key.clone(),
+                m.row.meter,
+                m.row.embedding,
+            );
             let e = self.models.entry(key).or_default();
             e.0 += m.row.priced_quantity;
             e.1 += m.row.unpriced_quantity;

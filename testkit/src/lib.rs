@@ -28,6 +28,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+pub mod parquet;
 pub mod webhooks;
 
 pub mod env {

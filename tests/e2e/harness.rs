@@ -178,6 +178,7 @@ impl Env {
             // machine can take longer to acknowledge a batch of 500. A fault
             // test sets its own (`extra_env` comes after, and wins).
             .env("TOLLGATE_PUBLISH_TIMEOUT", "30s")
+            .env("TOLLGATE_EXPORT_DIR", self.data_dir.join("exports"))
             .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::null());
@@ -321,6 +322,23 @@ impl Env {
         let out = c.output().expect("run tollgate apply");
         (
             out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Runs `tollgate <args…>` to the end against this environment's
+    /// services (in dev mode with `--data-dir`, which the subcommand must
+    /// take); returns its exit status, stdout and stderr.
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let mut c = self.command(args[0]);
+        c.args(&args[1..]).env_remove("TOLLGATE_DATA_DIR").stdout(Stdio::piped()).stderr(Stdio::piped());
+        if self.mode == Mode::Dev {
+            c.arg("--data-dir").arg(&self.data_dir);
+        }
+        let out = c.output().expect("run tollgate");
+        (
+            out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
@@ -472,9 +490,8 @@ impl Drop for Env {
             let _ = c.kill();
             let _ = c.wait();
         }
-        if self.mode == Mode::Dev {
-            let _ = std::fs::remove_dir_all(&self.data_dir);
-        }
+        // The dev data, or a distributed run's export files.
+        let _ = std::fs::remove_dir_all(&self.data_dir);
     }
 }
 

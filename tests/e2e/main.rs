@@ -6,6 +6,7 @@ mod audit;
 mod corrections;
 mod estimates;
 mod explain;
+mod exports;
 mod faults_fold;
 mod faults_outage;
 mod faults_view;

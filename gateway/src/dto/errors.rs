@@ -105,12 +105,13 @@ pub struct UnenforceableMeta {
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"endpoint": "audit", "limit": 2, "whose": "caller"}))]
 pub struct HeavyMeta {
-    /// The endpoint: `audit`, `usage` or `deliveries`.
+    /// The endpoint: `audit`, `usage`, `deliveries` or `exports`.
     pub endpoint: String,
     /// The cap that was full: requests at once.
     pub limit: u32,
-    /// `caller` (this caller's cap on the endpoint) or `installation` (all
-    /// permits together).
+    /// `caller` (this caller's cap on the endpoint), `project` (an
+    /// export: one per project at a time) or `installation` (all permits
+    /// together).
     pub whose: String,
 }
 

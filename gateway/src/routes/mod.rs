@@ -12,6 +12,7 @@
 //! Every route is one line of the table below; the router is
 //! built from it and nothing else, so a test can hold the document to it.
 
+mod exports;
 mod hot;
 mod meta;
 mod permits;
@@ -76,6 +77,9 @@ table! {
     GET "/v1/exceptions" => prices::exceptions,
     GET "/v1/usage" => reports::usage,
     GET "/v1/audit" => reports::audit,
+    POST "/v1/exports" => exports::create_export,
+    GET "/v1/exports/{id}" => exports::get_export,
+    GET "/v1/exports/{id}/file" => exports::export_file,
     POST "/v1/projects/{id}/webhooks" => webhooks::create_webhook,
     GET "/v1/projects/{id}/webhooks" => webhooks::list_webhooks,
     GET "/v1/webhooks/{id}" => webhooks::get_webhook,
@@ -155,6 +159,9 @@ fn heavy_endpoint(method: &Method, path: &str) -> Option<&'static str> {
         prices::exceptions,
         reports::usage,
         reports::audit,
+        exports::create_export,
+        exports::get_export,
+        exports::export_file,
         webhooks::create_webhook,
         webhooks::list_webhooks,
         webhooks::get_webhook,
@@ -170,7 +177,7 @@ fn heavy_endpoint(method: &Method, path: &str) -> Option<&'static str> {
     modifiers(&Security, &CommonErrors),
     tags(
         (name = "hot path", description = "Admission and metering, for gateways: the gateway token"),
-        (name = "admin", description = "Projects, keys, roles, quotas, prices, reports and webhooks: the admin token"),
+        (name = "admin", description = "Projects, keys, roles, quotas, prices, reports, exports and webhooks: the admin token"),
         (name = "meta", description = "Liveness and this document"),
     )
 )]

@@ -16,6 +16,7 @@
 
 pub mod admission;
 pub mod audit;
+pub mod exports;
 pub mod permits;
 pub mod pricing;
 pub mod provisioning;
@@ -58,6 +59,10 @@ pub enum Error {
         /// The key's or role's id (`None` for the installation's).
         owner: Option<String>,
     },
+    /// An export of the project is running (one per project at a time,
+    /// whoever started it): 429 `too-many-heavy-requests`.
+    #[error("an export of project {project} is running: one per project at a time")]
+    ExportRunning { project: String },
     /// A quota with the same identity exists.
     #[error("a quota with the same project, scope, scope_ref, metric, window and meter_type exists")]
     QuotaConflict,

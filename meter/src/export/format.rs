@@ -12,7 +12,7 @@
 //! | `charge_class` | `usage`, or `correction` for what was folded after its period closed |
 //! | `project_id` | |
 //! | `customer_type`, `customer_id` | `project`, `api_key`, `actor`, `agent` or `user`, and its id |
-//! | `metric` | `requests`, `calls`, `rows`, `tokens` or `cost_usd`; a `tokens` row with a provider breaks the customer's `tokens` row (provider empty) down by model and component: sum one or the other |
+//! | `metric` | `requests`, `calls`, `rows`, `tokens`, `cost_usd`, `storage_bytes` (the project's footprint at the period's end, or at the run while it lasts) or `storage_byte_days` (the footprint at the end of each day of the period that has ended, summed); a `tokens` row with a provider breaks the customer's `tokens` row (provider empty) down by model and component: sum one or the other |
 //! | `meter_type` | a `cost_usd` row's meter (`llm_tokens`, `compute_execution`, `api_request`, `storage`) |
 //! | `provider`, `model`, `component` | a model's tokens row (`input_tokens`, `output_tokens`, `cached_tokens`) |
 //! | `consumed_quantity` | the quantity (empty on a `cost_usd` row) |

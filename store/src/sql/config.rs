@@ -148,6 +148,12 @@ impl<B: Backend> TenantStore for SqlStore<B> {
         self.opt(stmt).await?.as_ref().map(|r| project(&Rec::<B>(r))).transpose()
     }
 
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "projects"))]
+    async fn projects(&self) -> PortResult<Vec<Project>> {
+        let stmt = Stmt::new(format!("SELECT {PROJECT_COLUMNS} FROM projects ORDER BY id"));
+        each(&self.all(stmt).await?, project::<B>)
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_api_key"))]
     async fn create_api_key(&self, key: &ApiKey, secret_hash: &str, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!(

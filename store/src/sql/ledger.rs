@@ -86,15 +86,15 @@ fn column(f: Field) -> &'static str {
 
 /// A counter's columns, then every field of [`Totals`] in `Field::ALL`
 /// order, quoted (`"rows"` is a keyword).
-static AGGREGATE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
+pub(crate) static AGGREGATE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
     let fields = Field::ALL.map(|f| format!("\"{}\"", column(f)));
     format!("project_id, dimension, window_kind, window_key, resets_at, {}", fields.join(", "))
 });
 
-const MODEL_USAGE_COLUMNS: &str = "provider, model, component, meter_type, embedding, priced_quantity, \
+pub(crate) const MODEL_USAGE_COLUMNS: &str = "provider, model, component, meter_type, embedding, priced_quantity, \
                                    unpriced_quantity, cost_picos";
 
-fn totals<B: Backend>(r: &Rec<'_, B>) -> PortResult<Totals> {
+pub(crate) fn totals<B: Backend>(r: &Rec<'_, B>) -> PortResult<Totals> {
     let mut t = Totals::default();
     for f in Field::ALL {
         let v = r.int(column(f))?;
@@ -108,7 +108,7 @@ fn totals<B: Backend>(r: &Rec<'_, B>) -> PortResult<Totals> {
     Ok(t)
 }
 
-fn counter_key<B: Backend>(r: &Rec<'_, B>) -> PortResult<CounterKey> {
+pub(crate) fn counter_key<B: Backend>(r: &Rec<'_, B>) -> PortResult<CounterKey> {
     let dimension = r.text("dimension")?;
     Ok(CounterKey {
         dimension: Dimension::decode(&dimension).ok_or_else(|| corrupt("dimension", &dimension))?,
@@ -127,7 +127,7 @@ fn aggregate<B: Backend>(r: &Rec<'_, B>) -> PortResult<(ProjectId, Counter, Tota
     Ok((r.id("project_id")?, c, t))
 }
 
-fn model_usage_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<ModelUsageRow> {
+pub(crate) fn model_usage_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<ModelUsageRow> {
     Ok(ModelUsageRow {
         key: price_key(r)?,
         meter: r.parse("meter_type")?,
@@ -450,6 +450,7 @@ fn add_sums(sums: &[&(ProjectId, Counter, Delta)]) -> Stmt {
 fn model_rows(adds: &[&ModelUsageChange]) -> Rows {
     Rows::new()
         .text("project_id", adds.iter().map(|m| m.project_id.as_str()))
+        .text("dimension", adds.iter().map(|m| m.dimension.encode()))
         .text("window_kind", adds.iter().map(|m| m.window.as_str()))
         .text("window_key", adds.iter().map(|m| m.window_key.as_str()))
         .text("provider", adds.iter().map(|m| m.key.provider.as_str()))
@@ -470,7 +471,8 @@ fn adjust_model_usage(changes: &[&ModelUsageChange]) -> Stmt {
             .map(|c| format!("{c} = {}", floored_add(&format!("m.{c}"), &format!("t.{c}"))));
         format!(
             "UPDATE model_usage AS m SET {} FROM {{rows}} AS t \
-             WHERE m.project_id = t.project_id AND m.window_kind = t.window_kind AND m.window_key = t.window_key \
+             WHERE m.project_id = t.project_id AND m.dimension = t.dimension \
+             AND m.window_kind = t.window_kind AND m.window_key = t.window_key \
              AND m.provider = t.provider AND m.model = t.model AND m.component = t.component \
              AND m.meter_type = t.meter_type AND m.embedding = t.embedding",
             set.join(", ")
@@ -486,9 +488,10 @@ fn add_model_usage(adds: &[&ModelUsageChange]) -> Stmt {
         let add = ["priced_quantity", "unpriced_quantity", "cost_picos"]
             .map(|c| format!("{c} = {}", saturating_add(&format!("m.{c}"), &format!("excluded.{c}"))));
         format!(
-            "INSERT INTO model_usage AS m (project_id, window_kind, window_key, {MODEL_USAGE_COLUMNS}) \
+            "INSERT INTO model_usage AS m (project_id, dimension, window_kind, window_key, {MODEL_USAGE_COLUMNS}) \
              SELECT * FROM {{rows}} AS t WHERE true \
-             ON CONFLICT (project_id, window_kind, window_key, provider, model, component, meter_type, embedding) \
+             ON CONFLICT (project_id, dimension, window_kind, window_key, provider, model, component, meter_type, \
+             embedding) \
              DO UPDATE SET {}",
             add.join(", ")
         )
@@ -927,7 +930,7 @@ impl<B: Backend> Ledger for SqlStore<B> {
 }
 
 /// The consumer's next offsets, per partition.
-fn offsets_stmt(consumer: &str, topic: &str) -> Stmt {
+pub(crate) fn offsets_stmt(consumer: &str, topic: &str) -> Stmt {
     Stmt::new(
         r#"SELECT CAST("partition" AS BIGINT) AS "partition", next_offset FROM consumer_offsets
            WHERE consumer = $1 AND topic = $2"#,
@@ -936,7 +939,7 @@ fn offsets_stmt(consumer: &str, topic: &str) -> Stmt {
     .text(topic)
 }
 
-fn offset_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<(i32, i64)> {
+pub(crate) fn offset_row<B: Backend>(r: &Rec<'_, B>) -> PortResult<(i32, i64)> {
     let p = r.int("partition")?;
     Ok((i32::try_from(p).map_err(|_| corrupt("partition", &p.to_string()))?, r.int("next_offset")?))
 }
@@ -963,7 +966,8 @@ impl<B: Backend> ReportStore for SqlStore<B> {
         window_key: &str,
     ) -> PortResult<Vec<ModelUsageRow>> {
         let stmt = Stmt::new(format!(
-            "SELECT {MODEL_USAGE_COLUMNS} FROM model_usage WHERE project_id = $1 AND window_kind = $2 AND window_key = $3"
+            "SELECT {MODEL_USAGE_COLUMNS} FROM model_usage \
+             WHERE project_id = $1 AND dimension = 'p' AND window_kind = $2 AND window_key = $3"
         ))
         .text(project.as_str())
         .text(window.as_str())

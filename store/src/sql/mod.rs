@@ -28,6 +28,7 @@
 //! what it needs and persists the result.
 
 mod config;
+mod exports;
 mod ledger;
 mod prices;
 pub mod shadow;

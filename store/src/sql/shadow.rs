@@ -119,6 +119,7 @@ pub const FOLD_TABLES: &[FoldTable] = &[
         name: "model_usage",
         key: &[
             ("project_id", Text),
+            ("dimension", Text),
             ("window_kind", Text),
             ("window_key", Text),
             ("provider", Text),
@@ -597,10 +598,14 @@ impl<B: Backend> SqlStore<B> {
     }
 }
 
-/// Tables of configuration and of the hot path: not the fold's, never
-/// compared or swapped.
+/// Tables of configuration, of the hot path and of billing exports (the
+/// runs and what they wrote, `migrations/0015_exports.sql`, which export
+/// runs write and the fold never does): not the fold's, never compared or
+/// swapped.
 const CONFIG_TABLES: &[&str] = &[
     "api_keys",
+    "export_runs",
+    "export_lines",
     "roles",
     "audit_log",
     "audit_outbox",

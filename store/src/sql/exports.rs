@@ -1,0 +1,385 @@
+//! Billing exports over SQL (`migrations/0015_exports.sql`): the cut of
+//! the fold a run exports from, the runs, and what the runs of each export
+//! wrote (see `meter::export`).
+//!
+//! - **The cut** ([`SqlFoldCut`]) is a read-only snapshot transaction
+//!   (PostgreSQL `REPEATABLE READ`, a SQLite read transaction), as a
+//!   replay's [`Snapshot`](super::shadow::Snapshot) is. Both databases take
+//!   the snapshot at the transaction's first read, not at its `BEGIN`, so
+//!   [`ExportStore::fold_cut`] reads once as it opens it: the cut is the
+//!   fold as of the call, whatever the projector commits after.
+//! - **What an export wrote** is one row per line (`export_lines`), the sum
+//!   of what its runs wrote. A run's lines are added in the transaction that
+//!   records how it ended, with its audit entries, so a run that did not
+//!   finish added nothing and is not subtracted by the next one.
+//! - **Amounts** are `i128` in meter and `bigint` here: one that does not
+//!   fit is refused (the finish fails and changes nothing), never wrapped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use meter::export::{Amounts, CustomerKind, ExportRun, ExportSpec, ExportedLine, Grace, Item, Reconciliation};
+use meter::{
+    AuditEntry, CounterKey, Dimension, ExportStore, FoldCut, ModelUsageRow, PortError, PortResult, ProjectId,
+    StoredStorageFact, Totals, WindowKind,
+};
+use sqlx::Transaction;
+
+use super::config::insert_audit;
+use super::ledger::{
+    AGGREGATE_COLUMNS, MODEL_USAGE_COLUMNS, counter_key, model_usage_row, offset_row, offsets_stmt, totals,
+};
+use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error, limit, to_i64};
+
+const RUN_COLUMNS: &str = "id, export_key, project_id, period_kind, dimensions, grace_secs, format, status, mark, \
+                           watermark, receipt_bound, started_at, finished_at, \"rows\", bytes, file, reconciliation, \
+                           error";
+
+/// The dimensions of a spec as stored: `+`-joined, in order.
+fn dimensions_text(spec: &ExportSpec) -> String {
+    let dims: Vec<&str> = spec.dimensions.iter().map(|d| d.as_str()).collect();
+    dims.join("+")
+}
+
+fn run<B: Backend>(r: &Rec<'_, B>) -> PortResult<ExportRun> {
+    let dims = r.text("dimensions")?;
+    let dimensions = dims
+        .split('+')
+        .map(|d| d.parse::<CustomerKind>())
+        .collect::<Result<BTreeSet<_>, _>>()
+        .map_err(|_| corrupt("dimensions", &dims))?;
+    let secs = r.count("grace_secs")?;
+    let grace = Grace::new(Duration::from_secs(secs)).map_err(|_| corrupt("grace_secs", &secs.to_string()))?;
+    let spec = ExportSpec::new(r.id("project_id")?, r.parse("period_kind")?, dimensions, grace)
+        .map_err(|e| corrupt(&e.field, &dims))?;
+    let mark = match r.get::<Option<String>>("mark")? {
+        None => None,
+        Some(m) => Some(m.parse().map_err(|_| corrupt("mark", &m))?),
+    };
+    Ok(ExportRun {
+        id: r.text("id")?,
+        spec,
+        format: r.parse("format")?,
+        status: r.parse("status")?,
+        mark,
+        watermark: r.json("watermark")?,
+        receipt_bound: r.opt_time("receipt_bound")?,
+        started_at: r.time("started_at")?,
+        finished_at: r.opt_time("finished_at")?,
+        rows: r.count("rows")?,
+        bytes: r.count("bytes")?,
+        file: r.get("file")?,
+        reconciliation: r.opt_json("reconciliation")?,
+        error: r.get("error")?,
+    })
+}
+
+/// A line's amount as stored; one beyond a 64-bit integer is refused.
+fn amount(what: &str, v: i128) -> PortResult<i64> {
+    i64::try_from(v).map_err(|_| PortError::Permanent(format!("exported {what} {v} does not fit a 64-bit integer")))
+}
+
+/// What the runs wrote of one line, read back.
+fn exported_line<B: Backend>(r: &Rec<'_, B>, period_key: &str) -> PortResult<ExportedLine> {
+    let dimension = r.text("dimension")?;
+    let item = r.text("item")?;
+    Ok(ExportedLine {
+        period_key: period_key.to_owned(),
+        dimension: Dimension::decode(&dimension).ok_or_else(|| corrupt("dimension", &dimension))?,
+        item: Item::decode(&item).ok_or_else(|| corrupt("item", &item))?,
+        amounts: Amounts {
+            consumed: i128::from(r.int("consumed")?),
+            priced: i128::from(r.int("priced")?),
+            unpriced: i128::from(r.int("unpriced")?),
+            cost: i128::from(r.int("cost")?),
+        },
+    })
+}
+
+/// One upsert that adds every written line to what the export wrote. The
+/// lines are one per line (a batch naming a line twice would fail on
+/// PostgreSQL: an upsert cannot touch a row twice).
+fn add_lines(export_key: &str, written: &[ExportedLine]) -> PortResult<Stmt> {
+    let mut consumed = Vec::with_capacity(written.len());
+    let mut priced = Vec::with_capacity(written.len());
+    let mut unpriced = Vec::with_capacity(written.len());
+    let mut cost = Vec::with_capacity(written.len());
+    for l in written {
+        consumed.push(amount("consumed", l.amounts.consumed)?);
+        priced.push(amount("priced", l.amounts.priced)?);
+        unpriced.push(amount("unpriced", l.amounts.unpriced)?);
+        cost.push(amount("cost", l.amounts.cost)?);
+    }
+    let rows = Rows::new()
+        .text("export_key", written.iter().map(|_| export_key))
+        .text("period_key", written.iter().map(|l| l.period_key.as_str()))
+        .text("dimension", written.iter().map(|l| l.dimension.encode()))
+        .text("item", written.iter().map(|l| l.item.encode()))
+        .int("consumed", consumed)
+        .int("priced", priced)
+        .int("unpriced", unpriced)
+        .int("cost", cost);
+    // `WHERE true` keeps SQLite from reading ON CONFLICT as part of the SELECT.
+    Ok(Stmt::new(
+        "INSERT INTO export_lines AS e (export_key, period_key, dimension, item, consumed, priced, unpriced, cost) \
+         SELECT * FROM {rows} AS t WHERE true \
+         ON CONFLICT (export_key, period_key, dimension, item) DO UPDATE SET \
+         consumed = e.consumed + excluded.consumed, priced = e.priced + excluded.priced, \
+         unpriced = e.unpriced + excluded.unpriced, cost = e.cost + excluded.cost",
+    )
+    .rows(rows))
+}
+
+/// The cut of the fold an export run reads (see [`FoldCut`]): a read-only
+/// snapshot transaction, rolled back when closed (or dropped).
+pub struct SqlFoldCut<B: Backend> {
+    tx: Transaction<'static, B>,
+}
+
+#[async_trait]
+impl<B: Backend> FoldCut for SqlFoldCut<B> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_offsets"))]
+    async fn offsets(&mut self, consumer: &str, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
+        let rows = each(&B::fetch(&mut *self.tx, offsets_stmt(consumer, topic)).await?, offset_row::<B>)?;
+        Ok(rows.into_iter().collect())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_newest_receipt"))]
+    async fn newest_receipt(&mut self, consumer: &str, topic: &str) -> PortResult<Option<DateTime<Utc>>> {
+        let stmt = Stmt::new("SELECT newest_receipt FROM fold_receipts WHERE consumer = $1 AND topic = $2")
+            .text(consumer)
+            .text(topic);
+        match B::fetch(&mut *self.tx, stmt).await?.first() {
+            Some(row) => Ok(Some(Rec::<B>(row).time("newest_receipt")?)),
+            None => Ok(None),
+        }
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_window_keys"))]
+    async fn window_keys(&mut self, project: &ProjectId, window: WindowKind) -> PortResult<Vec<String>> {
+        let stmt = Stmt::new(
+            "SELECT window_key FROM usage_aggregates WHERE project_id = $1 AND window_kind = $2 \
+             UNION SELECT window_key FROM model_usage WHERE project_id = $1 AND window_kind = $2",
+        )
+        .text(project.as_str())
+        .text(window.as_str());
+        let keys = each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| r.text("window_key"))?;
+        // Sorted here, bytewise, whatever the database's collation.
+        Ok(keys.into_iter().collect::<BTreeSet<_>>().into_iter().collect())
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_window_totals"))]
+    async fn window_totals(
+        &mut self,
+        project: &ProjectId,
+        window: WindowKind,
+        key: &str,
+    ) -> PortResult<Vec<(CounterKey, Totals)>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND window_kind = $2 AND window_key = $3",
+            *AGGREGATE_COLUMNS
+        ))
+        .text(project.as_str())
+        .text(window.as_str())
+        .text(key);
+        let mut out = each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| Ok((counter_key(r)?, totals(r)?)))?;
+        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_window_models"))]
+    async fn window_models(
+        &mut self,
+        project: &ProjectId,
+        window: WindowKind,
+        key: &str,
+    ) -> PortResult<Vec<(Dimension, ModelUsageRow)>> {
+        let stmt = Stmt::new(format!(
+            "SELECT dimension, {MODEL_USAGE_COLUMNS} FROM model_usage \
+             WHERE project_id = $1 AND window_kind = $2 AND window_key = $3"
+        ))
+        .text(project.as_str())
+        .text(window.as_str())
+        .text(key);
+        let mut out = each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| {
+            let d = r.text("dimension")?;
+            Ok((Dimension::decode(&d).ok_or_else(|| corrupt("dimension", &d))?, model_usage_row(r)?))
+        })?;
+        // By dimension, then in meter's orders (as `ReportStore::model_usage`).
+        out.sort_by(|(da, a), (db, b)| (da, &a.key, a.meter, a.embedding).cmp(&(db, &b.key, b.meter, b.embedding)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_storage_facts"))]
+    async fn storage_facts(
+        &mut self,
+        project: &ProjectId,
+        before: DateTime<Utc>,
+    ) -> PortResult<Vec<StoredStorageFact>> {
+        let stmt = Stmt::new(
+            "SELECT event_id, kind, occurred_at, bytes FROM storage_facts \
+             WHERE project_id = $1 AND occurred_at < $2 ORDER BY occurred_at, event_id",
+        )
+        .text(project.as_str())
+        .time(before);
+        each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| {
+            let kind = r.text("kind")?;
+            let snapshot = match kind.as_str() {
+                "snapshot" => true,
+                "delta" => false,
+                _ => return Err(corrupt("kind", &kind)),
+            };
+            Ok(StoredStorageFact {
+                event_id: r.id("event_id")?,
+                snapshot,
+                occurred_at: r.time("occurred_at")?,
+                bytes: r.int("bytes")?,
+            })
+        })
+    }
+
+    async fn close(self: Box<Self>) -> PortResult<()> {
+        self.tx.rollback().await.map_err(error::<B>)
+    }
+}
+
+#[async_trait]
+impl<B: Backend> ExportStore for SqlStore<B> {
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "fold_cut"))]
+    async fn fold_cut(&self) -> PortResult<Box<dyn FoldCut>> {
+        let mut tx = self.pool.begin_with(B::SNAPSHOT_BEGIN).await.map_err(error::<B>)?;
+        // The snapshot is taken at the first read (see the module doc).
+        B::fetch(&mut *tx, Stmt::new("SELECT next_offset FROM consumer_offsets LIMIT 1")).await?;
+        Ok(Box::new(SqlFoldCut { tx }))
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_export_run"))]
+    async fn create_export_run(&self, run: &ExportRun) -> PortResult<()> {
+        let params: Vec<String> = (1..=18).map(|i| format!("${i}")).collect();
+        let stmt = Stmt::new(format!("INSERT INTO export_runs ({RUN_COLUMNS}) VALUES ({})", params.join(", ")))
+            .text(&run.id)
+            .text(run.spec.key())
+            .text(run.spec.project_id.as_str())
+            .text(run.spec.period.as_str())
+            .text(dimensions_text(&run.spec))
+            .int(to_i64("grace_secs", run.spec.grace.duration().as_secs())?)
+            .text(run.format.as_str())
+            .text(run.status.as_str())
+            .opt_text(run.mark.map(|m| m.as_str()))
+            .json(&run.watermark)?
+            .opt_time(run.receipt_bound)
+            .time(run.started_at)
+            .opt_time(run.finished_at)
+            .int(to_i64("rows", run.rows)?)
+            .int(to_i64("bytes", run.bytes)?)
+            .opt_text(run.file.as_deref())
+            .opt_json(run.reconciliation.as_ref())?
+            .opt_text(run.error.as_deref());
+        self.run(stmt).await.map(drop)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "exported_lines"))]
+    async fn exported_lines(&self, export_key: &str, period_key: &str) -> PortResult<Vec<ExportedLine>> {
+        let stmt = Stmt::new(
+            "SELECT dimension, item, consumed, priced, unpriced, cost FROM export_lines \
+             WHERE export_key = $1 AND period_key = $2 \
+             AND NOT (consumed = 0 AND priced = 0 AND unpriced = 0 AND cost = 0)",
+        )
+        .text(export_key)
+        .text(period_key);
+        let mut out = each(&self.all(stmt).await?, |r: &Rec<'_, B>| exported_line(r, period_key))?;
+        out.sort_by(|a, b| (&a.dimension, &a.item).cmp(&(&b.dimension, &b.item)));
+        Ok(out)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "exported_periods"))]
+    async fn exported_periods(&self, export_key: &str) -> PortResult<Vec<String>> {
+        let stmt = Stmt::new("SELECT DISTINCT period_key FROM export_lines WHERE export_key = $1").text(export_key);
+        let keys = each(&self.all(stmt).await?, |r: &Rec<'_, B>| r.text("period_key"))?;
+        Ok(keys.into_iter().collect::<BTreeSet<_>>().into_iter().collect())
+    }
+
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = B::SPAN_DB, op = "finish_export_run", lines = written.len())
+    )]
+    async fn finish_export_run(
+        &self,
+        run: &ExportRun,
+        written: &[ExportedLine],
+        audit: &[AuditEntry],
+    ) -> PortResult<()> {
+        // Dropping `tx` without committing rolls everything back.
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
+        let update = Stmt::new(
+            "UPDATE export_runs SET status = $2, mark = $3, finished_at = $4, \"rows\" = $5, bytes = $6, \
+             file = $7, reconciliation = $8, error = $9, watermark = $10, receipt_bound = $11 WHERE id = $1",
+        )
+        .text(&run.id)
+        .text(run.status.as_str())
+        .opt_text(run.mark.map(|m| m.as_str()))
+        .opt_time(run.finished_at)
+        .int(to_i64("rows", run.rows)?)
+        .int(to_i64("bytes", run.bytes)?)
+        .opt_text(run.file.as_deref())
+        .opt_json(run.reconciliation.as_ref())?
+        .opt_text(run.error.as_deref())
+        .json(&run.watermark)?
+        .opt_time(run.receipt_bound);
+        if B::execute(&mut *tx, update).await? != 1 {
+            return Err(PortError::Permanent(format!("there is no export run {}", run.id)));
+        }
+        if !written.is_empty() {
+            B::execute(&mut *tx, add_lines(&run.spec.key(), written)?).await?;
+        }
+        for entry in audit {
+            B::execute(&mut *tx, insert_audit(entry)?).await?;
+        }
+        tx.commit().await.map_err(error::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "export_run"))]
+    async fn export_run(&self, id: &str) -> PortResult<Option<ExportRun>> {
+        let stmt = Stmt::new(format!("SELECT {RUN_COLUMNS} FROM export_runs WHERE id = $1")).text(id);
+        self.opt(stmt).await?.as_ref().map(|r| run(&Rec::<B>(r))).transpose()
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "export_runs"))]
+    async fn export_runs(&self, project: &ProjectId, max: usize) -> PortResult<Vec<ExportRun>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {RUN_COLUMNS} FROM export_runs WHERE project_id = $1 ORDER BY started_at DESC, id DESC LIMIT $2"
+        ))
+        .text(project.as_str())
+        .int(limit(max));
+        each(&self.all(stmt).await?, run::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "set_reconciliation"))]
+    async fn set_reconciliation(&self, id: &str, reconciliation: &Reconciliation) -> PortResult<bool> {
+        let stmt =
+            Stmt::new("UPDATE export_runs SET reconciliation = $2 WHERE id = $1").text(id).json(reconciliation)?;
+        Ok(self.run(stmt).await? == 1)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "abandon_export_runs"))]
+    async fn abandon_export_runs(
+        &self,
+        project: &ProjectId,
+        started_before: DateTime<Utc>,
+        at: DateTime<Utc>,
+    ) -> PortResult<u64> {
+        let stmt = Stmt::new(
+            "UPDATE export_runs SET status = 'failed', finished_at = $3, \
+             error = 'abandoned: still running past its time bound (its process died?)' \
+             WHERE project_id = $1 AND status = 'running' AND started_at < $2",
+        )
+        .text(project.as_str())
+        .time(started_before)
+        .time(at);
+        self.run(stmt).await
+    }
+}

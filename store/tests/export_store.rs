@@ -1,0 +1,568 @@
+//! The `ExportStore` conformance suite (billing exports, issue 11 item 3):
+//! each case is one async fn over a store that is every store port and the
+//! export store; `suite!` stamps every one out as a test per backend, with
+//! the fixtures of `store_conformance.rs`:
+//!
+//! - `pg::*` runs against a real PostgreSQL, a database of its own per test
+//!   (`TOLLGATE_TEST_DATABASE_URL`, default
+//!   `postgres://postgres@127.0.0.1:5432/test`); skipped when it does not
+//!   answer, unless `TOLLGATE_REQUIRE_SERVICES` is set.
+//! - `sqlite::*` runs against the embedded store, a fresh file per test.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use meter::export::{
+    Amounts, Check, CustomerKind, ExportRun, ExportSpec, ExportedLine, Format, Grace, Item, Mark, Reconciliation,
+    RunStatus,
+};
+use meter::{
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Dimension, EventId, EventKind, ExportStore, FoldBatch,
+    OffsetMove, PortError, Principal, Project, ProjectId, Store, TokenUsage, UsageFact, WindowKind,
+};
+use store::{PgStore, SqliteStore};
+
+/// A store that is every store port and the export store.
+trait Both: Store + ExportStore {}
+
+impl<T: Store + ExportStore> Both for T {}
+
+macro_rules! suite {
+    ($fixture:expr) => {
+        suite!(@each $fixture;
+            a_run_round_trips_every_field,
+            two_finishes_add_per_line_and_a_line_summing_to_zero_is_left_out,
+            exported_periods_are_every_period_written_in_order,
+            runs_are_listed_newest_first_by_project,
+            a_project_runs_one_export_at_a_time,
+            a_failing_finish_changes_nothing,
+            a_cut_sees_the_fold_as_of_when_it_was_opened,
+            window_models_return_every_dimensions_rows,
+            storage_facts_respect_before_and_their_order,
+        );
+    };
+    (@each $fixture:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $test() {
+                let Some(db) = $fixture.await else { return };
+                super::$test(&db.store).await;
+            }
+        )*
+    };
+}
+
+mod pg {
+    use super::*;
+
+    suite!(PgDb::new());
+}
+
+mod sqlite {
+    use super::*;
+
+    suite!(SqliteDb::new());
+}
+
+// --- Fixtures (as store_conformance.rs) ---------------------------------------
+
+/// A directory of its own under the system's temporary one, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("tollgate-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh, migrated SQLite file; the store drops before its directory.
+struct SqliteDb {
+    store: SqliteStore,
+    _dir: TempDir,
+}
+
+impl SqliteDb {
+    async fn new() -> Option<SqliteDb> {
+        let dir = TempDir::new();
+        let store = SqliteStore::open(&dir.0.join("tollgate.db")).await.expect("open the test file");
+        store.migrate().await.expect("migrate");
+        Some(SqliteDb { store, _dir: dir })
+    }
+}
+
+/// A fresh, migrated PostgreSQL database, dropped on drop; `None`, and the
+/// test skipped, when PostgreSQL does not answer.
+struct PgDb {
+    store: PgStore,
+    _db: testkit::TestDb,
+}
+
+impl PgDb {
+    async fn new() -> Option<PgDb> {
+        if !testkit::available(&[testkit::Service::Postgres]) {
+            return None;
+        }
+        let db = testkit::TestDb::new("tg").await;
+        let store = PgStore::connect(&db.url).await.expect("connect to the test database");
+        store.migrate().await.expect("migrate");
+        Some(PgDb { store, _db: db })
+    }
+}
+
+fn utc(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s).expect("test timestamp").with_timezone(&Utc)
+}
+
+fn pid(s: &str) -> ProjectId {
+    ProjectId::parse(s).expect("project id")
+}
+
+async fn create_project(s: &dyn Both, id: &str) {
+    let p = Project {
+        id: pid(id),
+        name: format!("project {id}"),
+        timezone: Tz::UTC,
+        created_at: utc("2026-01-01T00:00:00Z"),
+    };
+    s.create_project(&p).await.expect("create project");
+}
+
+fn fact(project: &str, id: &str, kind: EventKind, at: &str) -> UsageFact {
+    UsageFact {
+        gateway: "gw-test".into(),
+        ..UsageFact::new(EventId::parse(id).expect("event id"), pid(project), kind, utc(at))
+    }
+}
+
+fn call(project: &str, id: &str, at: &str, rows: u64) -> UsageFact {
+    UsageFact {
+        api_key_id: Some(ApiKeyId::parse("key_1").expect("key id")),
+        actor_id: Some("user_1".into()),
+        rows,
+        ..fact(project, id, EventKind::Call, at)
+    }
+}
+
+/// A tokens event of agent `agent_1` and actor `user_1`.
+fn tokens(project: &str, id: &str, at: &str, model: &str, input: u64) -> UsageFact {
+    UsageFact {
+        agent_id: Some("agent_1".into()),
+        actor_id: Some("user_1".into()),
+        tokens: vec![TokenUsage { provider: "openai".into(), model: model.into(), input, ..TokenUsage::default() }],
+        ..fact(project, id, EventKind::Tokens, at)
+    }
+}
+
+fn storage(project: &str, id: &str, kind: EventKind, at: &str, bytes: i64) -> UsageFact {
+    UsageFact { storage_bytes: Some(bytes), ..fact(project, id, kind, at) }
+}
+
+const CONSUMER: &str = "projector";
+const TOPIC: &str = "tollgate.usage";
+
+fn batch(from: i64, to: i64, facts: Vec<UsageFact>) -> FoldBatch {
+    FoldBatch {
+        consumer: CONSUMER.into(),
+        topic: TOPIC.into(),
+        offsets: vec![OffsetMove { partition: 0, from, to }],
+        facts,
+        dead_letters: Vec::new(),
+        sources: BTreeMap::new(),
+        horizon: None,
+    }
+}
+
+fn spec(project: &str, period: WindowKind, dims: &[CustomerKind]) -> ExportSpec {
+    ExportSpec::new(
+        pid(project),
+        period,
+        dims.iter().copied().collect(),
+        Grace::new(Duration::from_secs(5400)).expect("grace"),
+    )
+    .expect("spec")
+}
+
+/// A run as it starts.
+fn started(id: &str, spec: ExportSpec, at: &str) -> ExportRun {
+    ExportRun {
+        id: id.into(),
+        spec,
+        format: Format::Csv,
+        status: RunStatus::Running,
+        mark: None,
+        watermark: BTreeMap::new(),
+        receipt_bound: None,
+        started_at: utc(at),
+        finished_at: None,
+        rows: 0,
+        bytes: 0,
+        file: None,
+        reconciliation: None,
+        error: None,
+    }
+}
+
+/// The same run as it ended, every field set.
+fn finished(run: &ExportRun, at: &str) -> ExportRun {
+    ExportRun {
+        status: RunStatus::Partial,
+        mark: Some(Mark::Rows),
+        watermark: BTreeMap::from([(0, 1234), (3, 9)]),
+        receipt_bound: Some(utc("2026-07-07T11:59:58.123456Z")),
+        finished_at: Some(utc(at)),
+        rows: 42,
+        bytes: 4096,
+        file: Some("/var/exports/proj_1/exr_1.csv".into()),
+        reconciliation: Some(Reconciliation {
+            fold: Check { lines: 7, differences: Vec::new() },
+            log: Some(Check { lines: 7, differences: vec!["line x: expected 1 found 2".into()] }),
+        }),
+        error: Some("stopped at the row bound".into()),
+        ..run.clone()
+    }
+}
+
+fn metric(name: &str) -> Item {
+    Item::Metric(name.into())
+}
+
+fn model_item(model: &str) -> Item {
+    Item::Model { provider: "openai".into(), model: model.into(), component: "input_tokens".into() }
+}
+
+fn line(period: &str, dimension: Dimension, item: Item, a: (i128, i128, i128, i128)) -> ExportedLine {
+    ExportedLine {
+        period_key: period.into(),
+        dimension,
+        item,
+        amounts: Amounts { consumed: a.0, priced: a.1, unpriced: a.2, cost: a.3 },
+    }
+}
+
+fn entry(id: &str, project: &str) -> AuditEntry {
+    meter::admin_change(
+        AuditId::parse(id).expect("audit id"),
+        &pid(project),
+        AuditAction::RunExport,
+        "exr_1",
+        AuditDetail::WebhookEndpointDisabled { url: "https://example.test".into(), reason: "test".into() },
+        &Principal::new("admin", "test"),
+        utc("2026-07-07T12:00:00Z"),
+    )
+}
+
+// --- Runs ----------------------------------------------------------------------
+
+async fn a_run_round_trips_every_field(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let run = started(
+        "exr_1",
+        spec("proj_1", WindowKind::CalendarMonth, &[CustomerKind::ApiKey, CustomerKind::User]),
+        "2026-07-07T12:00:00.000001Z",
+    );
+    s.create_export_run(&run).await.expect("create run");
+    assert_eq!(s.export_run("exr_1").await.expect("read run"), Some(run.clone()));
+    assert!(matches!(s.create_export_run(&run).await, Err(PortError::Conflict(_))), "a run id is unique");
+
+    let done = finished(&run, "2026-07-07T12:00:03.5Z");
+    let audit = entry("aud_0001", "proj_1");
+    s.finish_export_run(&done, &[], std::slice::from_ref(&audit)).await.expect("finish");
+    assert_eq!(s.export_run("exr_1").await.expect("read run"), Some(done.clone()));
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![audit], "the audit entry is in the outbox");
+
+    let rec = Reconciliation { fold: Check { lines: 3, differences: vec!["a".into()] }, log: None };
+    assert!(s.set_reconciliation("exr_1", &rec).await.expect("set reconciliation"));
+    let read = s.export_run("exr_1").await.expect("read run").expect("the run");
+    assert_eq!(read, ExportRun { reconciliation: Some(rec.clone()), ..done });
+    assert!(!s.set_reconciliation("exr_none", &rec).await.expect("set on nothing"));
+    assert_eq!(s.export_run("exr_none").await.expect("read nothing"), None);
+
+    // A run of every period and format reads back as written.
+    let day = ExportRun {
+        format: Format::Parquet,
+        ..started("exr_2", spec("proj_1", WindowKind::Day, &CustomerKind::ALL), "2026-07-08T00:00:00Z")
+    };
+    s.create_export_run(&day).await.expect("create day run");
+    assert_eq!(s.export_run("exr_2").await.expect("read run"), Some(day));
+}
+
+async fn two_finishes_add_per_line_and_a_line_summing_to_zero_is_left_out(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project, CustomerKind::Actor]);
+    let key = sp.key();
+    let actor = Dimension::Actor("user_1".into());
+    let first = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
+    s.create_export_run(&first).await.expect("create run");
+    let written = [
+        line("2026-07-07", Dimension::Project, metric("calls"), (5, 0, 0, 0)),
+        line("2026-07-07", actor.clone(), model_item("gpt-4o"), (10, 6, 4, 1_000_000)),
+        line("2026-07-07", actor.clone(), metric("calls"), (3, 0, 0, 0)),
+    ];
+    s.finish_export_run(&finished(&first, "2026-07-07T12:00:01Z"), &written, &[]).await.expect("finish first");
+    let mut expected = written.to_vec();
+    expected.sort_by(|a, b| (&a.dimension, &a.item).cmp(&(&b.dimension, &b.item)));
+    assert_eq!(s.exported_lines(&key, "2026-07-07").await.expect("lines"), expected);
+
+    let second = started("exr_2", sp.clone(), "2026-07-07T13:00:00Z");
+    s.create_export_run(&second).await.expect("create run");
+    let more = [
+        line("2026-07-07", Dimension::Project, metric("calls"), (2, 0, 0, 0)),
+        // A correction takes the actor's calls back to nothing.
+        line("2026-07-07", actor.clone(), metric("calls"), (-3, 0, 0, 0)),
+        line("2026-07-07", actor.clone(), model_item("gpt-4o"), (-1, -1, 0, -250_000)),
+    ];
+    s.finish_export_run(&finished(&second, "2026-07-07T13:00:01Z"), &more, &[]).await.expect("finish second");
+    assert_eq!(
+        s.exported_lines(&key, "2026-07-07").await.expect("lines"),
+        vec![
+            line("2026-07-07", Dimension::Project, metric("calls"), (7, 0, 0, 0)),
+            line("2026-07-07", actor, model_item("gpt-4o"), (9, 5, 4, 750_000)),
+        ],
+        "summed per line, the zero line left out"
+    );
+    assert!(s.exported_lines(&key, "2026-07-08").await.expect("lines").is_empty(), "another period");
+    let other = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]).key();
+    assert!(s.exported_lines(&other, "2026-07-07").await.expect("lines").is_empty(), "another export");
+}
+
+async fn exported_periods_are_every_period_written_in_order(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let sp = spec("proj_1", WindowKind::CalendarMonth, &[CustomerKind::Project]);
+    assert!(s.exported_periods(&sp.key()).await.expect("periods").is_empty());
+    let run = started("exr_1", sp.clone(), "2026-09-01T00:00:00Z");
+    s.create_export_run(&run).await.expect("create run");
+    let written = [
+        line("2026-08", Dimension::Project, metric("calls"), (1, 0, 0, 0)),
+        line("2026-06", Dimension::Project, metric("calls"), (1, 0, 0, 0)),
+        line("2026-06", Dimension::Project, metric("rows"), (4, 0, 0, 0)),
+        line("2026-07", Dimension::Project, metric("calls"), (2, 0, 0, 0)),
+    ];
+    s.finish_export_run(&finished(&run, "2026-09-01T00:00:01Z"), &written, &[]).await.expect("finish");
+    assert_eq!(s.exported_periods(&sp.key()).await.expect("periods"), vec!["2026-06", "2026-07", "2026-08"]);
+    let other = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
+    assert!(s.exported_periods(&other.key()).await.expect("periods").is_empty(), "another export");
+}
+
+async fn runs_are_listed_newest_first_by_project(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
+    let runs = [
+        started("exr_a", sp.clone(), "2026-07-01T00:00:00Z"),
+        started("exr_d", sp.clone(), "2026-07-02T00:00:00Z"),
+        started("exr_b", sp.clone(), "2026-07-03T00:00:00Z"),
+        // The same instant: the greater id first.
+        started("exr_c", sp.clone(), "2026-07-03T00:00:00Z"),
+        started("exr_e", spec("proj_2", WindowKind::Day, &[CustomerKind::Project]), "2026-07-04T00:00:00Z"),
+    ];
+    // Ended runs: a project has one running at most.
+    let runs = runs.map(|r| ExportRun { status: RunStatus::Complete, ..r });
+    for r in &runs {
+        s.create_export_run(r).await.expect("create run");
+    }
+    let ids = |runs: Vec<ExportRun>| runs.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(ids(s.export_runs(&pid("proj_1"), 10).await.expect("runs")), ["exr_c", "exr_b", "exr_d", "exr_a"]);
+    assert_eq!(ids(s.export_runs(&pid("proj_1"), 2).await.expect("runs")), ["exr_c", "exr_b"]);
+    assert_eq!(s.export_runs(&pid("proj_2"), 10).await.expect("runs"), vec![runs[4].clone()]);
+    assert!(s.export_runs(&pid("proj_3"), 10).await.expect("runs").is_empty());
+}
+
+async fn a_project_runs_one_export_at_a_time(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    let first = started("exr_1", spec("proj_1", WindowKind::Day, &[CustomerKind::Project]), "2026-07-07T12:00:00Z");
+    s.create_export_run(&first).await.expect("create run");
+    // Another export of the same project, while the first runs: refused.
+    let other = started("exr_2", spec("proj_1", WindowKind::Day, &[CustomerKind::Actor]), "2026-07-07T12:00:01Z");
+    assert!(matches!(s.create_export_run(&other).await, Err(PortError::Conflict(_))));
+    // Another project's is not.
+    let elsewhere = started("exr_3", spec("proj_2", WindowKind::Day, &[CustomerKind::Project]), "2026-07-07T12:00:01Z");
+    s.create_export_run(&elsewhere).await.expect("another project's run");
+    // Abandoning runs started before the first changes nothing; after it,
+    // the first is failed and the project free.
+    let t = |s: &str| DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc);
+    let at = t("2026-07-07T13:00:00Z");
+    assert_eq!(s.abandon_export_runs(&pid("proj_1"), t("2026-07-07T12:00:00Z"), at).await.expect("abandon"), 0);
+    assert_eq!(s.abandon_export_runs(&pid("proj_1"), t("2026-07-07T12:30:00Z"), at).await.expect("abandon"), 1);
+    let read = s.export_run("exr_1").await.expect("read").expect("the run");
+    assert_eq!((read.status, read.finished_at), (RunStatus::Failed, Some(at)));
+    assert!(read.error.is_some_and(|e| e.contains("abandoned")));
+    assert_eq!(s.export_run("exr_3").await.expect("read").map(|r| r.status), Some(RunStatus::Running));
+    s.create_export_run(&other).await.expect("the project is free");
+}
+
+async fn a_failing_finish_changes_nothing(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
+    let run = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
+    s.create_export_run(&run).await.expect("create run");
+
+    // One amount beyond a 64-bit integer: refused, not wrapped, and
+    // neither the run, nor the other line, nor the audit entry is written.
+    let written = [
+        line("2026-07-07", Dimension::Project, metric("calls"), (5, 0, 0, 0)),
+        line("2026-07-07", Dimension::Project, model_item("gpt-4o"), (1, 1, 0, i128::from(i64::MAX) + 1)),
+    ];
+    let e =
+        s.finish_export_run(&finished(&run, "2026-07-07T12:00:01Z"), &written, &[entry("aud_0001", "proj_1")]).await;
+    assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
+    assert_eq!(s.export_run("exr_1").await.expect("read run"), Some(run.clone()), "the run as it started");
+    assert!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines").is_empty());
+    assert!(s.exported_periods(&sp.key()).await.expect("periods").is_empty());
+    assert!(s.unpublished_audit(10).await.expect("outbox").is_empty());
+
+    // A run that was never created cannot finish: nothing is written either.
+    let ghost = finished(&started("exr_ghost", sp.clone(), "2026-07-07T12:00:00Z"), "2026-07-07T12:00:01Z");
+    let e = s.finish_export_run(&ghost, &written[..1], &[entry("aud_0002", "proj_1")]).await;
+    assert!(e.is_err(), "{e:?}");
+    assert_eq!(s.export_run("exr_ghost").await.expect("read run"), None);
+    assert!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines").is_empty());
+    assert!(s.unpublished_audit(10).await.expect("outbox").is_empty());
+
+    // The same finish without the bad line goes through.
+    s.finish_export_run(&finished(&run, "2026-07-07T12:00:01Z"), &written[..1], &[]).await.expect("finish");
+    assert_eq!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines"), written[..1].to_vec());
+}
+
+// --- The cut of the fold ---------------------------------------------------------
+
+async fn a_cut_sees_the_fold_as_of_when_it_was_opened(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let p = pid("proj_1");
+    s.fold_batch(&batch(
+        0,
+        2,
+        vec![call("proj_1", "e1", "2026-07-08T10:00:00Z", 5), call("proj_1", "e2", "2026-07-07T10:00:00Z", 1)],
+    ))
+    .await
+    .expect("fold");
+    let receipt = newest_receipt_of(s, CONSUMER, TOPIC).await;
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    // Folded after the cut was opened: the cut does not see it.
+    s.fold_batch(&batch(
+        2,
+        4,
+        vec![
+            call("proj_1", "e3", "2026-07-08T11:00:00Z", 2),
+            tokens("proj_1", "e4", "2026-07-09T10:00:00Z", "gpt-4o", 10),
+        ],
+    ))
+    .await
+    .expect("fold after the cut");
+
+    assert_eq!(cut.offsets(CONSUMER, TOPIC).await.expect("offsets"), BTreeMap::from([(0, 2)]));
+    assert_eq!(cut.newest_receipt(CONSUMER, TOPIC).await.expect("receipt"), receipt);
+    assert_eq!(cut.window_keys(&p, WindowKind::Day).await.expect("keys"), ["2026-07-07", "2026-07-08"]);
+    assert_eq!(cut.window_keys(&p, WindowKind::CalendarMonth).await.expect("keys"), ["2026-07"]);
+    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08").await.expect("totals");
+    let project = day.iter().find(|(k, _)| k.dimension == Dimension::Project).expect("the project's counter");
+    assert_eq!((project.1.calls, project.1.rows), (1, 5));
+    assert!(day.iter().all(|(k, _)| k.window == WindowKind::Day && k.window_key == "2026-07-08"));
+    let dims: BTreeSet<Dimension> = day.iter().map(|(k, _)| k.dimension.clone()).collect();
+    assert!(dims.contains(&Dimension::ApiKey(ApiKeyId::parse("key_1").expect("key id"))), "every dimension: {dims:?}");
+    assert!(dims.contains(&Dimension::Actor("user_1".into())), "every dimension: {dims:?}");
+    assert!(cut.window_models(&p, WindowKind::Day, "2026-07-09").await.expect("models").is_empty());
+    cut.close().await.expect("close the cut");
+
+    // A new cut sees it.
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    assert_eq!(cut.offsets(CONSUMER, TOPIC).await.expect("offsets"), BTreeMap::from([(0, 4)]));
+    assert_eq!(cut.window_keys(&p, WindowKind::Day).await.expect("keys"), ["2026-07-07", "2026-07-08", "2026-07-09"]);
+    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08").await.expect("totals");
+    let project = day.iter().find(|(k, _)| k.dimension == Dimension::Project).expect("the project's counter");
+    assert_eq!((project.1.calls, project.1.rows), (2, 7));
+    assert!(!cut.window_models(&p, WindowKind::Day, "2026-07-09").await.expect("models").is_empty());
+    assert!(cut.window_totals(&pid("proj_2"), WindowKind::Day, "2026-07-08").await.expect("totals").is_empty());
+    cut.close().await.expect("close the cut");
+}
+
+async fn window_models_return_every_dimensions_rows(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    s.fold_batch(&batch(
+        0,
+        3,
+        vec![
+            tokens("proj_1", "e1", "2026-07-07T10:00:00Z", "gpt-4o", 10),
+            tokens("proj_1", "e2", "2026-07-07T11:00:00Z", "gpt-4o", 5),
+            tokens("proj_2", "e3", "2026-07-07T11:00:00Z", "gpt-4o", 7),
+        ],
+    ))
+    .await
+    .expect("fold");
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    let rows = cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-07").await.expect("models");
+    let dims: Vec<Dimension> = rows.iter().map(|(d, _)| d.clone()).collect();
+    assert_eq!(
+        dims,
+        [Dimension::Project, Dimension::Agent("agent_1".into()), Dimension::Actor("user_1".into())]
+            .into_iter()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>(),
+        "one row per dimension, in order"
+    );
+    for (d, row) in &rows {
+        assert_eq!(row.key.model, "gpt-4o", "{d:?}");
+        assert_eq!(row.priced_quantity + row.unpriced_quantity, 15, "{d:?}: both events of proj_1");
+    }
+    assert_eq!(
+        cut.window_models(&pid("proj_1"), WindowKind::CalendarMonth, "2026-07").await.expect("models").len(),
+        rows.len()
+    );
+    assert!(cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-08").await.expect("models").is_empty());
+    cut.close().await.expect("close the cut");
+}
+
+async fn storage_facts_respect_before_and_their_order(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    s.fold_batch(&batch(
+        0,
+        5,
+        vec![
+            storage("proj_1", "d2", EventKind::StorageDelta, "2026-07-07T10:00:02Z", -30),
+            storage("proj_1", "s1", EventKind::StorageSnapshot, "2026-07-07T10:00:01Z", 1000),
+            storage("proj_1", "d1", EventKind::StorageDelta, "2026-07-07T10:00:01Z", 50),
+            storage("proj_1", "d3", EventKind::StorageDelta, "2026-07-07T10:00:05Z", 7),
+            storage("proj_2", "d9", EventKind::StorageDelta, "2026-07-07T10:00:00Z", 9),
+        ],
+    ))
+    .await
+    .expect("fold");
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    let facts = cut.storage_facts(&pid("proj_1"), utc("2026-07-07T10:00:05Z")).await.expect("facts");
+    let got: Vec<(String, bool, DateTime<Utc>, i64)> =
+        facts.into_iter().map(|f| (f.event_id.as_str().to_owned(), f.snapshot, f.occurred_at, f.bytes)).collect();
+    assert_eq!(
+        got,
+        vec![
+            ("d1".to_owned(), false, utc("2026-07-07T10:00:01Z"), 50),
+            ("s1".to_owned(), true, utc("2026-07-07T10:00:01Z"), 1000),
+            ("d2".to_owned(), false, utc("2026-07-07T10:00:02Z"), -30),
+        ],
+        "before the bound (not at it), by time then id"
+    );
+    assert_eq!(cut.storage_facts(&pid("proj_1"), utc("2026-07-08T00:00:00Z")).await.expect("facts").len(), 4);
+    assert!(cut.storage_facts(&pid("proj_1"), utc("2026-07-07T10:00:01Z")).await.expect("facts").is_empty());
+    cut.close().await.expect("close the cut");
+}
+
+/// The newest receipt a consumer folded, through a cut of its own.
+async fn newest_receipt_of(s: &dyn Both, consumer: &str, topic: &str) -> Option<DateTime<Utc>> {
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    let r = cut.newest_receipt(consumer, topic).await.expect("receipt");
+    cut.close().await.expect("close the cut");
+    r
+}
