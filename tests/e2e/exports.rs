@@ -369,6 +369,38 @@ async fn exports(mode: Mode) {
     assert_eq!(sums.get(&(p(0), "cust-a".into(), "rows".into())), Some(&10));
     assert_eq!(sums.get(&(p(3), "cust-a".into(), "rows".into())), Some(&4));
     assert_eq!(sums.get(&(p(0), "cust-b".into(), "tokensoutput_tokens".into())), Some(&100));
+    // One export per project at a time, whoever runs it: with a run of the
+    // CLI under way (its row, as it starts), the API answers 429.
+    let running = format!(
+        "INSERT INTO export_runs (id, export_key, project_id, period_kind, dimensions, grace_secs, format, status, \
+         watermark, started_at, \"rows\", bytes) VALUES ('exr_running', '{pid}/day/user', '{pid}', 'day', 'user', 3600, \
+         'csv', 'running', '{{}}', '{}', 0, 0)",
+        Utc::now().to_rfc3339()
+    );
+    match env.mode {
+        Mode::Distributed => {
+            let pool = sqlx::PgPool::connect(&env.db_url).await.expect("connect");
+            sqlx::query(sqlx::AssertSqlSafe(running.clone())).execute(&pool).await.expect("a running run");
+            pool.close().await;
+        }
+        Mode::Dev => {
+            let pool = env.sqlite().await;
+            sqlx::query(sqlx::AssertSqlSafe(running.clone())).execute(&pool).await.expect("a running run");
+            pool.close().await;
+        }
+    }
+    let (s, b) = env
+        .admin_post(
+            "/v1/exports",
+            json!({"project_id": pid, "period": "day", "dimensions": ["agent"], "format": "csv"}),
+        )
+        .await;
+    assert_eq!((s, b["error"]["code"].clone()), (429, json!("too-many-heavy-requests")), "{b}");
+    assert_eq!(
+        (b["error"]["meta"]["endpoint"].clone(), b["error"]["meta"]["whose"].clone()),
+        (json!("exports"), json!("project"))
+    );
+
     // The partial run's audit entry says so.
     env.audit_when(&pid, 30, "the partial run's audit entry", |entries| {
         entries.iter().any(|e| {
