@@ -64,14 +64,15 @@ async fn run() -> AnyResult<()> {
         .execute(&pool)
         .await?;
     let seeded = Instant::now();
-    sqlx::query(&format!(
-        "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < {last})
+    sqlx::query(
+        "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
          INSERT INTO usage_aggregates (project_id, dimension, window_kind, window_key, resets_at, requests, calls, \"rows\")
-         SELECT '{PROJECT}', 'a:cust_' || printf('%07d', i), 'calendar_month', '2026-11', '2026-12-01T00:00:00Z', 0,
+         SELECT ?2, 'a:cust_' || printf('%07d', i), 'calendar_month', '2026-11', '2026-12-01T00:00:00Z', 0,
                 1 + i % 97, 10 * (1 + i % 89)
          FROM n",
-        last = ACTORS - 1
-    ))
+    )
+    .bind(i64::try_from(ACTORS - 1)?)
+    .bind(PROJECT)
     .execute(&pool)
     .await?;
     println!("seeded {ACTORS} actors ({LINES} lines) in {:.1} s", seeded.elapsed().as_secs_f64());

@@ -140,6 +140,8 @@ struct Files {
     project: String,
     open: BTreeMap<String, Sink>,
     bytes: Arc<AtomicU64>,
+    /// Every file the run created, to remove if it fails.
+    created: Vec<PathBuf>,
 }
 
 impl Files {
@@ -164,7 +166,9 @@ impl Files {
     fn row(&mut self, info: &RunInfo, row: &Row) -> io::Result<()> {
         let key = self.key(&row.billing_period.key).to_owned();
         if !self.open.contains_key(&key) {
-            let sink = Sink::open(self.format, &self.path(&row.billing_period.key), self.bytes.clone())?;
+            let path = self.path(&row.billing_period.key);
+            self.created.push(path.clone());
+            let sink = Sink::open(self.format, &path, self.bytes.clone())?;
             self.open.insert(key.clone(), sink);
         }
         match self.open.get_mut(&key) {
@@ -187,8 +191,9 @@ impl Files {
 
     /// Finishes every file; a single-file run with no rows still writes its
     /// (empty) file, so a reader finds the header.
-    fn finish(mut self) -> io::Result<String> {
+    fn finish(&mut self) -> io::Result<String> {
         if !matches!(self.out, Output::Dir(_)) && self.open.is_empty() {
+            self.created.push(self.path(""));
             let sink = Sink::open(self.format, &self.path(""), self.bytes.clone())?;
             self.open.insert(String::new(), sink);
         }
@@ -294,7 +299,9 @@ pub async fn run_export(
         r => r?,
     }
     let bytes = Arc::new(AtomicU64::new(0));
-    let outcome = write_rows(exports, cut.as_mut(), req, &export_run, tz, at, bytes.clone(), progress).await;
+    let mut created = Vec::new();
+    let ctx = Ctx { exports, req, export_run: &export_run, tz, at };
+    let outcome = write_rows(&ctx, cut.as_mut(), bytes.clone(), &mut created, progress).await;
     export_run.finished_at = Some(clock.now());
     export_run.bytes = bytes.load(Ordering::Relaxed);
     let written = match outcome {
@@ -312,11 +319,18 @@ pub async fn run_export(
         Err(e) => {
             export_run.status = RunStatus::Failed;
             export_run.error = Some(e.to_string());
+            // What a failed run wrote is not recorded, so the next run
+            // writes it again: its files go, or a reader would count it twice.
+            remove(&created);
+            export_run.bytes = 0;
             Vec::new()
         }
     };
     let audit = audit_entry(&export_run, req.principal.clone());
-    exports.finish_export_run(&export_run, &written, &[audit]).await?;
+    if let Err(e) = exports.finish_export_run(&export_run, &written, &[audit]).await {
+        remove(&created);
+        return Err(e.into());
+    }
     if export_run.status == RunStatus::Complete {
         let fold = reconcile(exports, cut.as_mut(), &req.spec, tz, at).await?;
         let r = Reconciliation { fold, log: None };
@@ -325,6 +339,17 @@ pub async fn run_export(
     }
     cut.close().await?;
     Ok(export_run)
+}
+
+/// Removes a run's files (a failed run's: see [`run_export`]).
+fn remove(files: &[PathBuf]) {
+    for f in files {
+        if let Err(e) = std::fs::remove_file(f)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            tracing::warn!(file = %f.display(), error = %e, "a failed export run's file could not be removed");
+        }
+    }
 }
 
 fn audit_entry(run: &ExportRun, principal: Option<Principal>) -> AuditEntry {
@@ -391,17 +416,49 @@ async fn exported(exports: &dyn ExportStore, spec: &ExportSpec, period: &Period)
         .collect())
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn write_rows(
-    exports: &dyn ExportStore,
-    cut: &mut dyn FoldCut,
-    req: &ExportRequest,
-    export_run: &ExportRun,
+/// What a run writes by: its store, request and record, the project's
+/// zone, and when it started.
+struct Ctx<'a> {
+    exports: &'a dyn ExportStore,
+    req: &'a ExportRequest,
+    export_run: &'a ExportRun,
     tz: Tz,
     at: DateTime<Utc>,
+}
+
+/// Writes the run's rows; `created` gets every file it made, whatever happens.
+async fn write_rows(
+    ctx: &Ctx<'_>,
+    cut: &mut dyn FoldCut,
     bytes: Arc<AtomicU64>,
+    created: &mut Vec<PathBuf>,
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<(Progress, Option<String>)> {
+    let (req, export_run) = (ctx.req, ctx.export_run);
+    let spec = &req.spec;
+    let mut files = Files {
+        format: req.format,
+        out: req.out.clone(),
+        run_id: export_run.id.clone(),
+        project: spec.project_id.to_string(),
+        open: BTreeMap::new(),
+        bytes: bytes.clone(),
+        created: Vec::new(),
+    };
+    let done = write_periods(ctx, cut, &bytes, &mut files, progress).await;
+    created.append(&mut files.created);
+    done
+}
+
+/// [`write_rows`], into `files`.
+async fn write_periods(
+    ctx: &Ctx<'_>,
+    cut: &mut dyn FoldCut,
+    bytes: &AtomicU64,
+    files: &mut Files,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<(Progress, Option<String>)> {
+    let Ctx { exports, req, export_run, tz, at } = *ctx;
     let spec = &req.spec;
     let started = Instant::now();
     let storage = cut.storage_facts(&spec.project_id, at).await?;
@@ -411,14 +468,6 @@ async fn write_rows(
         run_id: export_run.id.clone(),
         project_id: spec.project_id.to_string(),
         watermark: export_run.watermark_text(),
-    };
-    let mut files = Files {
-        format: req.format,
-        out: req.out.clone(),
-        run_id: export_run.id.clone(),
-        project: spec.project_id.to_string(),
-        open: BTreeMap::new(),
-        bytes: bytes.clone(),
     };
     let io = |e: io::Error| Error::Backend(meter::PortError::Permanent(format!("writing the export: {e}")));
     // The newest complete run before this one: the periods it saw closed are final.
