@@ -145,6 +145,7 @@ fn print_banner(url: &str, admin: &str, gateway: &str, dir: &Path, demo: Option<
         println!("  curl -s -X POST {url}/v1/check -H 'authorization: Bearer {gateway}' \\");
         println!("       -H 'content-type: application/json' -d '{{\"api_key\":\"{secret}\"}}'");
         println!("  curl -s {url}/v1/quotas?project_id={project} -H 'authorization: Bearer {admin}'");
+        println!("  tollgate export --data-dir {} --project {project} --out usage.csv", dir.display());
     }
     println!("  curl -s {url}/openapi.json");
     println!();

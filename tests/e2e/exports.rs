@@ -102,6 +102,22 @@ fn start_of(day: DateTime<Utc>) -> String {
     day.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
 
+/// Runs one statement on the environment's store.
+async fn sql(env: &Env, statement: &str) {
+    match env.mode {
+        Mode::Distributed => {
+            let pool = sqlx::PgPool::connect(&env.db_url).await.expect("connect");
+            sqlx::query(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.expect("a statement");
+            pool.close().await;
+        }
+        Mode::Dev => {
+            let pool = env.sqlite().await;
+            sqlx::query(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.expect("a statement");
+            pool.close().await;
+        }
+    }
+}
+
 async fn exports(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
@@ -377,18 +393,7 @@ async fn exports(mode: Mode) {
          'csv', 'running', '{{}}', '{}', 0, 0)",
         Utc::now().to_rfc3339()
     );
-    match env.mode {
-        Mode::Distributed => {
-            let pool = sqlx::PgPool::connect(&env.db_url).await.expect("connect");
-            sqlx::query(sqlx::AssertSqlSafe(running.clone())).execute(&pool).await.expect("a running run");
-            pool.close().await;
-        }
-        Mode::Dev => {
-            let pool = env.sqlite().await;
-            sqlx::query(sqlx::AssertSqlSafe(running.clone())).execute(&pool).await.expect("a running run");
-            pool.close().await;
-        }
-    }
+    sql(&env, &running).await;
     let (s, b) = env
         .admin_post(
             "/v1/exports",
@@ -400,6 +405,32 @@ async fn exports(mode: Mode) {
         (b["error"]["meta"]["endpoint"].clone(), b["error"]["meta"]["whose"].clone()),
         (json!("exports"), json!("project"))
     );
+
+    sql(&env, "UPDATE export_runs SET status = 'failed' WHERE id = 'exr_running'").await;
+
+    // A run that fails half-way (today's directory cannot be made) leaves
+    // no file behind: what it wrote is not recorded, and the next run writes
+    // it again.
+    let blocked = env.data_dir.join("blocked");
+    std::fs::create_dir_all(blocked.join(format!("project={pid}"))).expect("dir");
+    std::fs::write(blocked.join(format!("project={pid}/period={today_key}")), b"in the way")
+        .expect("a file in the way");
+    let blocked_arg = format!("{}/", blocked.display());
+    let keys = ["export", "--project", &pid, "--period", "day", "--dimensions", "api_key", "--out", &blocked_arg];
+    let (code, stdout, stderr) = env.cli(&keys);
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(stdout.contains("failed"), "{stdout}{stderr}");
+    let left: Vec<PathBuf> = files(&blocked).into_iter().filter(|f| f.extension().is_some()).collect();
+    assert!(left.is_empty(), "a failed run's files are removed: {left:?}");
+    std::fs::remove_file(blocked.join(format!("project={pid}/period={today_key}"))).expect("unblock");
+    let (code, stdout, _) = env.cli(&keys);
+    assert_eq!(code, 0, "{stdout}");
+    let mut again = Tally::default();
+    for f in files(&blocked).iter().filter(|f| f.extension().is_some()) {
+        let mut r = csv::Reader::from_path(f).expect("csv");
+        again.rows.extend(r.records().map(|_| BTreeMap::new()));
+    }
+    assert_eq!(again.rows.len(), 4, "the final day's calls and rows, and today's: {stdout}");
 
     // The partial run's audit entry says so.
     env.audit_when(&pid, 30, "the partial run's audit entry", |entries| {
