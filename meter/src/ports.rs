@@ -414,6 +414,9 @@ pub trait ExportStore: Send + Sync {
         audit: &[AuditEntry],
     ) -> PortResult<()>;
     async fn export_run(&self, id: &str) -> PortResult<Option<ExportRun>>;
+    /// When the newest complete run of the export started (the periods it
+    /// saw closed are final), if one has.
+    async fn last_complete_run(&self, export_key: &str) -> PortResult<Option<DateTime<Utc>>>;
     /// The project's runs, newest first.
     async fn export_runs(&self, project: &ProjectId, limit: usize) -> PortResult<Vec<ExportRun>>;
     /// Sets a finished run's reconciliation; `false` when there is no such run.

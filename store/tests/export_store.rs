@@ -376,6 +376,9 @@ async fn runs_are_listed_newest_first_by_project(s: &dyn Both) {
     assert_eq!(ids(s.export_runs(&pid("proj_1"), 2).await.expect("runs")), ["exr_c", "exr_b"]);
     assert_eq!(s.export_runs(&pid("proj_2"), 10).await.expect("runs"), vec![runs[4].clone()]);
     assert!(s.export_runs(&pid("proj_3"), 10).await.expect("runs").is_empty());
+    let t = |s: &str| DateTime::parse_from_rfc3339(s).expect("ts").with_timezone(&Utc);
+    assert_eq!(s.last_complete_run(&sp.key()).await.expect("last"), Some(t("2026-07-03T00:00:00Z")));
+    assert_eq!(s.last_complete_run("proj_3/day/project").await.expect("last"), None);
 }
 
 async fn a_project_runs_one_export_at_a_time(s: &dyn Both) {

@@ -102,22 +102,6 @@ fn start_of(day: DateTime<Utc>) -> String {
     day.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
 
-/// Runs one statement on the environment's store.
-async fn sql(env: &Env, statement: &str) {
-    match env.mode {
-        Mode::Distributed => {
-            let pool = sqlx::PgPool::connect(&env.db_url).await.expect("connect");
-            sqlx::query(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.expect("a statement");
-            pool.close().await;
-        }
-        Mode::Dev => {
-            let pool = env.sqlite().await;
-            sqlx::query(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.expect("a statement");
-            pool.close().await;
-        }
-    }
-}
-
 async fn exports(mode: Mode) {
     let Some(mut env) = Env::of(mode).await else { return };
     env.start_gateway().await;
@@ -393,7 +377,7 @@ async fn exports(mode: Mode) {
          'csv', 'running', '{{}}', '{}', 0, 0)",
         Utc::now().to_rfc3339()
     );
-    sql(&env, &running).await;
+    env.execute(&running).await;
     let (s, b) = env
         .admin_post(
             "/v1/exports",
@@ -406,7 +390,7 @@ async fn exports(mode: Mode) {
         (json!("exports"), json!("project"))
     );
 
-    sql(&env, "UPDATE export_runs SET status = 'failed' WHERE id = 'exr_running'").await;
+    env.execute("UPDATE export_runs SET status = 'failed' WHERE id = 'exr_running'").await;
 
     // A run that fails half-way (today's directory cannot be made) leaves
     // no file behind: what it wrote is not recorded, and the next run writes

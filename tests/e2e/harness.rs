@@ -403,6 +403,24 @@ impl Env {
         r.expect("read aggregates").0
     }
 
+    /// Runs one statement on this environment's store (PostgreSQL, or the
+    /// dev data file).
+    pub async fn execute(&self, statement: &str) {
+        let sql = sqlx::AssertSqlSafe(statement.to_owned());
+        match self.mode {
+            Mode::Distributed => {
+                let pool = sqlx::PgPool::connect(&self.db_url).await.expect("connect test database");
+                sqlx::query(sql).execute(&pool).await.expect("a statement");
+                pool.close().await;
+            }
+            Mode::Dev => {
+                let pool = self.sqlite().await;
+                sqlx::query(sql).execute(&pool).await.expect("a statement");
+                pool.close().await;
+            }
+        }
+    }
+
     /// A connection to the dev data file (shared with the running process).
     pub async fn sqlite(&self) -> sqlx::SqlitePool {
         let opts = sqlx::sqlite::SqliteConnectOptions::new()

@@ -31,7 +31,7 @@ use chrono_tz::Tz;
 use meter::export::format::{CsvOut, JsonLinesOut, RunInfo};
 use meter::export::{
     Amounts, Check, ExportRun, ExportSpec, ExportedLine, Format, Line, Mark, Period, Reconciliation, Row, RunStatus,
-    folded_lines, period_of, record, run,
+    folded_lines, period_of, run,
 };
 use meter::{
     AuditAction, AuditDetail, AuditEntry, Clock, ExportStore, FoldCut, Principal, StoredStorageFact, TenantStore,
@@ -471,12 +471,7 @@ async fn write_periods(
     };
     let io = |e: io::Error| Error::Backend(meter::PortError::Permanent(format!("writing the export: {e}")));
     // The newest complete run before this one: the periods it saw closed are final.
-    let frozen = exports
-        .export_runs(&spec.project_id, 10_000)
-        .await?
-        .into_iter()
-        .find(|r| r.id != export_run.id && r.spec.key() == spec.key() && r.status == RunStatus::Complete)
-        .map(|r| r.started_at);
+    let frozen = exports.last_complete_run(&spec.key()).await?;
     let mut p = Progress { rows: 0, mark: None, written: BTreeMap::new() };
     'periods: for period in periods(exports, cut, spec, tz, at, &storage).await? {
         let now = folded(cut, spec, &period, tz, &storage, at).await?;
@@ -521,18 +516,7 @@ pub async fn reconcile(
     let mut check = Check::default();
     for period in periods(exports, cut, spec, tz, at, &storage).await? {
         let fold = folded(cut, spec, &period, tz, &storage, at).await?;
-        let mut runs = BTreeMap::new();
-        let rows: Vec<Row> = exported(exports, spec, &period)
-            .await?
-            .into_iter()
-            .map(|(line, amounts)| Row {
-                billing_period: period.clone(),
-                charge_class: meter::export::ChargeClass::Usage,
-                line,
-                amounts,
-            })
-            .collect();
-        record(&mut runs, &rows);
+        let runs = exported(exports, spec, &period).await?;
         check.differences.extend(compare(&fold, &runs));
         check.lines += fold.len().max(runs.len()) as u64;
     }

@@ -365,6 +365,16 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         Ok(self.run(stmt).await? == 1)
     }
 
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "last_complete_run"))]
+    async fn last_complete_run(&self, export_key: &str) -> PortResult<Option<DateTime<Utc>>> {
+        let stmt = Stmt::new(
+            "SELECT started_at FROM export_runs WHERE export_key = $1 AND status = 'complete' \
+             ORDER BY started_at DESC LIMIT 1",
+        )
+        .text(export_key);
+        self.opt(stmt).await?.as_ref().map(|r| Rec::<B>(r).time("started_at")).transpose()
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "abandon_export_runs"))]
     async fn abandon_export_runs(
         &self,
