@@ -6,7 +6,9 @@
 //!
 //! It makes an embedded store (the SQLite file of `tollgate dev`) with one
 //! project and `ACTORS` actors, each with a `calendar_month` counter of
-//! calls and rows (two lines each), written straight into the fold's table.
+//! calls and rows (two lines each), written straight into the fold's table,
+//! and a project a tenth that size, whose CSV run's peak memory against the
+//! big one's shows whether a run's memory grows with its period.
 //! Each format's run is the export's first (what the runs wrote is cleared
 //! between formats), in its own `tollgate export --data-dir` process, timed
 //! by `/usr/bin/time` (its maximum resident set size is the peak memory).
@@ -28,6 +30,9 @@ const ACTORS: usize = 500_000;
 /// Two lines (calls, rows) per actor.
 const LINES: usize = 2 * ACTORS;
 const PROJECT: &str = "proj_bench_export";
+/// A project a tenth the size: its run's peak memory against the big one's
+/// shows whether memory grows with the period.
+const SMALL: &str = "proj_bench_small";
 
 fn main() {
     bench_main("export_rate", run);
@@ -58,23 +63,25 @@ async fn run() -> AnyResult<()> {
     let store = store::SqliteStore::open(&db).await?;
     store.migrate().await?;
     let pool = store.pool().clone();
-    sqlx::query("INSERT INTO projects (id, name, timezone, created_at) VALUES (?, 'bench', 'UTC', ?)")
-        .bind(PROJECT)
-        .bind("2026-01-01T00:00:00Z")
+    let seeded = Instant::now();
+    for (project, actors) in [(PROJECT, ACTORS), (SMALL, ACTORS / 10)] {
+        sqlx::query("INSERT INTO projects (id, name, timezone, created_at) VALUES (?, 'bench', 'UTC', ?)")
+            .bind(project)
+            .bind("2026-01-01T00:00:00Z")
+            .execute(&pool)
+            .await?;
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO usage_aggregates (project_id, dimension, window_kind, window_key, resets_at, requests, calls, \"rows\")
+             SELECT ?2, 'a:cust_' || printf('%07d', i), 'calendar_month', '2026-11', '2026-12-01T00:00:00Z', 0,
+                    1 + i % 97, 10 * (1 + i % 89)
+             FROM n",
+        )
+        .bind(i64::try_from(actors - 1)?)
+        .bind(project)
         .execute(&pool)
         .await?;
-    let seeded = Instant::now();
-    sqlx::query(
-        "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
-         INSERT INTO usage_aggregates (project_id, dimension, window_kind, window_key, resets_at, requests, calls, \"rows\")
-         SELECT ?2, 'a:cust_' || printf('%07d', i), 'calendar_month', '2026-11', '2026-12-01T00:00:00Z', 0,
-                1 + i % 97, 10 * (1 + i % 89)
-         FROM n",
-    )
-    .bind(i64::try_from(ACTORS - 1)?)
-    .bind(PROJECT)
-    .execute(&pool)
-    .await?;
+    }
     println!("seeded {ACTORS} actors ({LINES} lines) in {:.1} s", seeded.elapsed().as_secs_f64());
 
     // The baseline: the same counters, read and written as CSV, in this process.
@@ -106,7 +113,9 @@ async fn run() -> AnyResult<()> {
     pool.close().await;
 
     let mut runs = vec![baseline];
-    for format in ["csv", "jsonl", "parquet"] {
+    let cases = [(PROJECT, "csv"), (PROJECT, "jsonl"), (PROJECT, "parquet"), (SMALL, "csv")];
+    for (project, format) in cases {
+        let lines = if project == PROJECT { LINES } else { LINES / 10 };
         let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", db.display())).await?;
         sqlx::query("DELETE FROM export_lines").execute(&pool).await?;
         sqlx::query("DELETE FROM export_runs").execute(&pool).await?;
@@ -118,7 +127,7 @@ async fn run() -> AnyResult<()> {
             .arg(env!("CARGO_BIN_EXE_tollgate"))
             .args(["export", "--data-dir"])
             .arg(&dir)
-            .args(["--project", PROJECT, "--period", "calendar_month", "--dimensions", "actor", "--format", format])
+            .args(["--project", project, "--period", "calendar_month", "--dimensions", "actor", "--format", format])
             .arg("--out")
             .arg(&out)
             .env("TOLLGATE_LOG", "warn")
@@ -135,12 +144,16 @@ async fn run() -> AnyResult<()> {
             .find(|(_, w)| w.starts_with("rows"))
             .and_then(|(n, _)| n.parse::<u64>().ok())
             .unwrap_or(0);
-        if written != LINES as u64 || !stdout.contains(", 0 differ") {
-            return Err(format!("the {format} run wrote {written} rows, not {LINES}, or differs: {stdout}").into());
+        if written != lines as u64 || !stdout.contains(", 0 differ") {
+            return Err(format!("the {format} run wrote {written} rows, not {lines}, or differs: {stdout}").into());
         }
         let peak = stderr.lines().find_map(|l| l.strip_prefix("peak_kib=")).and_then(|v| v.trim().parse().ok());
         runs.push(Measured {
-            what: format!("`tollgate export --format {format}`"),
+            what: if project == PROJECT {
+                format!("`tollgate export --format {format}`")
+            } else {
+                format!("`tollgate export --format {format}`, a tenth the size")
+            },
             rows: written,
             bytes: std::fs::metadata(&out)?.len(),
             secs,
@@ -152,7 +165,8 @@ async fn run() -> AnyResult<()> {
     let mut report = String::new();
     report.push_str(&format!(
         "Export of {LINES} folded lines ({ACTORS} actors × calls, rows; one calendar month), SQLite store; \
-         each run in its own process, wall time from spawn to exit.\n\n"
+         each run in its own process, wall time from spawn to exit; the last run exports a project a tenth the \
+         size.\n\n"
     ));
     report.push_str(
         "| run | rows | rows/s | × baseline | file MB | MB/s | peak RSS MiB |\n|---|---|---|---|---|---|---|\n",

@@ -63,6 +63,10 @@ pub struct ExportArgs {
     /// How long a run may write; past it it stops, marked TIME.
     #[arg(long, env = "TOLLGATE_EXPORT_MAX_TIME", default_value = "10m", value_parser = humantime::parse_duration)]
     max_time: Duration,
+    /// How many customers of a charge period it reads at once (what bounds its memory).
+    #[arg(long, env = "TOLLGATE_EXPORT_SLICE", default_value_t = gateway::service::exports::SLICE as u32,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    slice: u32,
     /// Fold the log up to the run's watermark and compare every line with it.
     #[arg(long)]
     verify: bool,
@@ -171,6 +175,7 @@ where
             out: out.clone(),
             max_rows: args.max_rows,
             max_time: args.max_time,
+            slice: args.slice as usize,
             consumer: args.consumer.clone(),
             topic: topic.to_owned(),
             principal: Some(Principal::new("admin", "cli")),
@@ -201,13 +206,12 @@ where
             let (shadow, records) = verify(&run.watermark).await.context("folding the log to verify")?;
             let tz = live.project(&spec.project_id).await?.map(|p| p.timezone).context("the project is gone")?;
             let mut cut = shadow.fold_cut().await?;
-            let check = reconcile(live, cut.as_mut(), &spec, tz, run.started_at).await?;
+            let check = reconcile(live, cut.as_mut(), &spec, tz, run.started_at, args.slice as usize).await?;
             cut.close().await?;
             let mut r = run.reconciliation.clone().unwrap_or_default();
             println!(
                 "verify: {records} records of the log folded to the watermark; {} lines compared, {} differ",
-                check.lines,
-                check.differences.len()
+                check.lines, check.differing
             );
             for d in &check.differences {
                 println!("  DIFFERS {d}");
@@ -240,7 +244,7 @@ fn print_run(run: &ExportRun) {
         println!("  failed: {e}");
     }
     if let Some(r) = &run.reconciliation {
-        println!("  reconciled with the fold: {} lines, {} differ", r.fold.lines, r.fold.differences.len());
+        println!("  reconciled with the fold: {} lines, {} differ", r.fold.lines, r.fold.differing);
         for d in &r.fold.differences {
             println!("  DIFFERS {d}");
         }

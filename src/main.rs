@@ -288,6 +288,10 @@ struct ServeArgs {
     /// How long one export run may write; past it it stops, marked TIME.
     #[arg(long, env = "TOLLGATE_EXPORT_MAX_TIME", default_value = "10m", value_parser = humantime::parse_duration)]
     export_max_time: Duration,
+    /// How many customers of a charge period an export run reads at once (what bounds its memory).
+    #[arg(long, env = "TOLLGATE_EXPORT_SLICE", default_value_t = gateway::service::exports::SLICE as u32,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    export_slice: u32,
     /// Also run a notifier in this process (or run `tollgate notify`).
     #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
     notify: bool,
@@ -417,6 +421,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         dir: args.export_dir,
         max_rows: args.export_max_rows,
         max_time: args.export_max_time,
+        slice: args.export_slice as usize,
         consumer: args.consumer.clone(),
         topic: kafka.usage_topic(),
     };

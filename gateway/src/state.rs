@@ -107,6 +107,10 @@ pub struct ExportSettings {
     pub max_rows: u64,
     /// How long one run may write (`TOLLGATE_EXPORT_MAX_TIME`, 10 min).
     pub max_time: Duration,
+    /// How many customers of a charge period a run reads at once
+    /// (`TOLLGATE_EXPORT_SLICE`, [`crate::service::exports::SLICE`]): what
+    /// bounds its memory.
+    pub slice: usize,
     /// The projector whose fold is exported: its consumer name and usage topic.
     pub consumer: String,
     pub topic: String,
@@ -118,6 +122,7 @@ impl Default for ExportSettings {
             dir: std::path::PathBuf::from("tollgate-exports"),
             max_rows: 10_000_000,
             max_time: Duration::from_secs(600),
+            slice: crate::service::exports::SLICE,
             consumer: "tollgate-projector".to_owned(),
             topic: "tollgate.usage".to_owned(),
         }

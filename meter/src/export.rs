@@ -216,6 +216,30 @@ pub fn record(exported: &mut BTreeMap<Line, Amounts>, rows: &[Row]) {
     }
 }
 
+/// A slice of one charge period's customers: the dimensions whose stored
+/// encoding ([`Dimension::encode`]) is bytewise after `after` and not after
+/// `through` (`None`: no bound on that side). A run reads a period slice by
+/// slice, the same range on the fold and on what earlier runs wrote, so
+/// what it holds at once is one slice's lines, whatever the period's size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DimRange {
+    pub after: Option<String>,
+    pub through: Option<String>,
+}
+
+impl DimRange {
+    /// Every dimension.
+    pub fn all() -> DimRange {
+        DimRange::default()
+    }
+
+    /// Whether the range holds a dimension, by its encoding.
+    pub fn contains(&self, encoded: &str) -> bool {
+        self.after.as_deref().is_none_or(|a| encoded.as_bytes() > a.as_bytes())
+            && self.through.as_deref().is_none_or(|t| encoded.as_bytes() <= t.as_bytes())
+    }
+}
+
 /// Whether a dimension is a customer an export bills: the project, a key,
 /// an actor, an agent or a signed-in user (not the all-keys sum).
 pub fn is_customer(d: &Dimension) -> bool {
@@ -478,6 +502,17 @@ mod tests {
         let all = storage_lines(&month, Tz::UTC, &facts, utc("2026-03-01T00:00:00Z"));
         assert_eq!(all.iter().map(|(_, a)| a.consumed).collect::<Vec<_>>(), [1010, 100 + 1000 + 29 * 1010]);
         assert!(storage_lines(&month, Tz::UTC, &[], utc("2026-03-01T00:00:00Z")).is_empty());
+    }
+
+    #[test]
+    fn a_range_of_customers_is_bytewise_after_and_through() {
+        let r = DimRange { after: Some("a:B".into()), through: Some("a:b".into()) };
+        assert!(!r.contains("a:B") && r.contains("a:a") && r.contains("a:b") && !r.contains("p"));
+        // Bytewise: upper case before lower, `*` before `:`.
+        assert!(!r.contains("a:A"));
+        let open = DimRange { after: Some("k*".into()), through: None };
+        assert!(open.contains("k:key_1") && open.contains("p") && !open.contains("g:agent"));
+        assert!(DimRange::all().contains(""));
     }
 
     #[test]

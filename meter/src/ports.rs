@@ -368,19 +368,26 @@ pub trait FoldCut: Send {
     /// The keys of the `window` (`day` or `calendar_month`) counters and
     /// breakdown rows the project has, in order.
     async fn window_keys(&mut self, project: &ProjectId, window: WindowKind) -> PortResult<Vec<String>>;
-    /// Every counter of one window of the project, all dimensions.
+    /// The counters of one window of the project whose dimension's encoding
+    /// is bytewise after `after` (all, if `None`), in that order, at most
+    /// `limit` (a counter per dimension: a page of dimensions).
     async fn window_totals(
         &mut self,
         project: &ProjectId,
         window: WindowKind,
         key: &str,
+        after: Option<&str>,
+        limit: usize,
     ) -> PortResult<Vec<(CounterKey, Totals)>>;
-    /// The breakdown by model of one window of the project, every dimension.
+    /// The breakdown by model of one window of the project, of the
+    /// dimensions in `range`, by dimension (bytewise) and then in meter's
+    /// orders.
     async fn window_models(
         &mut self,
         project: &ProjectId,
         window: WindowKind,
         key: &str,
+        range: &crate::export::DimRange,
     ) -> PortResult<Vec<(crate::usage::Dimension, ModelUsageRow)>>;
     /// The project's storage facts that occurred before `before`, in
     /// (occurred_at, event id) order.
@@ -398,21 +405,27 @@ pub trait ExportStore: Send + Sync {
     async fn fold_cut(&self) -> PortResult<Box<dyn FoldCut>>;
     /// Records a run as it starts (status `running`).
     async fn create_export_run(&self, run: &ExportRun) -> PortResult<()>;
-    /// What the earlier runs of the export wrote of the lines of one charge
-    /// period (by the period's key), summed per line; lines summing to zero
-    /// are left out.
-    async fn exported_lines(&self, export_key: &str, period_key: &str) -> PortResult<Vec<ExportedLine>>;
-    /// The charge periods the export wrote lines of, in order.
-    async fn exported_periods(&self, export_key: &str) -> PortResult<Vec<String>>;
-    /// Ends a run, in one transaction: adds what it wrote (`written`, one
-    /// per line) to what the export wrote, stores the run as it ended, and
-    /// writes its audit entries to the outbox.
-    async fn finish_export_run(
+    /// What the runs of the export that ended `complete` or `partial` wrote
+    /// of the lines of one charge period (by the period's key) whose
+    /// customers are in `range`, summed per line; lines summing to zero are
+    /// left out.
+    async fn exported_lines(
         &self,
-        run: &ExportRun,
-        written: &[ExportedLine],
-        audit: &[AuditEntry],
-    ) -> PortResult<()>;
+        export_key: &str,
+        period_key: &str,
+        range: &crate::export::DimRange,
+    ) -> PortResult<Vec<ExportedLine>>;
+    /// The charge periods the export's complete and partial runs wrote lines
+    /// of, in order.
+    async fn exported_periods(&self, export_key: &str) -> PortResult<Vec<String>>;
+    /// Records lines a running run wrote (each line at most once per run).
+    /// They count for the next runs once the run ends complete or partial;
+    /// a run that fails, or dies, never counts them.
+    async fn record_export_lines(&self, run_id: &str, export_key: &str, lines: &[ExportedLine]) -> PortResult<()>;
+    /// Ends a run, in one transaction: stores the run as it ended (from then
+    /// on, if it is complete or partial, its recorded lines count; if it
+    /// failed they are dropped), and writes its audit entries to the outbox.
+    async fn finish_export_run(&self, run: &ExportRun, audit: &[AuditEntry]) -> PortResult<()>;
     async fn export_run(&self, id: &str) -> PortResult<Option<ExportRun>>;
     /// When the newest complete run of the export started (the periods it
     /// saw closed are final), if one has.

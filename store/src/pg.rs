@@ -94,6 +94,7 @@ impl Backend for Postgres {
     const SPAN_DB: &'static str = "postgres";
     const LOCK_PROJECT: &'static str = " FOR NO KEY UPDATE";
     const SNAPSHOT_BEGIN: &'static str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+    const BYTEWISE: &'static str = r#" COLLATE "C""#;
     const LOCK_ROWS: &'static str = " FOR UPDATE";
     // Conflicts with itself and with every write, not with reads (the fold's).
     const LOCK_PRICE_BOOK: Option<&'static str> = Some("LOCK TABLE prices IN SHARE ROW EXCLUSIVE MODE");

@@ -163,6 +163,7 @@ impl Backend for Sqlite {
     const LOCK_PROJECT: &'static str = "";
     // A read transaction of a WAL file reads one snapshot from its first read.
     const SNAPSHOT_BEGIN: &'static str = "BEGIN DEFERRED";
+    const BYTEWISE: &'static str = "";
     const LOCK_ROWS: &'static str = "";
     const LOCK_PRICE_BOOK: Option<&'static str> = None;
     const LIST_TABLES: &'static str = "SELECT name FROM sqlite_master WHERE type = 'table'";

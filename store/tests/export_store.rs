@@ -16,8 +16,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use meter::export::{
-    Amounts, Check, CustomerKind, ExportRun, ExportSpec, ExportedLine, Format, Grace, Item, Mark, Reconciliation,
-    RunStatus,
+    Amounts, Check, CustomerKind, DimRange, ExportRun, ExportSpec, ExportedLine, Format, Grace, Item, Mark,
+    Reconciliation, RunStatus,
 };
 use meter::{
     ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Dimension, EventId, EventKind, ExportStore, FoldBatch,
@@ -34,13 +34,16 @@ macro_rules! suite {
     ($fixture:expr) => {
         suite!(@each $fixture;
             a_run_round_trips_every_field,
-            two_finishes_add_per_line_and_a_line_summing_to_zero_is_left_out,
+            two_runs_add_per_line_and_a_line_summing_to_zero_is_left_out,
+            only_the_lines_of_runs_that_ended_complete_or_partial_count,
+            exported_lines_are_read_by_a_range_of_customers,
             exported_periods_are_every_period_written_in_order,
             runs_are_listed_newest_first_by_project,
             a_project_runs_one_export_at_a_time,
             a_failing_finish_changes_nothing,
             a_cut_sees_the_fold_as_of_when_it_was_opened,
             window_models_return_every_dimensions_rows,
+            a_period_is_read_in_bytewise_slices_of_customers,
             storage_facts_respect_before_and_their_order,
         );
     };
@@ -225,12 +228,23 @@ fn finished(run: &ExportRun, at: &str) -> ExportRun {
         bytes: 4096,
         file: Some("/var/exports/proj_1/exr_1.csv".into()),
         reconciliation: Some(Reconciliation {
-            fold: Check { lines: 7, differences: Vec::new() },
-            log: Some(Check { lines: 7, differences: vec!["line x: expected 1 found 2".into()] }),
+            fold: Check { lines: 7, differing: 0, differences: Vec::new() },
+            log: Some(Check { lines: 7, differing: 1, differences: vec!["line x: expected 1 found 2".into()] }),
         }),
         error: Some("stopped at the row bound".into()),
         ..run.clone()
     }
+}
+
+/// A run that wrote `lines` and ended as `ended` (its status, at its time).
+async fn ran(s: &dyn Both, run: &ExportRun, lines: &[ExportedLine], ended: &ExportRun) {
+    s.create_export_run(run).await.expect("create run");
+    s.record_export_lines(&run.id, &run.spec.key(), lines).await.expect("record lines");
+    s.finish_export_run(ended, &[]).await.expect("finish");
+}
+
+fn all() -> DimRange {
+    DimRange::all()
 }
 
 fn metric(name: &str) -> Item {
@@ -277,11 +291,11 @@ async fn a_run_round_trips_every_field(s: &dyn Both) {
 
     let done = finished(&run, "2026-07-07T12:00:03.5Z");
     let audit = entry("aud_0001", "proj_1");
-    s.finish_export_run(&done, &[], std::slice::from_ref(&audit)).await.expect("finish");
+    s.finish_export_run(&done, std::slice::from_ref(&audit)).await.expect("finish");
     assert_eq!(s.export_run("exr_1").await.expect("read run"), Some(done.clone()));
     assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![audit], "the audit entry is in the outbox");
 
-    let rec = Reconciliation { fold: Check { lines: 3, differences: vec!["a".into()] }, log: None };
+    let rec = Reconciliation { fold: Check { lines: 3, differing: 1, differences: vec!["a".into()] }, log: None };
     assert!(s.set_reconciliation("exr_1", &rec).await.expect("set reconciliation"));
     let read = s.export_run("exr_1").await.expect("read run").expect("the run");
     assert_eq!(read, ExportRun { reconciliation: Some(rec.clone()), ..done });
@@ -297,43 +311,112 @@ async fn a_run_round_trips_every_field(s: &dyn Both) {
     assert_eq!(s.export_run("exr_2").await.expect("read run"), Some(day));
 }
 
-async fn two_finishes_add_per_line_and_a_line_summing_to_zero_is_left_out(s: &dyn Both) {
+async fn two_runs_add_per_line_and_a_line_summing_to_zero_is_left_out(s: &dyn Both) {
     create_project(s, "proj_1").await;
     let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project, CustomerKind::Actor]);
     let key = sp.key();
     let actor = Dimension::Actor("user_1".into());
     let first = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
-    s.create_export_run(&first).await.expect("create run");
     let written = [
         line("2026-07-07", Dimension::Project, metric("calls"), (5, 0, 0, 0)),
         line("2026-07-07", actor.clone(), model_item("gpt-4o"), (10, 6, 4, 1_000_000)),
         line("2026-07-07", actor.clone(), metric("calls"), (3, 0, 0, 0)),
     ];
-    s.finish_export_run(&finished(&first, "2026-07-07T12:00:01Z"), &written, &[]).await.expect("finish first");
+    ran(s, &first, &written, &finished(&first, "2026-07-07T12:00:01Z")).await;
     let mut expected = written.to_vec();
     expected.sort_by(|a, b| (&a.dimension, &a.item).cmp(&(&b.dimension, &b.item)));
-    assert_eq!(s.exported_lines(&key, "2026-07-07").await.expect("lines"), expected);
+    assert_eq!(s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines"), expected);
 
     let second = started("exr_2", sp.clone(), "2026-07-07T13:00:00Z");
-    s.create_export_run(&second).await.expect("create run");
     let more = [
         line("2026-07-07", Dimension::Project, metric("calls"), (2, 0, 0, 0)),
         // A correction takes the actor's calls back to nothing.
         line("2026-07-07", actor.clone(), metric("calls"), (-3, 0, 0, 0)),
         line("2026-07-07", actor.clone(), model_item("gpt-4o"), (-1, -1, 0, -250_000)),
     ];
-    s.finish_export_run(&finished(&second, "2026-07-07T13:00:01Z"), &more, &[]).await.expect("finish second");
+    let complete = ExportRun { status: RunStatus::Complete, mark: None, ..finished(&second, "2026-07-07T13:00:01Z") };
+    ran(s, &second, &more, &complete).await;
     assert_eq!(
-        s.exported_lines(&key, "2026-07-07").await.expect("lines"),
+        s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines"),
         vec![
             line("2026-07-07", Dimension::Project, metric("calls"), (7, 0, 0, 0)),
             line("2026-07-07", actor, model_item("gpt-4o"), (9, 5, 4, 750_000)),
         ],
-        "summed per line, the zero line left out"
+        "summed per line over a partial and a complete run, the zero line left out"
     );
-    assert!(s.exported_lines(&key, "2026-07-08").await.expect("lines").is_empty(), "another period");
+    assert!(s.exported_lines(&key, "2026-07-08", &all()).await.expect("lines").is_empty(), "another period");
     let other = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]).key();
-    assert!(s.exported_lines(&other, "2026-07-07").await.expect("lines").is_empty(), "another export");
+    assert!(s.exported_lines(&other, "2026-07-07", &all()).await.expect("lines").is_empty(), "another export");
+}
+
+async fn only_the_lines_of_runs_that_ended_complete_or_partial_count(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
+    let key = sp.key();
+    let calls = |n| [line("2026-07-07", Dimension::Project, metric("calls"), (n, 0, 0, 0))];
+    // Recorded while running: not counted yet.
+    let first = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
+    s.create_export_run(&first).await.expect("create run");
+    s.record_export_lines("exr_1", &key, &calls(5)).await.expect("record");
+    assert!(s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines").is_empty(), "still running");
+    assert!(s.exported_periods(&key).await.expect("periods").is_empty(), "still running");
+    // It fails: its lines never count, and are gone.
+    let failed = ExportRun {
+        status: RunStatus::Failed,
+        mark: None,
+        error: Some("disk full".into()),
+        ..finished(&first, "2026-07-07T12:00:01Z")
+    };
+    s.finish_export_run(&failed, &[]).await.expect("finish failed");
+    assert!(s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines").is_empty(), "a failed run");
+    // One that dies running, abandoned later: never counted either.
+    let dead = started("exr_2", sp.clone(), "2026-07-07T12:10:00Z");
+    s.create_export_run(&dead).await.expect("create run");
+    s.record_export_lines("exr_2", &key, &calls(6)).await.expect("record");
+    let at = utc("2026-07-07T14:00:00Z");
+    assert_eq!(s.abandon_export_runs(&pid("proj_1"), utc("2026-07-07T13:00:00Z"), at).await.expect("abandon"), 1);
+    assert!(s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines").is_empty(), "an abandoned run");
+    // A complete one counts, from its end on.
+    let third = started("exr_3", sp.clone(), "2026-07-07T14:00:00Z");
+    let complete = ExportRun { status: RunStatus::Complete, mark: None, ..finished(&third, "2026-07-07T14:00:01Z") };
+    ran(s, &third, &calls(7), &complete).await;
+    assert_eq!(s.exported_lines(&key, "2026-07-07", &all()).await.expect("lines"), calls(7).to_vec());
+    assert_eq!(s.exported_periods(&key).await.expect("periods"), ["2026-07-07"]);
+}
+
+async fn exported_lines_are_read_by_a_range_of_customers(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project, CustomerKind::Actor]);
+    let key = sp.key();
+    // Bytewise, `a:B` < `a:a` < `a:b` < `p` (a case-folding collation would
+    // put `a:B` after `a:a`).
+    let who = ["a:a", "a:B", "p", "a:b"];
+    let lines: Vec<ExportedLine> = who
+        .iter()
+        .map(|d| line("2026-07-07", Dimension::decode(d).expect("dimension"), metric("calls"), (1, 0, 0, 0)))
+        .collect();
+    let run = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
+    let complete = ExportRun { status: RunStatus::Complete, mark: None, ..finished(&run, "2026-07-07T12:00:01Z") };
+    ran(s, &run, &lines, &complete).await;
+    let key = key.as_str();
+    let read = |after: Option<&str>, through: Option<&str>| {
+        let range = DimRange { after: after.map(str::to_owned), through: through.map(str::to_owned) };
+        async move {
+            let mut got: Vec<String> = s
+                .exported_lines(&key, "2026-07-07", &range)
+                .await
+                .expect("lines")
+                .into_iter()
+                .map(|l| l.dimension.encode())
+                .collect();
+            got.sort();
+            got
+        }
+    };
+    assert_eq!(read(None, Some("a:B")).await, ["a:B"]);
+    assert_eq!(read(Some("a:B"), Some("a:b")).await, ["a:a", "a:b"]);
+    assert_eq!(read(Some("a:b"), None).await, ["p"]);
+    assert_eq!(read(None, None).await.len(), 4);
 }
 
 async fn exported_periods_are_every_period_written_in_order(s: &dyn Both) {
@@ -341,14 +424,13 @@ async fn exported_periods_are_every_period_written_in_order(s: &dyn Both) {
     let sp = spec("proj_1", WindowKind::CalendarMonth, &[CustomerKind::Project]);
     assert!(s.exported_periods(&sp.key()).await.expect("periods").is_empty());
     let run = started("exr_1", sp.clone(), "2026-09-01T00:00:00Z");
-    s.create_export_run(&run).await.expect("create run");
     let written = [
         line("2026-08", Dimension::Project, metric("calls"), (1, 0, 0, 0)),
         line("2026-06", Dimension::Project, metric("calls"), (1, 0, 0, 0)),
         line("2026-06", Dimension::Project, metric("rows"), (4, 0, 0, 0)),
         line("2026-07", Dimension::Project, metric("calls"), (2, 0, 0, 0)),
     ];
-    s.finish_export_run(&finished(&run, "2026-09-01T00:00:01Z"), &written, &[]).await.expect("finish");
+    ran(s, &run, &written, &finished(&run, "2026-09-01T00:00:01Z")).await;
     assert_eq!(s.exported_periods(&sp.key()).await.expect("periods"), vec!["2026-06", "2026-07", "2026-08"]);
     let other = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
     assert!(s.exported_periods(&other.key()).await.expect("periods").is_empty(), "another export");
@@ -411,31 +493,31 @@ async fn a_failing_finish_changes_nothing(s: &dyn Both) {
     let run = started("exr_1", sp.clone(), "2026-07-07T12:00:00Z");
     s.create_export_run(&run).await.expect("create run");
 
-    // One amount beyond a 64-bit integer: refused, not wrapped, and
-    // neither the run, nor the other line, nor the audit entry is written.
+    // One amount beyond a 64-bit integer: refused, not wrapped, and the
+    // other line of the same record is not written either.
     let written = [
         line("2026-07-07", Dimension::Project, metric("calls"), (5, 0, 0, 0)),
         line("2026-07-07", Dimension::Project, model_item("gpt-4o"), (1, 1, 0, i128::from(i64::MAX) + 1)),
     ];
-    let e =
-        s.finish_export_run(&finished(&run, "2026-07-07T12:00:01Z"), &written, &[entry("aud_0001", "proj_1")]).await;
+    let e = s.record_export_lines("exr_1", &sp.key(), &written).await;
     assert!(matches!(e, Err(PortError::Permanent(_))), "{e:?}");
-    assert_eq!(s.export_run("exr_1").await.expect("read run"), Some(run.clone()), "the run as it started");
-    assert!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines").is_empty());
-    assert!(s.exported_periods(&sp.key()).await.expect("periods").is_empty());
-    assert!(s.unpublished_audit(10).await.expect("outbox").is_empty());
 
-    // A run that was never created cannot finish: nothing is written either.
+    // A run that was never created cannot finish: its audit entry is not written.
     let ghost = finished(&started("exr_ghost", sp.clone(), "2026-07-07T12:00:00Z"), "2026-07-07T12:00:01Z");
-    let e = s.finish_export_run(&ghost, &written[..1], &[entry("aud_0002", "proj_1")]).await;
+    let e = s.finish_export_run(&ghost, &[entry("aud_0002", "proj_1")]).await;
     assert!(e.is_err(), "{e:?}");
     assert_eq!(s.export_run("exr_ghost").await.expect("read run"), None);
-    assert!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines").is_empty());
     assert!(s.unpublished_audit(10).await.expect("outbox").is_empty());
 
-    // The same finish without the bad line goes through.
-    s.finish_export_run(&finished(&run, "2026-07-07T12:00:01Z"), &written[..1], &[]).await.expect("finish");
-    assert_eq!(s.exported_lines(&sp.key(), "2026-07-07").await.expect("lines"), written[..1].to_vec());
+    // The first run ends: nothing of the refused record counts.
+    s.finish_export_run(&finished(&run, "2026-07-07T12:00:01Z"), &[]).await.expect("finish");
+    assert!(s.exported_lines(&sp.key(), "2026-07-07", &all()).await.expect("lines").is_empty());
+    assert!(s.exported_periods(&sp.key()).await.expect("periods").is_empty());
+
+    // The same lines without the bad one go through.
+    let again = started("exr_2", sp.clone(), "2026-07-07T13:00:00Z");
+    ran(s, &again, &written[..1], &finished(&again, "2026-07-07T13:00:01Z")).await;
+    assert_eq!(s.exported_lines(&sp.key(), "2026-07-07", &all()).await.expect("lines"), written[..1].to_vec());
 }
 
 // --- The cut of the fold ---------------------------------------------------------
@@ -468,25 +550,27 @@ async fn a_cut_sees_the_fold_as_of_when_it_was_opened(s: &dyn Both) {
     assert_eq!(cut.newest_receipt(CONSUMER, TOPIC).await.expect("receipt"), receipt);
     assert_eq!(cut.window_keys(&p, WindowKind::Day).await.expect("keys"), ["2026-07-07", "2026-07-08"]);
     assert_eq!(cut.window_keys(&p, WindowKind::CalendarMonth).await.expect("keys"), ["2026-07"]);
-    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08").await.expect("totals");
+    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08", None, 100).await.expect("totals");
     let project = day.iter().find(|(k, _)| k.dimension == Dimension::Project).expect("the project's counter");
     assert_eq!((project.1.calls, project.1.rows), (1, 5));
     assert!(day.iter().all(|(k, _)| k.window == WindowKind::Day && k.window_key == "2026-07-08"));
     let dims: BTreeSet<Dimension> = day.iter().map(|(k, _)| k.dimension.clone()).collect();
     assert!(dims.contains(&Dimension::ApiKey(ApiKeyId::parse("key_1").expect("key id"))), "every dimension: {dims:?}");
     assert!(dims.contains(&Dimension::Actor("user_1".into())), "every dimension: {dims:?}");
-    assert!(cut.window_models(&p, WindowKind::Day, "2026-07-09").await.expect("models").is_empty());
+    assert!(cut.window_models(&p, WindowKind::Day, "2026-07-09", &all()).await.expect("models").is_empty());
     cut.close().await.expect("close the cut");
 
     // A new cut sees it.
     let mut cut = s.fold_cut().await.expect("open a cut");
     assert_eq!(cut.offsets(CONSUMER, TOPIC).await.expect("offsets"), BTreeMap::from([(0, 4)]));
     assert_eq!(cut.window_keys(&p, WindowKind::Day).await.expect("keys"), ["2026-07-07", "2026-07-08", "2026-07-09"]);
-    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08").await.expect("totals");
+    let day = cut.window_totals(&p, WindowKind::Day, "2026-07-08", None, 100).await.expect("totals");
     let project = day.iter().find(|(k, _)| k.dimension == Dimension::Project).expect("the project's counter");
     assert_eq!((project.1.calls, project.1.rows), (2, 7));
-    assert!(!cut.window_models(&p, WindowKind::Day, "2026-07-09").await.expect("models").is_empty());
-    assert!(cut.window_totals(&pid("proj_2"), WindowKind::Day, "2026-07-08").await.expect("totals").is_empty());
+    assert!(!cut.window_models(&p, WindowKind::Day, "2026-07-09", &all()).await.expect("models").is_empty());
+    assert!(
+        cut.window_totals(&pid("proj_2"), WindowKind::Day, "2026-07-08", None, 100).await.expect("totals").is_empty()
+    );
     cut.close().await.expect("close the cut");
 }
 
@@ -505,7 +589,7 @@ async fn window_models_return_every_dimensions_rows(s: &dyn Both) {
     .await
     .expect("fold");
     let mut cut = s.fold_cut().await.expect("open a cut");
-    let rows = cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-07").await.expect("models");
+    let rows = cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-07", &all()).await.expect("models");
     let dims: Vec<Dimension> = rows.iter().map(|(d, _)| d.clone()).collect();
     assert_eq!(
         dims,
@@ -521,10 +605,10 @@ async fn window_models_return_every_dimensions_rows(s: &dyn Both) {
         assert_eq!(row.priced_quantity + row.unpriced_quantity, 15, "{d:?}: both events of proj_1");
     }
     assert_eq!(
-        cut.window_models(&pid("proj_1"), WindowKind::CalendarMonth, "2026-07").await.expect("models").len(),
+        cut.window_models(&pid("proj_1"), WindowKind::CalendarMonth, "2026-07", &all()).await.expect("models").len(),
         rows.len()
     );
-    assert!(cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-08").await.expect("models").is_empty());
+    assert!(cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-08", &all()).await.expect("models").is_empty());
     cut.close().await.expect("close the cut");
 }
 
@@ -568,4 +652,51 @@ async fn newest_receipt_of(s: &dyn Both, consumer: &str, topic: &str) -> Option<
     let r = cut.newest_receipt(consumer, topic).await.expect("receipt");
     cut.close().await.expect("close the cut");
     r
+}
+
+async fn a_period_is_read_in_bytewise_slices_of_customers(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    // Actors whose order differs bytewise and case-folded; each call also
+    // counts for the project and key `key_1`; each tokens event for its
+    // actor, agent `agent_1` and the project.
+    let actors = ["B", "a", "b", "A"];
+    let mut facts = Vec::new();
+    for (i, a) in actors.iter().enumerate() {
+        facts.push(UsageFact {
+            actor_id: Some((*a).into()),
+            ..call("proj_1", &format!("c{i}"), "2026-07-07T10:00:00Z", 1)
+        });
+        facts.push(UsageFact {
+            actor_id: Some((*a).into()),
+            ..tokens("proj_1", &format!("t{i}"), "2026-07-07T10:00:00Z", "gpt-4o", 10)
+        });
+    }
+    s.fold_batch(&batch(0, 8, facts)).await.expect("fold");
+    let p = pid("proj_1");
+    let mut cut = s.fold_cut().await.expect("open a cut");
+    // Pages of two counters, each after the last one's dimension.
+    let mut pages = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = cut.window_totals(&p, WindowKind::Day, "2026-07-07", after.as_deref(), 2).await.expect("totals");
+        let dims: Vec<String> = page.iter().map(|(k, _)| k.dimension.encode()).collect();
+        if dims.is_empty() {
+            break;
+        }
+        after = dims.last().cloned();
+        pages.push(dims);
+    }
+    let want: Vec<Vec<String>> = [["a:A", "a:B"], ["a:a", "a:b"], ["g:agent_1", "k*"], ["k:key_1", "p"]]
+        .iter()
+        .map(|p| p.iter().map(|d| (*d).to_owned()).collect())
+        .collect();
+    assert_eq!(pages, want, "bytewise, two at a time, every dimension once");
+    // The breakdown by model of a range: its customers' rows, bytewise.
+    let range = DimRange { after: Some("a:B".into()), through: Some("g:agent_1".into()) };
+    let models = cut.window_models(&p, WindowKind::Day, "2026-07-07", &range).await.expect("models");
+    let dims: Vec<String> = models.iter().map(|(d, _)| d.encode()).collect();
+    assert_eq!(dims, ["a:a", "a:b", "g:agent_1"]);
+    assert!(models.iter().all(|(d, r)| r.priced_quantity + r.unpriced_quantity
+        == if *d == Dimension::Agent("agent_1".into()) { 40 } else { 10 }));
+    cut.close().await.expect("close the cut");
 }

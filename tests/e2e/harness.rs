@@ -179,6 +179,8 @@ impl Env {
             // test sets its own (`extra_env` comes after, and wins).
             .env("TOLLGATE_PUBLISH_TIMEOUT", "30s")
             .env("TOLLGATE_EXPORT_DIR", self.data_dir.join("exports"))
+            // Tiny slices: every export here reads its periods in many.
+            .env("TOLLGATE_EXPORT_SLICE", "3")
             .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::null());

@@ -83,7 +83,7 @@ impl TryFrom<ExportBody> for NewExport {
     "grace_seconds": 3600, "status": "complete", "mark": null, "watermark": {"0": 1200, "1": 1187},
     "receipt_bound": "2026-07-31T23:59:58Z", "started_at": "2026-08-01T02:00:00Z", "finished_at": "2026-08-01T02:00:03Z",
     "rows": 4211, "bytes": 183220, "file": "/v1/exports/exr_0193/file",
-    "reconciliation": {"fold": {"lines": 4211, "differences": []}, "log": null}, "error": null}))]
+    "reconciliation": {"fold": {"lines": 4211, "differing": 0, "differences": []}, "log": null}, "error": null}))]
 pub struct ExportRunView {
     pub id: String,
     /// The export the run belongs to: `<project>/<period>/<dimensions>`.

@@ -7,12 +7,19 @@
 //! what the fold holds less what the earlier runs wrote ([`meter::export::run`]):
 //! usage in its own period until a complete run has seen the period closed
 //! (its end plus the grace), after which what is folded for it is a
-//! correction in the period open at the run. Rows are written as
-//! they come, one charge period in memory at a time, to a file or to a
-//! directory laid out `project=<id>/period=<billing period>/part-<run>.<ext>`.
+//! correction in the period open at the run. Rows are written as they
+//! come, to a file or to a directory laid out
+//! `project=<id>/period=<billing period>/part-<run>.<ext>`.
 //!
-//! The run ends in one transaction that records what it wrote (so the next
-//! run subtracts it), how it ended and its audit entry. A run stops early at
+//! **Memory is bounded by a slice, whatever the size.** A charge period is
+//! read in slices of [`SLICE`] customers (by their encoded dimension,
+//! bytewise: [`DimRange`]), the same range on the fold and on what earlier
+//! runs wrote; a slice's rows are written and then recorded against the run
+//! ([`ExportStore::record_export_lines`]) before the next slice is read.
+//!
+//! The run ends in one transaction that stores how it ended (its recorded
+//! lines then count for the next run, which subtracts them; a failed run's
+//! are dropped) and its audit entry. A run stops early at
 //! its row cap or time bound (ADR-0196 decision 1): it is then `partial`,
 //! marked `ROWS` or `TIME`, and what it did not write the next run does.
 //! A complete run is reconciled: every line's sum over all runs, as the
@@ -30,8 +37,8 @@ use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use meter::export::format::{CsvOut, JsonLinesOut, RunInfo};
 use meter::export::{
-    Amounts, Check, ExportRun, ExportSpec, ExportedLine, Format, Line, Mark, Period, Reconciliation, Row, RunStatus,
-    folded_lines, period_of, run,
+    Amounts, Check, DimRange, ExportRun, ExportSpec, ExportedLine, Format, Line, Mark, Period, Reconciliation, Row,
+    RunStatus, folded_lines, period_of, run,
 };
 use meter::{
     AuditAction, AuditDetail, AuditEntry, Clock, ExportStore, FoldCut, Principal, StoredStorageFact, TenantStore,
@@ -62,6 +69,8 @@ pub struct ExportRequest {
     pub max_rows: u64,
     /// How long it may run; past it it stops, marked `TIME`.
     pub max_time: Duration,
+    /// How many customers of a charge period it reads (and holds) at once.
+    pub slice: usize,
     /// The projector whose fold is exported (its consumer name and the usage topic).
     pub consumer: String,
     pub topic: String,
@@ -232,6 +241,7 @@ pub async fn start(s: &AppState, spec: ExportSpec, format: Format, principal: Pr
         out: Output::Named(x.dir.clone()),
         max_rows: x.max_rows,
         max_time: x.max_time,
+        slice: x.slice,
         consumer: x.consumer.clone(),
         topic: x.topic.clone(),
         principal: Some(principal),
@@ -244,11 +254,14 @@ pub async fn get(s: &AppState, id: &str) -> Result<ExportRun> {
     s.stores.exports.export_run(id).await?.ok_or_else(|| Error::not_found("export run", id))
 }
 
+/// How many customers of a charge period a run reads (and holds) at once,
+/// unless told otherwise.
+pub const SLICE: usize = 2048;
+
 /// How the run went, before it is stored.
 struct Progress {
     rows: u64,
     mark: Option<Mark>,
-    written: BTreeMap<(String, meter::Dimension, meter::export::Item), Amounts>,
 }
 
 /// Runs one export: see the module doc. The run is stored whatever
@@ -304,35 +317,29 @@ pub async fn run_export(
     let outcome = write_rows(&ctx, cut.as_mut(), bytes.clone(), &mut created, progress).await;
     export_run.finished_at = Some(clock.now());
     export_run.bytes = bytes.load(Ordering::Relaxed);
-    let written = match outcome {
+    match outcome {
         Ok((p, file)) => {
             export_run.rows = p.rows;
             export_run.mark = p.mark;
             export_run.file = file;
             export_run.status = if p.mark.is_some() { RunStatus::Partial } else { RunStatus::Complete };
-            p.written
-                .into_iter()
-                .filter(|(_, a)| !a.is_zero())
-                .map(|((period_key, dimension, item), amounts)| ExportedLine { period_key, dimension, item, amounts })
-                .collect()
         }
         Err(e) => {
             export_run.status = RunStatus::Failed;
             export_run.error = Some(e.to_string());
-            // What a failed run wrote is not recorded, so the next run
-            // writes it again: its files go, or a reader would count it twice.
+            // What a failed run wrote never counts, so the next run writes
+            // it again: its files go, or a reader would count it twice.
             remove(&created);
             export_run.bytes = 0;
-            Vec::new()
         }
-    };
+    }
     let audit = audit_entry(&export_run, req.principal.clone());
-    if let Err(e) = exports.finish_export_run(&export_run, &written, &[audit]).await {
+    if let Err(e) = exports.finish_export_run(&export_run, &[audit]).await {
         remove(&created);
         return Err(e.into());
     }
     if export_run.status == RunStatus::Complete {
-        let fold = reconcile(exports, cut.as_mut(), &req.spec, tz, at).await?;
+        let fold = reconcile(exports, cut.as_mut(), &req.spec, tz, at, req.slice).await?;
         let r = Reconciliation { fold, log: None };
         exports.set_reconciliation(&export_run.id, &r).await?;
         export_run.reconciliation = Some(r);
@@ -394,26 +401,62 @@ async fn periods(
     Ok(out)
 }
 
-/// The fold's lines of one charge period, as of the cut.
-async fn folded(
-    cut: &mut dyn FoldCut,
-    spec: &ExportSpec,
-    period: &Period,
-    tz: Tz,
-    storage: &[StoredStorageFact],
-    at: DateTime<Utc>,
-) -> Result<BTreeMap<Line, Amounts>> {
-    let totals = cut.window_totals(&spec.project_id, spec.period, &period.key).await?;
-    let models = cut.window_models(&spec.project_id, spec.period, &period.key).await?;
-    Ok(folded_lines(spec, period, tz, &totals, &models, storage, at))
+/// One slice of a charge period: what the fold holds of its lines, as of
+/// the cut, and what earlier runs wrote of them.
+struct Slice {
+    folded: BTreeMap<Line, Amounts>,
+    exported: BTreeMap<Line, Amounts>,
 }
 
-async fn exported(exports: &dyn ExportStore, spec: &ExportSpec, period: &Period) -> Result<BTreeMap<Line, Amounts>> {
-    let lines = exports.exported_lines(&spec.key(), &period.key).await?;
-    Ok(lines
-        .into_iter()
-        .map(|l| (Line { period: period.clone(), dimension: l.dimension, item: l.item }, l.amounts))
-        .collect())
+/// Reads a charge period slice by slice: `slice` customers' counters at
+/// a time, and the breakdown rows and earlier runs' lines of the same
+/// range of customers (the last slice's range is open-ended, so a customer
+/// with no counter is still read).
+struct Slices<'a> {
+    spec: &'a ExportSpec,
+    period: &'a Period,
+    tz: Tz,
+    storage: &'a [StoredStorageFact],
+    at: DateTime<Utc>,
+    slice: usize,
+    after: Option<String>,
+    done: bool,
+}
+
+impl<'a> Slices<'a> {
+    fn new(
+        spec: &'a ExportSpec,
+        period: &'a Period,
+        tz: Tz,
+        storage: &'a [StoredStorageFact],
+        at: DateTime<Utc>,
+        slice: usize,
+    ) -> Self {
+        Slices { spec, period, tz, storage, at, slice: slice.max(1), after: None, done: false }
+    }
+
+    async fn next(&mut self, cut: &mut dyn FoldCut, exports: &dyn ExportStore) -> Result<Option<Slice>> {
+        if self.done {
+            return Ok(None);
+        }
+        let (spec, period) = (self.spec, self.period);
+        let totals =
+            cut.window_totals(&spec.project_id, spec.period, &period.key, self.after.as_deref(), self.slice).await?;
+        let through = if totals.len() >= self.slice { totals.last().map(|(k, _)| k.dimension.encode()) } else { None };
+        self.done = through.is_none();
+        let range = DimRange { after: self.after.take(), through: through.clone() };
+        self.after = through;
+        let models = cut.window_models(&spec.project_id, spec.period, &period.key, &range).await?;
+        // The project's storage lines belong to the slice that holds it.
+        let storage = if range.contains(&meter::Dimension::Project.encode()) { self.storage } else { &[] };
+        let folded = folded_lines(spec, period, self.tz, &totals, &models, storage, self.at);
+        let lines = exports.exported_lines(&spec.key(), &period.key, &range).await?;
+        let exported = lines
+            .into_iter()
+            .map(|l| (Line { period: period.clone(), dimension: l.dimension, item: l.item }, l.amounts))
+            .collect();
+        Ok(Some(Slice { folded, exported }))
+    }
 }
 
 /// What a run writes by: its store, request and record, the project's
@@ -472,27 +515,39 @@ async fn write_periods(
     let io = |e: io::Error| Error::Backend(meter::PortError::Permanent(format!("writing the export: {e}")));
     // The newest complete run before this one: the periods it saw closed are final.
     let frozen = exports.last_complete_run(&spec.key()).await?;
-    let mut p = Progress { rows: 0, mark: None, written: BTreeMap::new() };
+    let mut p = Progress { rows: 0, mark: None };
     'periods: for period in periods(exports, cut, spec, tz, at, &storage).await? {
-        let now = folded(cut, spec, &period, tz, &storage, at).await?;
-        let before = exported(exports, spec, &period).await?;
-        let rows = run(&now, &before, &open, spec.grace, frozen);
-        for row in &rows {
-            if p.rows >= req.max_rows {
-                p.mark = Some(Mark::Rows);
-                break 'periods;
+        let mut slices = Slices::new(spec, &period, tz, &storage, at, req.slice);
+        while let Some(slice) = slices.next(cut, exports).await? {
+            let rows = run(&slice.folded, &slice.exported, &open, spec.grace, frozen);
+            drop(slice);
+            let mut written = Vec::with_capacity(rows.len());
+            for row in rows {
+                if p.rows >= req.max_rows {
+                    p.mark = Some(Mark::Rows);
+                } else if started.elapsed() >= req.max_time {
+                    p.mark = Some(Mark::Time);
+                }
+                if p.mark.is_some() {
+                    break;
+                }
+                files.row(&info, &row).map_err(io)?;
+                p.rows += 1;
+                let Row { line, amounts, .. } = row;
+                written.push(ExportedLine {
+                    period_key: line.period.key,
+                    dimension: line.dimension,
+                    item: line.item,
+                    amounts,
+                });
+                if p.rows.is_multiple_of(1024) {
+                    progress(p.rows, bytes.load(Ordering::Relaxed));
+                }
             }
-            if started.elapsed() >= req.max_time {
-                p.mark = Some(Mark::Time);
+            // Recorded once written: a run that fails after this drops them.
+            exports.record_export_lines(&export_run.id, &spec.key(), &written).await?;
+            if p.mark.is_some() {
                 break 'periods;
-            }
-            files.row(&info, row).map_err(io)?;
-            p.rows += 1;
-            let key = (row.line.period.key.clone(), row.line.dimension.clone(), row.line.item.clone());
-            let e = p.written.entry(key).or_default();
-            *e = e.plus(row.amounts);
-            if p.rows.is_multiple_of(1024) {
-                progress(p.rows, bytes.load(Ordering::Relaxed));
             }
         }
         files.close_before(&open.key).map_err(io)?;
@@ -511,14 +566,16 @@ pub async fn reconcile(
     spec: &ExportSpec,
     tz: Tz,
     at: DateTime<Utc>,
+    slice: usize,
 ) -> Result<Check> {
     let storage = cut.storage_facts(&spec.project_id, at).await?;
     let mut check = Check::default();
     for period in periods(exports, cut, spec, tz, at, &storage).await? {
-        let fold = folded(cut, spec, &period, tz, &storage, at).await?;
-        let runs = exported(exports, spec, &period).await?;
-        check.differences.extend(compare(&fold, &runs));
-        check.lines += fold.len().max(runs.len()) as u64;
+        let mut slices = Slices::new(spec, &period, tz, &storage, at, slice);
+        while let Some(slice) = slices.next(cut, exports).await? {
+            check.differ(compare(&slice.folded, &slice.exported));
+            check.lines += slice.folded.len().max(slice.exported.len()) as u64;
+        }
     }
     Ok(check)
 }

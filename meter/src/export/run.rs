@@ -219,17 +219,34 @@ impl FromStr for Mark {
     }
 }
 
-/// One comparison of a reconciliation: how many lines were compared, and
-/// every one that differs (`line: expected … found …`).
+/// One comparison of a reconciliation: how many lines were compared, how
+/// many differ, and the first [`Check::SHOWN`] of those
+/// (`line: expected … found …`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Check {
     pub lines: u64,
+    #[serde(default)]
+    pub differing: u64,
     pub differences: Vec<String>,
 }
 
 impl Check {
+    /// The most differences a check keeps as text (a reconciliation of a
+    /// million lines that all differ stays small).
+    pub const SHOWN: usize = 100;
+
     pub fn ok(&self) -> bool {
-        self.differences.is_empty()
+        self.differing == 0 && self.differences.is_empty()
+    }
+
+    /// Counts differences, keeping the first [`Check::SHOWN`].
+    pub fn differ(&mut self, differences: impl IntoIterator<Item = String>) {
+        for d in differences {
+            self.differing += 1;
+            if self.differences.len() < Check::SHOWN {
+                self.differences.push(d);
+            }
+        }
     }
 }
 

@@ -8,10 +8,15 @@
 //!   the snapshot at the transaction's first read, not at its `BEGIN`, so
 //!   [`ExportStore::fold_cut`] reads once as it opens it: the cut is the
 //!   fold as of the call, whatever the projector commits after.
-//! - **What an export wrote** is one row per line (`export_lines`), the sum
-//!   of what its runs wrote. A run's lines are added in the transaction that
-//!   records how it ended, with its audit entries, so a run that did not
-//!   finish added nothing and is not subtracted by the next one.
+//! - **What an export wrote** is one row per run and line (`export_lines`,
+//!   `migrations/0016_export_lines_by_run.sql`), recorded slice by slice as
+//!   the run writes. Only the lines of runs that ended `complete` or
+//!   `partial` count: the transaction that records how a run ended makes
+//!   its lines count (or, for a failed run, drops them), so a run that did
+//!   not finish is not subtracted by the next one.
+//! - **Slices**: a run reads a charge period by ranges of customers, by
+//!   their encoded dimension compared bytewise ([`Backend::BYTEWISE`]), the
+//!   same range on the fold's tables and on `export_lines`.
 //! - **Amounts** are `i128` in meter and `bigint` here: one that does not
 //!   fit is refused (the finish fails and changes nothing), never wrapped.
 
@@ -20,7 +25,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use meter::export::{Amounts, CustomerKind, ExportRun, ExportSpec, ExportedLine, Grace, Item, Reconciliation};
+use meter::export::{
+    Amounts, CustomerKind, DimRange, ExportRun, ExportSpec, ExportedLine, Grace, Item, Reconciliation, RunStatus,
+};
 use meter::{
     AuditEntry, CounterKey, Dimension, ExportStore, FoldCut, ModelUsageRow, PortError, PortResult, ProjectId,
     StoredStorageFact, Totals, WindowKind,
@@ -98,10 +105,26 @@ fn exported_line<B: Backend>(r: &Rec<'_, B>, period_key: &str) -> PortResult<Exp
     })
 }
 
-/// One upsert that adds every written line to what the export wrote. The
-/// lines are one per line (a batch naming a line twice would fail on
-/// PostgreSQL: an upsert cannot touch a row twice).
-fn add_lines(export_key: &str, written: &[ExportedLine]) -> PortResult<Stmt> {
+/// The condition that a `dimension` column is in a range, bytewise, with
+/// its parameters numbered from `next`.
+fn in_range<B: Backend>(column: &str, range: &DimRange, next: usize, stmt_params: &mut Vec<String>) -> String {
+    let c = B::BYTEWISE;
+    let mut sql = String::new();
+    let mut n = next;
+    if let Some(a) = &range.after {
+        sql.push_str(&format!(" AND {column}{c} > ${n}"));
+        stmt_params.push(a.clone());
+        n += 1;
+    }
+    if let Some(t) = &range.through {
+        sql.push_str(&format!(" AND {column}{c} <= ${n}"));
+        stmt_params.push(t.clone());
+    }
+    sql
+}
+
+/// One insert of lines a run wrote (each at most once per run).
+fn insert_lines(run_id: &str, export_key: &str, written: &[ExportedLine]) -> PortResult<Stmt> {
     let mut consumed = Vec::with_capacity(written.len());
     let mut priced = Vec::with_capacity(written.len());
     let mut unpriced = Vec::with_capacity(written.len());
@@ -113,6 +136,7 @@ fn add_lines(export_key: &str, written: &[ExportedLine]) -> PortResult<Stmt> {
         cost.push(amount("cost", l.amounts.cost)?);
     }
     let rows = Rows::new()
+        .text("run_id", written.iter().map(|_| run_id))
         .text("export_key", written.iter().map(|_| export_key))
         .text("period_key", written.iter().map(|l| l.period_key.as_str()))
         .text("dimension", written.iter().map(|l| l.dimension.encode()))
@@ -121,13 +145,9 @@ fn add_lines(export_key: &str, written: &[ExportedLine]) -> PortResult<Stmt> {
         .int("priced", priced)
         .int("unpriced", unpriced)
         .int("cost", cost);
-    // `WHERE true` keeps SQLite from reading ON CONFLICT as part of the SELECT.
     Ok(Stmt::new(
-        "INSERT INTO export_lines AS e (export_key, period_key, dimension, item, consumed, priced, unpriced, cost) \
-         SELECT * FROM {rows} AS t WHERE true \
-         ON CONFLICT (export_key, period_key, dimension, item) DO UPDATE SET \
-         consumed = e.consumed + excluded.consumed, priced = e.priced + excluded.priced, \
-         unpriced = e.unpriced + excluded.unpriced, cost = e.cost + excluded.cost",
+        "INSERT INTO export_lines (run_id, export_key, period_key, dimension, item, consumed, priced, unpriced, cost) \
+         SELECT * FROM {rows} AS t",
     )
     .rows(rows))
 }
@@ -176,17 +196,27 @@ impl<B: Backend> FoldCut for SqlFoldCut<B> {
         project: &ProjectId,
         window: WindowKind,
         key: &str,
+        after: Option<&str>,
+        max: usize,
     ) -> PortResult<Vec<(CounterKey, Totals)>> {
-        let stmt = Stmt::new(format!(
-            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND window_kind = $2 AND window_key = $3",
+        let c = B::BYTEWISE;
+        let range = DimRange { after: after.map(str::to_owned), through: None };
+        let mut params = Vec::new();
+        let cond = in_range::<B>("dimension", &range, 4, &mut params);
+        let n = 4 + params.len();
+        let mut stmt = Stmt::new(format!(
+            "SELECT {} FROM usage_aggregates WHERE project_id = $1 AND window_kind = $2 AND window_key = $3{cond} \
+             ORDER BY dimension{c} LIMIT ${n}",
             *AGGREGATE_COLUMNS
         ))
         .text(project.as_str())
         .text(window.as_str())
         .text(key);
-        let mut out = each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| Ok((counter_key(r)?, totals(r)?)))?;
-        out.sort_by(|a, b| a.0.dimension.cmp(&b.0.dimension));
-        Ok(out)
+        for p in params {
+            stmt = stmt.text(p);
+        }
+        let stmt = stmt.int(limit(max));
+        each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| Ok((counter_key(r)?, totals(r)?)))
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_window_models"))]
@@ -195,21 +225,29 @@ impl<B: Backend> FoldCut for SqlFoldCut<B> {
         project: &ProjectId,
         window: WindowKind,
         key: &str,
+        range: &DimRange,
     ) -> PortResult<Vec<(Dimension, ModelUsageRow)>> {
-        let stmt = Stmt::new(format!(
+        let mut params = Vec::new();
+        let cond = in_range::<B>("dimension", range, 4, &mut params);
+        let mut stmt = Stmt::new(format!(
             "SELECT dimension, {MODEL_USAGE_COLUMNS} FROM model_usage \
-             WHERE project_id = $1 AND window_kind = $2 AND window_key = $3"
+             WHERE project_id = $1 AND window_kind = $2 AND window_key = $3{cond}"
         ))
         .text(project.as_str())
         .text(window.as_str())
         .text(key);
+        for p in params {
+            stmt = stmt.text(p);
+        }
         let mut out = each(&B::fetch(&mut *self.tx, stmt).await?, |r: &Rec<'_, B>| {
             let d = r.text("dimension")?;
-            Ok((Dimension::decode(&d).ok_or_else(|| corrupt("dimension", &d))?, model_usage_row(r)?))
+            Ok((d.clone(), Dimension::decode(&d).ok_or_else(|| corrupt("dimension", &d))?, model_usage_row(r)?))
         })?;
-        // By dimension, then in meter's orders (as `ReportStore::model_usage`).
-        out.sort_by(|(da, a), (db, b)| (da, &a.key, a.meter, a.embedding).cmp(&(db, &b.key, b.meter, b.embedding)));
-        Ok(out)
+        // By dimension (bytewise), then in meter's orders (as `ReportStore::model_usage`).
+        out.sort_by(|(da, _, a), (db, _, b)| {
+            (da.as_bytes(), &a.key, a.meter, a.embedding).cmp(&(db.as_bytes(), &b.key, b.meter, b.embedding))
+        });
+        Ok(out.into_iter().map(|(_, d, r)| (d, r)).collect())
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "cut_storage_facts"))]
@@ -281,22 +319,56 @@ impl<B: Backend> ExportStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "exported_lines"))]
-    async fn exported_lines(&self, export_key: &str, period_key: &str) -> PortResult<Vec<ExportedLine>> {
-        let stmt = Stmt::new(
-            "SELECT dimension, item, consumed, priced, unpriced, cost FROM export_lines \
-             WHERE export_key = $1 AND period_key = $2 \
-             AND NOT (consumed = 0 AND priced = 0 AND unpriced = 0 AND cost = 0)",
-        )
+    async fn exported_lines(
+        &self,
+        export_key: &str,
+        period_key: &str,
+        range: &DimRange,
+    ) -> PortResult<Vec<ExportedLine>> {
+        let mut params = Vec::new();
+        let cond = in_range::<B>("l.dimension", range, 3, &mut params);
+        // Sums of bigints are numeric on PostgreSQL: cast back (one that
+        // does not fit is an error, never wrapped).
+        let mut stmt = Stmt::new(format!(
+            "SELECT l.dimension, l.item, CAST(SUM(l.consumed) AS bigint) AS consumed, \
+             CAST(SUM(l.priced) AS bigint) AS priced, CAST(SUM(l.unpriced) AS bigint) AS unpriced, \
+             CAST(SUM(l.cost) AS bigint) AS cost \
+             FROM export_lines l JOIN export_runs r ON r.id = l.run_id \
+             WHERE l.export_key = $1 AND l.period_key = $2 AND r.status IN ('complete', 'partial'){cond} \
+             GROUP BY l.dimension, l.item \
+             HAVING NOT (SUM(l.consumed) = 0 AND SUM(l.priced) = 0 AND SUM(l.unpriced) = 0 AND SUM(l.cost) = 0)"
+        ))
         .text(export_key)
         .text(period_key);
+        for p in params {
+            stmt = stmt.text(p);
+        }
         let mut out = each(&self.all(stmt).await?, |r: &Rec<'_, B>| exported_line(r, period_key))?;
         out.sort_by(|a, b| (&a.dimension, &a.item).cmp(&(&b.dimension, &b.item)));
         Ok(out)
     }
 
+    #[tracing::instrument(
+        name = "datastore",
+        level = "debug",
+        skip_all,
+        fields(db = B::SPAN_DB, op = "record_export_lines", lines = lines.len())
+    )]
+    async fn record_export_lines(&self, run_id: &str, export_key: &str, lines: &[ExportedLine]) -> PortResult<()> {
+        // Bounded statements: a slice's lines, a few thousand rows each.
+        for chunk in lines.chunks(4096) {
+            self.run(insert_lines(run_id, export_key, chunk)?).await?;
+        }
+        Ok(())
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "exported_periods"))]
     async fn exported_periods(&self, export_key: &str) -> PortResult<Vec<String>> {
-        let stmt = Stmt::new("SELECT DISTINCT period_key FROM export_lines WHERE export_key = $1").text(export_key);
+        let stmt = Stmt::new(
+            "SELECT DISTINCT l.period_key FROM export_lines l JOIN export_runs r ON r.id = l.run_id \
+             WHERE l.export_key = $1 AND r.status IN ('complete', 'partial')",
+        )
+        .text(export_key);
         let keys = each(&self.all(stmt).await?, |r: &Rec<'_, B>| r.text("period_key"))?;
         Ok(keys.into_iter().collect::<BTreeSet<_>>().into_iter().collect())
     }
@@ -305,14 +377,9 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         name = "datastore",
         level = "debug",
         skip_all,
-        fields(db = B::SPAN_DB, op = "finish_export_run", lines = written.len())
+        fields(db = B::SPAN_DB, op = "finish_export_run")
     )]
-    async fn finish_export_run(
-        &self,
-        run: &ExportRun,
-        written: &[ExportedLine],
-        audit: &[AuditEntry],
-    ) -> PortResult<()> {
+    async fn finish_export_run(&self, run: &ExportRun, audit: &[AuditEntry]) -> PortResult<()> {
         // Dropping `tx` without committing rolls everything back.
         let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
         let update = Stmt::new(
@@ -333,8 +400,8 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         if B::execute(&mut *tx, update).await? != 1 {
             return Err(PortError::Permanent(format!("there is no export run {}", run.id)));
         }
-        if !written.is_empty() {
-            B::execute(&mut *tx, add_lines(&run.spec.key(), written)?).await?;
+        if run.status == RunStatus::Failed {
+            B::execute(&mut *tx, Stmt::new("DELETE FROM export_lines WHERE run_id = $1").text(&run.id)).await?;
         }
         for entry in audit {
             B::execute(&mut *tx, insert_audit(entry)?).await?;
@@ -382,6 +449,14 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         started_before: DateTime<Utc>,
         at: DateTime<Utc>,
     ) -> PortResult<u64> {
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
+        let lines = Stmt::new(
+            "DELETE FROM export_lines WHERE run_id IN \
+             (SELECT id FROM export_runs WHERE project_id = $1 AND status = 'running' AND started_at < $2)",
+        )
+        .text(project.as_str())
+        .time(started_before);
+        B::execute(&mut *tx, lines).await?;
         let stmt = Stmt::new(
             "UPDATE export_runs SET status = 'failed', finished_at = $3, \
              error = 'abandoned: still running past its time bound (its process died?)' \
@@ -390,6 +465,8 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         .text(project.as_str())
         .time(started_before)
         .time(at);
-        self.run(stmt).await
+        let n = B::execute(&mut *tx, stmt).await?;
+        tx.commit().await.map_err(error::<B>)?;
+        Ok(n)
     }
 }

@@ -66,6 +66,9 @@ pub trait Backend:
 
     /// What begins a read-only transaction that reads one snapshot.
     const SNAPSHOT_BEGIN: &'static str;
+    /// What follows a text column to compare and order it bytewise (the
+    /// order of Rust's `str`), whatever the database's collation.
+    const BYTEWISE: &'static str;
     /// What follows a `SELECT` of rows to hold them still until the
     /// transaction ends (SQLite: nothing; its write lock holds everything).
     const LOCK_ROWS: &'static str;
