@@ -590,11 +590,13 @@ async fn window_models_return_every_dimensions_rows(s: &dyn Both) {
     .expect("fold");
     let mut cut = s.fold_cut().await.expect("open a cut");
     let rows = cut.window_models(&pid("proj_1"), WindowKind::Day, "2026-07-07", &all()).await.expect("models");
-    let dims: Vec<Dimension> = rows.iter().map(|(d, _)| d.clone()).collect();
+    let dims: Vec<String> = rows.iter().map(|(d, _)| d.encode()).collect();
+    // By the dimension's encoding, bytewise (the order of a slice).
     assert_eq!(
         dims,
         [Dimension::Project, Dimension::Agent("agent_1".into()), Dimension::Actor("user_1".into())]
-            .into_iter()
+            .iter()
+            .map(Dimension::encode)
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect::<Vec<_>>(),
