@@ -116,7 +116,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             .context("--webhook-timeout")?,
         ..projector::notify::NotifierConfig::default()
     };
-    let notifier = crate::notify::spawn(state.stores.webhooks.clone(), clock.clone(), notifier_config, stopped);
+    let scheduler = gateway::service::export_schedules::Scheduler::new(
+        state.stores.tenants.clone(),
+        state.stores.exports.clone(),
+        state.stores.schedules.clone(),
+        clock.clone(),
+        state.settings.exports.clone(),
+        notifier_config.claimant.clone(),
+    );
+    let notifier =
+        crate::notify::spawn(state.stores.webhooks.clone(), clock.clone(), notifier_config, Some(scheduler), stopped);
     let demo = if args.no_demo { None } else { Some(demo(&state, &args.data_dir).await?) };
 
     let listener =

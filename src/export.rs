@@ -25,7 +25,7 @@ use gateway::service::exports::{ExportRequest, Output, reconcile, run_export};
 use gateway::state::SystemClock;
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use meter::export::{CustomerKind, ExportRun, ExportSpec, Format, Grace, RunStatus};
-use meter::{ExportStore, Principal, ProjectId, TenantStore, WindowKind};
+use meter::{Clock, ExportStore, Principal, ProjectId, TenantStore, WindowKind};
 use store::sql::Backend;
 use store::{KafkaReader, PgStore, SqlStore, SqliteLog, SqliteStore};
 
@@ -179,6 +179,7 @@ where
             consumer: args.consumer.clone(),
             topic: topic.to_owned(),
             principal: Some(Principal::new("admin", "cli")),
+            schedule_id: None,
         };
         let bar = ProgressBar::new_spinner();
         bar.set_style(
@@ -220,7 +221,7 @@ where
                 status = 1;
             }
             r.log = Some(check);
-            live.set_reconciliation(&run.id, &r).await?;
+            live.set_reconciliation(&run.id, &r, SystemClock.now()).await?;
         }
     }
     Ok(status)

@@ -279,19 +279,8 @@ struct ServeArgs {
     /// policy meanwhile).
     #[arg(long, env = "TOLLGATE_SEED_FLUSH_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     seed_flush_timeout: Duration,
-    /// Where runs of `POST /v1/exports` write their files (one per run).
-    #[arg(long, env = "TOLLGATE_EXPORT_DIR", default_value = "tollgate-exports")]
-    export_dir: std::path::PathBuf,
-    /// Most rows one export run writes; past them it stops, marked ROWS.
-    #[arg(long, env = "TOLLGATE_EXPORT_MAX_ROWS", default_value_t = 10_000_000)]
-    export_max_rows: u64,
-    /// How long one export run may write; past it it stops, marked TIME.
-    #[arg(long, env = "TOLLGATE_EXPORT_MAX_TIME", default_value = "10m", value_parser = humantime::parse_duration)]
-    export_max_time: Duration,
-    /// How many customers of a charge period an export run reads at once (what bounds its memory).
-    #[arg(long, env = "TOLLGATE_EXPORT_SLICE", default_value_t = gateway::service::exports::SLICE as u32,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    export_slice: u32,
+    #[command(flatten)]
+    export: notify::ExportRunArgs,
     /// Also run a notifier in this process (or run `tollgate notify`).
     #[arg(long, env = "TOLLGATE_NOTIFY", default_value_t = false, action = clap::ArgAction::Set)]
     notify: bool,
@@ -305,6 +294,14 @@ struct NotifyCmdArgs {
     db: DbArgs,
     #[command(flatten)]
     notify: notify::NotifyArgs,
+    /// The projector whose fold scheduled exports read (its consumer name).
+    #[arg(long, env = "TOLLGATE_CONSUMER", default_value = "tollgate-projector")]
+    consumer: String,
+    /// Prefix of every topic name: scheduled exports read the fold of `<prefix>usage`.
+    #[arg(long, env = "TOLLGATE_TOPIC_PREFIX", default_value = "tollgate.")]
+    topic_prefix: String,
+    #[command(flatten)]
+    export: notify::ExportRunArgs,
 }
 
 #[derive(Args)]
@@ -336,6 +333,9 @@ struct ProjectArgs {
     notify: bool,
     #[command(flatten)]
     notifier: notify::NotifyArgs,
+    /// Where the notifier's scheduled exports write, and their bounds.
+    #[command(flatten)]
+    export: notify::ExportRunArgs,
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` in the background (the
@@ -417,14 +417,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     info!(backend = ?args.permits, installation_cap = settings.installation_permits, "permits");
     let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
-    settings.exports = gateway::state::ExportSettings {
-        dir: args.export_dir,
-        max_rows: args.export_max_rows,
-        max_time: args.export_max_time,
-        slice: args.export_slice as usize,
-        consumer: args.consumer.clone(),
-        topic: kafka.usage_topic(),
-    };
+    settings.exports = args.export.settings(&args.consumer, kafka.usage_topic());
     let tail = gateway::seeding::TailSource {
         tail: Arc::new(KafkaTail::new(&kafka)),
         consumer: args.consumer,
@@ -435,7 +428,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let store = Arc::new(store);
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let notifier = notifier_config.map(|c| {
+        let scheduler = notify::scheduler(store.clone(), clock.clone(), &c, settings.exports.clone());
+        notify::spawn(store.clone(), clock.clone(), c, Some(scheduler), stopped)
+    });
     let state =
         AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail).with_permits(permits);
     let listener =
@@ -468,7 +464,11 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
     let store = Arc::new(store);
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let notifier = notifier_config.map(|c| notify::spawn(store.clone(), clock.clone(), c, stopped));
+    let exports = args.export.settings(&config.consumer, kafka.usage_topic());
+    let notifier = notifier_config.map(|c| {
+        let scheduler = notify::scheduler(store.clone(), clock.clone(), &c, exports);
+        notify::spawn(store.clone(), clock.clone(), c, Some(scheduler), stopped)
+    });
     let mut audit_config = projector::audit::AuditConfig::new(kafka.audit_topic());
     audit_config.consumer = args.audit_consumer;
     let audit_reader = KafkaReader::audit(&kafka, &audit_config.consumer).context("creating the audit consumer")?;
@@ -509,7 +509,11 @@ async fn main() -> anyhow::Result<()> {
             let config = a.notify.config()?;
             let store = PgStore::connect(&a.db.database_url).await.context("connecting to PostgreSQL")?;
             store.migrate().await.context("migrating PostgreSQL")?;
-            notify::run(Arc::new(store), Arc::new(SystemClock), config, shutdown_signal()).await
+            let store = Arc::new(store);
+            let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+            let exports = a.export.settings(&a.consumer, format!("{}usage", a.topic_prefix));
+            let scheduler = notify::scheduler(store.clone(), clock.clone(), &config, exports);
+            notify::run(store, clock, config, Some(scheduler), shutdown_signal()).await
         }
         Command::Replay(a) => {
             if !replay::run(a).await? {

@@ -347,6 +347,7 @@ pub struct Stores {
     pub reports: Arc<dyn ReportStore>,
     pub webhooks: Arc<dyn WebhookStore>,
     pub exports: Arc<dyn meter::ExportStore>,
+    pub schedules: Arc<dyn meter::ScheduleStore>,
 }
 
 impl Stores {
@@ -360,7 +361,8 @@ impl Stores {
             ledger: store.clone(),
             reports: store.clone(),
             webhooks: store.clone(),
-            exports: store,
+            exports: store.clone(),
+            schedules: store,
         }
     }
 }

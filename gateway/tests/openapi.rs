@@ -490,6 +490,55 @@ async fn every_answer_matches_the_document() {
     let (s, _) = call(Method::GET, "/v1/exports/{id}/file", "/v1/exports/exr_nope/file", adm, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
 
+    // Export schedules: define, list, read, change, run now, delete; bad input; unknown ids.
+    let sched = json!({"project_ids": [pid], "period": "day", "dimensions": ["api_key"], "format": "csv",
+                       "destination": "finance/daily", "cadence": "daily"});
+    let (s, x) = call(Method::POST, "/v1/export-schedules", "/v1/export-schedules", adm, Some(sched.clone())).await;
+    assert_eq!((s, x["timezone"].as_str()), (StatusCode::CREATED, Some("Asia/Kathmandu")), "{x}");
+    let xid = x["id"].as_str().expect("schedule id").to_owned();
+    let mut bad = sched.clone();
+    bad["destination"] = json!("../up");
+    let (s, e) = call(Method::POST, "/v1/export-schedules", "/v1/export-schedules", adm, Some(bad)).await;
+    assert_eq!((s, e["error"]["meta"]["field"].as_str()), (StatusCode::BAD_REQUEST, Some("destination")));
+    let mut nope = sched.clone();
+    nope["project_ids"] = json!(["proj_nope"]);
+    let (s, _) = call(Method::POST, "/v1/export-schedules", "/v1/export-schedules", adm, Some(nope)).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, l) = call(Method::GET, "/v1/export-schedules", "/v1/export-schedules?limit=1", adm, None).await;
+    assert_eq!((s, l["data"][0]["id"].as_str()), (StatusCode::OK, Some(xid.as_str())));
+    let (s, _) = call(Method::GET, "/v1/export-schedules", "/v1/export-schedules?limit=0", adm, None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let one = format!("/v1/export-schedules/{xid}");
+    let (s, d) = call(Method::GET, "/v1/export-schedules/{id}", &one, adm, None).await;
+    assert_eq!((s, d["runs"].as_array().map(Vec::len)), (StatusCode::OK, Some(0)), "{d}");
+    let (s, _) = call(Method::GET, "/v1/export-schedules/{id}", "/v1/export-schedules/exs_nope", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, r) = call(Method::POST, "/v1/export-schedules/{id}/run", &format!("{one}/run"), adm, None).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{r}");
+    let (s, _) =
+        call(Method::POST, "/v1/export-schedules/{id}/run", "/v1/export-schedules/exs_nope/run", adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, p) = call(
+        Method::PATCH,
+        "/v1/export-schedules/{id}",
+        &one,
+        adm,
+        Some(json!({"enabled": false, "cadence": "hourly"})),
+    )
+    .await;
+    assert_eq!((s, p["enabled"].as_bool(), p["cadence"].as_str()), (StatusCode::OK, Some(false), Some("hourly")));
+    let (s, _) = call(Method::PATCH, "/v1/export-schedules/{id}", &one, adm, Some(json!({"cadence": "weekly"}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) =
+        call(Method::PATCH, "/v1/export-schedules/{id}", "/v1/export-schedules/exs_nope", adm, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(Method::POST, "/v1/export-schedules/{id}/run", &format!("{one}/run"), adm, None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "a disabled schedule does not run");
+    let (s, _) = call(Method::DELETE, "/v1/export-schedules/{id}", &one, adm, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(Method::DELETE, "/v1/export-schedules/{id}", &one, adm, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
     // Webhooks: an endpoint (a public URL: this state refuses private ones),
     // its secret once, a test fire, the delivery log, resend, recover, rotation.
     let hooks = format!("/v1/projects/{pid}/webhooks");

@@ -60,6 +60,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::admission::{CheckOutcome, CheckPlan};
 use crate::error::named;
+use crate::export::{ExportSchedule, Projects};
 use crate::ids::{AuditId, ProjectId, QuotaId};
 use crate::price::{Component, Price, PriceBook, Usd};
 use crate::quota::{Metric, Quota};
@@ -98,10 +99,17 @@ pub enum AuditAction {
     PutPrices,
     /// A billing export run ended (complete, partial or failed).
     RunExport,
+    /// An export schedule created.
+    CreateExportSchedule,
+    /// An export schedule changed by an admin (enabled, cadence, format,
+    /// destination, or run now).
+    UpdateExportSchedule,
+    /// An export schedule deleted.
+    DeleteExportSchedule,
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 15] = [
+    pub const ALL: [AuditAction; 18] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
@@ -117,6 +125,9 @@ impl AuditAction {
         AuditAction::RotateWebhookSecret,
         AuditAction::PutPrices,
         AuditAction::RunExport,
+        AuditAction::CreateExportSchedule,
+        AuditAction::UpdateExportSchedule,
+        AuditAction::DeleteExportSchedule,
     ];
 
     /// The IAM-style action string.
@@ -137,6 +148,9 @@ impl AuditAction {
             AuditAction::RotateWebhookSecret => "webhooks:RotateSecret",
             AuditAction::PutPrices => "prices:PutPrices",
             AuditAction::RunExport => "exports:RunExport",
+            AuditAction::CreateExportSchedule => "exports:CreateSchedule",
+            AuditAction::UpdateExportSchedule => "exports:UpdateSchedule",
+            AuditAction::DeleteExportSchedule => "exports:DeleteSchedule",
         }
     }
 }
@@ -210,7 +224,49 @@ pub enum AuditDetail {
         /// `partition:offset`, `;`-separated.
         watermark: String,
         error: Option<String>,
+        /// The schedule that started the run (`exs_…`), if one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        schedule_id: Option<String>,
     },
+    /// An export schedule created (`before` null), changed, or deleted
+    /// (`after` null).
+    ExportScheduleChange { before: Option<ScheduleView>, after: Option<ScheduleView> },
+}
+
+/// What an audit entry shows of an export schedule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleView {
+    /// The project ids, or `["*"]` for all of them.
+    pub projects: Vec<String>,
+    pub period: String,
+    pub dimensions: Vec<String>,
+    pub grace_seconds: u64,
+    pub format: String,
+    pub destination: String,
+    pub cadence: String,
+    pub timezone: String,
+    pub enabled: bool,
+    pub next_run_at: DateTime<Utc>,
+}
+
+impl From<&ExportSchedule> for ScheduleView {
+    fn from(s: &ExportSchedule) -> Self {
+        ScheduleView {
+            projects: match &s.projects {
+                Projects::All => vec!["*".to_owned()],
+                Projects::Some(ids) => ids.iter().map(ToString::to_string).collect(),
+            },
+            period: s.period.as_str().to_owned(),
+            dimensions: s.dimensions.iter().map(|d| d.as_str().to_owned()).collect(),
+            grace_seconds: s.grace.duration().as_secs(),
+            format: s.format.as_str().to_owned(),
+            destination: s.destination.as_str().to_owned(),
+            cadence: s.cadence.as_str().to_owned(),
+            timezone: s.timezone.name().to_owned(),
+            enabled: s.enabled,
+            next_run_at: s.next_run_at,
+        }
+    }
 }
 
 /// One row of a write of prices, as its audit entry shows it.
@@ -397,7 +453,8 @@ impl AuditEntry {
             | AuditDetail::RoleChange { .. }
             | AuditDetail::WebhookChange { .. }
             | AuditDetail::WebhookSecretRotated { .. }
-            | AuditDetail::PriceChange { .. } => None,
+            | AuditDetail::PriceChange { .. }
+            | AuditDetail::ExportScheduleChange { .. } => None,
             // One entry per run: its run id.
             AuditDetail::ExportRun { .. } => Some(format!("export/{}", self.resource)),
             // One entry per correction folded, whatever refolds it.

@@ -33,8 +33,10 @@ use crate::window::{WindowKind, window_at};
 
 pub mod format;
 pub mod run;
+pub mod schedule;
 
 pub use run::{Check, CustomerKind, ExportRun, ExportSpec, ExportedLine, Format, Mark, Reconciliation, RunStatus};
+pub use schedule::{Cadence, Destination, ExportSchedule, Projects};
 
 /// How long after a charge period ends its usage may still arrive before
 /// the period closes.

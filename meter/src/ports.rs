@@ -3,13 +3,14 @@
 //! PostgreSQL; and embedded ones), and every implementation runs the same
 //! conformance suite.
 //!
-//! The durable store is eight traits — [`TenantStore`] (projects, keys,
+//! The durable store is nine traits — [`TenantStore`] (projects, keys,
 //! roles), [`QuotaStore`], [`AuditStore`] (the audit outbox and the
 //! audit log folded from the audit topic), [`PriceStore`] (the price book
 //! and what it failed to price), [`Ledger`] (the fold, its offsets and the
 //! durable totals), [`ReportStore`] (usage reports) and [`WebhookStore`]
 //! (endpoints and the notification outbox), [`ExportStore`] (billing
-//! export runs, and a cut of the fold to export from) — which one database
+//! export runs, and a cut of the fold to export from), [`ScheduleStore`]
+//! (export schedules the notifier runs) — which one database
 //! implements together as a [`Store`]. A caller holds only the ones it uses.
 //!
 //! Errors say once, at the adapter, whether retrying can help.
@@ -24,7 +25,7 @@ use crate::admission::{CheckOutcome, CheckPlan};
 use crate::apply::QuotaPlan;
 use crate::audit::{AuditBatch, AuditEntry, PriceAudit};
 use crate::error::PortResult;
-use crate::export::{ExportRun, ExportedLine, Reconciliation};
+use crate::export::{ExportRun, ExportSchedule, ExportedLine, Reconciliation};
 use crate::fold::{DlqMark, FoldBatch, FoldReport, PendingDeadLetter};
 use crate::ids::{
     ApiKeyId, AuditId, EventId, MessageId, PermitId, ProjectId, QuotaId, ReservationId, RoleId, WebhookId,
@@ -424,7 +425,10 @@ pub trait ExportStore: Send + Sync {
     async fn record_export_lines(&self, run_id: &str, export_key: &str, lines: &[ExportedLine]) -> PortResult<()>;
     /// Ends a run, in one transaction: stores the run as it ended (from then
     /// on, if it is complete or partial, its recorded lines count; if it
-    /// failed they are dropped), and writes its audit entries to the outbox.
+    /// failed they are dropped), writes its audit entries to the outbox,
+    /// and, for a partial or failed run, enqueues its notification
+    /// ([`crate::export::schedule::notification`]; a complete run's waits
+    /// for its reconciliation).
     async fn finish_export_run(&self, run: &ExportRun, audit: &[AuditEntry]) -> PortResult<()>;
     async fn export_run(&self, id: &str) -> PortResult<Option<ExportRun>>;
     /// When the newest complete run of the export started (the periods it
@@ -432,10 +436,19 @@ pub trait ExportStore: Send + Sync {
     async fn last_complete_run(&self, export_key: &str) -> PortResult<Option<DateTime<Utc>>>;
     /// The project's runs, newest first.
     async fn export_runs(&self, project: &ProjectId, limit: usize) -> PortResult<Vec<ExportRun>>;
-    /// Sets a finished run's reconciliation; `false` when there is no such run.
-    async fn set_reconciliation(&self, id: &str, reconciliation: &Reconciliation) -> PortResult<bool>;
+    /// Sets a finished run's reconciliation and, for a complete run,
+    /// enqueues its `export.completed` notification (once: setting it again
+    /// enqueues nothing more), in one transaction, at `at`; `false` when
+    /// there is no such run.
+    async fn set_reconciliation(
+        &self,
+        id: &str,
+        reconciliation: &Reconciliation,
+        at: DateTime<Utc>,
+    ) -> PortResult<bool>;
     /// Marks the project's runs still `running` that started before
-    /// `started_before` as failed (their process died), at `at`; how many.
+    /// `started_before` as failed (their process died), at `at`, and
+    /// enqueues their `export.failed` notifications; how many.
     /// A project has at most one run `running` ([`ExportStore::create_export_run`]
     /// of a second is a [`crate::PortError::Conflict`]).
     async fn abandon_export_runs(
@@ -446,15 +459,61 @@ pub trait ExportStore: Send + Sync {
     ) -> PortResult<u64>;
 }
 
+/// Export schedules (see [`crate::export::schedule`]): what the admin API
+/// keeps, and what notifiers claim and run. A change by an admin takes its
+/// audit entries, written to the audit outbox in its transaction.
+#[async_trait]
+pub trait ScheduleStore: Send + Sync {
+    async fn create_schedule(&self, schedule: &ExportSchedule, audit: &[AuditEntry]) -> PortResult<()>;
+    async fn schedule(&self, id: &str) -> PortResult<Option<ExportSchedule>>;
+    /// Schedules by id, those after `after`, at most `limit`.
+    async fn schedules(&self, after: Option<&str>, limit: usize) -> PortResult<Vec<ExportSchedule>>;
+    /// Stores an admin's change (enabled, cadence, format, destination,
+    /// next run); `false` when there is no such schedule.
+    async fn update_schedule(&self, schedule: &ExportSchedule, audit: &[AuditEntry]) -> PortResult<bool>;
+    async fn delete_schedule(&self, id: &str, audit: &[AuditEntry]) -> PortResult<bool>;
+    /// Claims the enabled schedule due soonest (`next_run_at <= at`) that
+    /// no live claim holds, for `claimant` until `until`; `None` when none
+    /// is due. Two claimants never hold one schedule at once.
+    async fn claim_due_schedule(
+        &self,
+        claimant: &str,
+        at: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> PortResult<Option<ExportSchedule>>;
+    /// Extends `claimant`'s claim to `until`; `false` when it no longer holds it.
+    async fn extend_schedule_claim(&self, id: &str, claimant: &str, until: DateTime<Utc>) -> PortResult<bool>;
+    /// Records that `claimant` ran the schedule at `ran_at` and sets when it
+    /// runs next, releasing the claim; `false` when it no longer held it.
+    async fn finish_schedule_run(
+        &self,
+        id: &str,
+        claimant: &str,
+        ran_at: DateTime<Utc>,
+        next_run_at: DateTime<Utc>,
+    ) -> PortResult<bool>;
+    /// The runs the schedule started, newest first, at most `limit`.
+    async fn schedule_runs(&self, id: &str, limit: usize) -> PortResult<Vec<ExportRun>>;
+}
+
 /// One database that is every store port at once (PostgreSQL, or the
 /// embedded SQLite file). Implemented for anything that implements them all.
 pub trait Store:
-    TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore
+    TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore + ScheduleStore
 {
 }
 
-impl<T: TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore> Store
-    for T
+impl<
+    T: TenantStore
+        + QuotaStore
+        + AuditStore
+        + PriceStore
+        + Ledger
+        + ReportStore
+        + WebhookStore
+        + ExportStore
+        + ScheduleStore,
+> Store for T
 {
 }
 

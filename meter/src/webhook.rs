@@ -25,9 +25,15 @@ use crate::error::{FieldError, named};
 use crate::ids::{MessageId, ProjectId, WebhookId};
 
 /// The event types an endpoint may name exactly.
-pub const EVENT_TYPES: [&str; 3] = [QUOTA_EXCEEDED, QUOTA_NEARLY_USED, WEBHOOK_TEST];
+pub const EVENT_TYPES: [&str; 5] = [QUOTA_EXCEEDED, QUOTA_NEARLY_USED, EXPORT_COMPLETED, EXPORT_FAILED, WEBHOOK_TEST];
 pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
 pub const QUOTA_NEARLY_USED: &str = "quota.nearly_used";
+/// A billing export run ended complete or partial (see [`crate::export::schedule::notification`]).
+pub const EXPORT_COMPLETED: &str = "export.completed";
+/// A billing export run failed.
+pub const EXPORT_FAILED: &str = "export.failed";
+/// The wildcards an endpoint may name: a family of event types, or all.
+pub const WILDCARDS: [&str; 3] = ["quota.*", "export.*", "*"];
 pub const WEBHOOK_TEST: &str = "webhook.test";
 
 /// Most event types one endpoint names.
@@ -57,8 +63,8 @@ pub const ROTATION_OVERLAP: Duration = Duration::hours(24);
 /// The most of a response body an attempt keeps.
 pub const RESPONSE_EXCERPT: usize = 2048;
 
-/// The event types of an endpoint: exact names of [`EVENT_TYPES`], `quota.*`
-/// or `*`; at least one, each once.
+/// The event types of an endpoint: exact names of [`EVENT_TYPES`] or
+/// [`WILDCARDS`]; at least one, each once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventTypes(Vec<String>);
 
@@ -70,10 +76,10 @@ impl EventTypes {
         }
         let mut seen: Vec<String> = Vec::with_capacity(list.len());
         for (i, t) in list.into_iter().enumerate() {
-            if !(t == "*" || t == "quota.*" || EVENT_TYPES.contains(&t.as_str())) {
+            if !(WILDCARDS.contains(&t.as_str()) || EVENT_TYPES.contains(&t.as_str())) {
                 return Err(FieldError::new(
                     format!("{field}[{i}]"),
-                    format!("must be one of {}, quota.* or *", EVENT_TYPES.join(", ")),
+                    format!("must be one of {}, {}", EVENT_TYPES.join(", "), WILDCARDS.join(", ")),
                 ));
             }
             if seen.contains(&t) {
@@ -381,7 +387,7 @@ mod tests {
     }
 
     #[test]
-    fn event_types_take_exact_names_and_the_two_wildcards() {
+    fn event_types_take_exact_names_and_the_wildcards() {
         let t = |v: &[&str]| EventTypes::parse(v.iter().map(|s| s.to_string()).collect(), "event_types");
         let q = t(&["quota.*"]).expect("quota.*");
         assert!(q.matches("quota.exceeded") && q.matches("quota.nearly_used") && !q.matches("webhook.test"));
@@ -392,7 +398,10 @@ mod tests {
         assert_eq!(e.field, "event_types[0]");
         assert_eq!(t(&["*", "*"]).expect_err("twice").field, "event_types[1]");
         assert_eq!(t(&[]).expect_err("empty").field, "event_types");
-        assert!(t(&["quota.e*"]).is_err(), "only the two wildcards");
+        assert!(t(&["quota.e*"]).is_err(), "only the listed wildcards");
+        let x = t(&["export.*"]).expect("export.*");
+        assert!(x.matches("export.completed") && x.matches("export.failed") && !x.matches("quota.exceeded"));
+        assert!(t(&["export.failed"]).expect("exact").matches("export.failed"));
     }
 
     #[test]

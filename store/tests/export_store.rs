@@ -16,12 +16,13 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use meter::export::{
-    Amounts, Check, CustomerKind, DimRange, ExportRun, ExportSpec, ExportedLine, Format, Grace, Item, Mark,
-    Reconciliation, RunStatus,
+    Amounts, Cadence, Check, CustomerKind, Destination, DimRange, ExportRun, ExportSchedule, ExportSpec, ExportedLine,
+    Format, Grace, Item, Mark, Projects, Reconciliation, RunStatus,
 };
 use meter::{
-    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Dimension, EventId, EventKind, ExportStore, FoldBatch,
-    OffsetMove, PortError, Principal, Project, ProjectId, Store, TokenUsage, UsageFact, WindowKind,
+    ApiKeyId, AuditAction, AuditDetail, AuditEntry, AuditId, Dimension, Endpoint, EventId, EventKind, EventTypes,
+    ExportStore, FoldBatch, OffsetMove, PortError, Principal, Project, ProjectId, Store, TokenUsage, UsageFact,
+    WebhookId, WindowKind,
 };
 use store::{PgStore, SqliteStore};
 
@@ -45,6 +46,10 @@ macro_rules! suite {
             window_models_return_every_dimensions_rows,
             a_period_is_read_in_bytewise_slices_of_customers,
             storage_facts_respect_before_and_their_order,
+            a_schedule_round_trips_pages_changes_and_deletes_audited,
+            a_due_schedule_is_held_by_one_claimant_until_its_claim_lapses,
+            concurrent_claimants_take_a_due_schedule_once,
+            a_runs_end_is_notified_once_to_the_endpoints_that_want_it,
         );
     };
     (@each $fixture:expr; $($test:ident),* $(,)?) => {
@@ -213,6 +218,7 @@ fn started(id: &str, spec: ExportSpec, at: &str) -> ExportRun {
         file: None,
         reconciliation: None,
         error: None,
+        schedule_id: None,
     }
 }
 
@@ -296,10 +302,11 @@ async fn a_run_round_trips_every_field(s: &dyn Both) {
     assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![audit], "the audit entry is in the outbox");
 
     let rec = Reconciliation { fold: Check { lines: 3, differing: 1, differences: vec!["a".into()] }, log: None };
-    assert!(s.set_reconciliation("exr_1", &rec).await.expect("set reconciliation"));
+    let at = utc("2026-07-07T12:00:04Z");
+    assert!(s.set_reconciliation("exr_1", &rec, at).await.expect("set reconciliation"));
     let read = s.export_run("exr_1").await.expect("read run").expect("the run");
     assert_eq!(read, ExportRun { reconciliation: Some(rec.clone()), ..done });
-    assert!(!s.set_reconciliation("exr_none", &rec).await.expect("set on nothing"));
+    assert!(!s.set_reconciliation("exr_none", &rec, at).await.expect("set on nothing"));
     assert_eq!(s.export_run("exr_none").await.expect("read nothing"), None);
 
     // A run of every period and format reads back as written.
@@ -308,7 +315,15 @@ async fn a_run_round_trips_every_field(s: &dyn Both) {
         ..started("exr_2", spec("proj_1", WindowKind::Day, &CustomerKind::ALL), "2026-07-08T00:00:00Z")
     };
     s.create_export_run(&day).await.expect("create day run");
-    assert_eq!(s.export_run("exr_2").await.expect("read run"), Some(day));
+    assert_eq!(s.export_run("exr_2").await.expect("read run"), Some(day.clone()));
+    // A scheduled run names its schedule.
+    let scheduled = ExportRun {
+        schedule_id: Some("exs_1".into()),
+        ..started("exr_3", spec("proj_1", WindowKind::Day, &[CustomerKind::Project]), "2026-07-09T00:00:00Z")
+    };
+    s.finish_export_run(&finished(&day, "2026-07-08T00:00:01Z"), &[]).await.expect("finish the day run");
+    s.create_export_run(&scheduled).await.expect("create scheduled run");
+    assert_eq!(s.export_run("exr_3").await.expect("read run"), Some(scheduled));
 }
 
 async fn two_runs_add_per_line_and_a_line_summing_to_zero_is_left_out(s: &dyn Both) {
@@ -403,7 +418,7 @@ async fn exported_lines_are_read_by_a_range_of_customers(s: &dyn Both) {
         let range = DimRange { after: after.map(str::to_owned), through: through.map(str::to_owned) };
         async move {
             let mut got: Vec<String> = s
-                .exported_lines(&key, "2026-07-07", &range)
+                .exported_lines(key, "2026-07-07", &range)
                 .await
                 .expect("lines")
                 .into_iter()
@@ -701,4 +716,251 @@ async fn a_period_is_read_in_bytewise_slices_of_customers(s: &dyn Both) {
     assert!(models.iter().all(|(d, r)| r.priced_quantity + r.unpriced_quantity
         == if *d == Dimension::Agent("agent_1".into()) { 40 } else { 10 }));
     cut.close().await.expect("close the cut");
+}
+
+// --- Schedules ---------------------------------------------------------------------
+
+fn schedule(id: &str, projects: Projects, next: &str) -> ExportSchedule {
+    ExportSchedule {
+        id: id.into(),
+        projects,
+        period: WindowKind::Day,
+        dimensions: BTreeSet::from([CustomerKind::ApiKey, CustomerKind::Actor]),
+        grace: Grace::new(Duration::from_secs(7200)).expect("grace"),
+        format: Format::Parquet,
+        destination: Destination::parse("finance/daily").expect("destination"),
+        cadence: Cadence::Daily,
+        timezone: "Asia/Kathmandu".parse().expect("zone"),
+        enabled: true,
+        next_run_at: utc(next),
+        last_run_at: None,
+        created_at: utc("2026-07-01T00:00:00.000001Z"),
+        updated_at: utc("2026-07-01T00:00:00.000001Z"),
+    }
+}
+
+fn schedule_entry(id: &str, action: AuditAction, sched: &ExportSchedule) -> AuditEntry {
+    AuditEntry {
+        id: AuditId::parse(id).expect("audit id"),
+        project_id: None,
+        action,
+        principal: Some(Principal::new("admin", "test")),
+        resource: sched.id.clone(),
+        detail: AuditDetail::ExportScheduleChange { before: None, after: Some(sched.into()) },
+        created_at: utc("2026-07-01T00:00:00Z"),
+    }
+}
+
+async fn a_schedule_round_trips_pages_changes_and_deletes_audited(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    let some = schedule("exs_b", Projects::Some(vec![pid("proj_2"), pid("proj_1")]), "2026-07-02T02:00:00Z");
+    let every = ExportSchedule {
+        enabled: false,
+        cadence: Cadence::Monthly,
+        timezone: Tz::UTC,
+        format: Format::Csv,
+        ..schedule("exs_a", Projects::All, "2026-08-01T02:00:00Z")
+    };
+    let created = schedule_entry("aud_0001", AuditAction::CreateExportSchedule, &some);
+    s.create_schedule(&some, std::slice::from_ref(&created)).await.expect("create");
+    s.create_schedule(&every, &[]).await.expect("create");
+    assert!(matches!(s.create_schedule(&every, &[]).await, Err(PortError::Conflict(_))), "an id is unique");
+    assert_eq!(s.schedule("exs_b").await.expect("read"), Some(some.clone()));
+    assert_eq!(s.schedule("exs_a").await.expect("read"), Some(every.clone()));
+    assert_eq!(s.schedule("exs_none").await.expect("read"), None);
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![created]);
+    // Pages by id.
+    assert_eq!(s.schedules(None, 10).await.expect("list"), vec![every.clone(), some.clone()]);
+    assert_eq!(s.schedules(None, 1).await.expect("list"), vec![every.clone()]);
+    assert_eq!(s.schedules(Some("exs_a"), 10).await.expect("list"), vec![some.clone()]);
+    // An admin's change: what may change does, and nothing else.
+    let changed = ExportSchedule {
+        enabled: false,
+        cadence: Cadence::Hourly,
+        format: Format::Jsonl,
+        destination: Destination::parse("elsewhere").expect("destination"),
+        next_run_at: utc("2026-07-01T13:00:00Z"),
+        updated_at: utc("2026-07-01T12:00:00Z"),
+        ..some.clone()
+    };
+    assert!(s.update_schedule(&changed, &[]).await.expect("update"));
+    assert_eq!(s.schedule("exs_b").await.expect("read"), Some(changed.clone()));
+    assert!(!s.update_schedule(&schedule("exs_none", Projects::All, "2026-07-02T00:00:00Z"), &[]).await.expect("none"));
+    let deleted = schedule_entry("aud_0002", AuditAction::DeleteExportSchedule, &changed);
+    assert!(s.delete_schedule("exs_b", std::slice::from_ref(&deleted)).await.expect("delete"));
+    assert!(!s.delete_schedule("exs_b", &[]).await.expect("delete again"));
+    assert_eq!(s.schedules(None, 10).await.expect("list"), vec![every]);
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox").len(), 2, "the deletion is audited");
+}
+
+async fn a_due_schedule_is_held_by_one_claimant_until_its_claim_lapses(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    let due = schedule("exs_1", Projects::Some(vec![pid("proj_1")]), "2026-07-02T02:00:00Z");
+    let later = schedule("exs_2", Projects::All, "2026-07-02T03:00:00Z");
+    let off = ExportSchedule { enabled: false, ..schedule("exs_0", Projects::All, "2026-07-01T00:00:00Z") };
+    for x in [&due, &later, &off] {
+        s.create_schedule(x, &[]).await.expect("create");
+    }
+    let (a, b) = ("notifier-a", "notifier-b");
+    // Not due yet; a disabled one never is.
+    assert_eq!(
+        s.claim_due_schedule(a, utc("2026-07-02T01:59:59Z"), utc("2026-07-02T02:10:00Z")).await.expect("claim"),
+        None
+    );
+    // Due: the soonest is claimed, by one claimant.
+    let at = utc("2026-07-02T03:30:00Z");
+    let until = utc("2026-07-02T03:40:00Z");
+    let got = s.claim_due_schedule(a, at, until).await.expect("claim").expect("due");
+    assert_eq!(got, due);
+    let next = s.claim_due_schedule(b, at, until).await.expect("claim").expect("the other due one");
+    assert_eq!(next.id, "exs_2");
+    assert_eq!(s.claim_due_schedule(b, at, until).await.expect("claim"), None, "both are held");
+    assert!(s.extend_schedule_claim("exs_1", a, utc("2026-07-02T03:50:00Z")).await.expect("extend"));
+    assert!(!s.extend_schedule_claim("exs_1", b, utc("2026-07-02T03:50:00Z")).await.expect("not b's"));
+    // The claim lapses: another claimant takes it, and the first has lost it.
+    let lapsed = utc("2026-07-02T03:50:01Z");
+    assert_eq!(
+        s.claim_due_schedule(b, lapsed, utc("2026-07-02T04:00:00Z")).await.expect("claim").map(|x| x.id),
+        Some("exs_1".into())
+    );
+    assert!(!s.extend_schedule_claim("exs_1", a, utc("2026-07-02T04:10:00Z")).await.expect("lost"));
+    assert!(!s.finish_schedule_run("exs_1", a, at, utc("2026-07-03T02:00:00Z")).await.expect("lost"));
+    // The holder finishes: the next run is set, the claim released.
+    assert!(s.finish_schedule_run("exs_1", b, lapsed, utc("2026-07-03T02:00:00Z")).await.expect("finish"));
+    let read = s.schedule("exs_1").await.expect("read").expect("there");
+    assert_eq!((read.last_run_at, read.next_run_at), (Some(lapsed), utc("2026-07-03T02:00:00Z")));
+    assert_eq!(
+        s.claim_due_schedule(a, utc("2026-07-03T01:59:59Z"), utc("2026-07-03T03:00:00Z"))
+            .await
+            .expect("claim")
+            .map(|x| x.id),
+        Some("exs_2".into()),
+        "exs_2's claim lapsed; exs_1 is not due"
+    );
+    assert_eq!(
+        s.claim_due_schedule(a, utc("2026-07-03T02:00:00Z"), utc("2026-07-03T03:00:00Z"))
+            .await
+            .expect("claim")
+            .map(|x| x.id),
+        Some("exs_1".into())
+    );
+}
+
+async fn concurrent_claimants_take_a_due_schedule_once(s: &dyn Both) {
+    for i in 0..5 {
+        s.create_schedule(&schedule(&format!("exs_{i}"), Projects::All, "2026-07-02T02:00:00Z"), &[])
+            .await
+            .expect("create");
+    }
+    let at = utc("2026-07-02T02:00:00Z");
+    let until = utc("2026-07-02T02:10:00Z");
+    let names: Vec<String> = (0..12).map(|i| format!("notifier-{i}")).collect();
+    let claims = futures::future::join_all(names.iter().map(|n| s.claim_due_schedule(n, at, until))).await;
+    let mut got: Vec<String> = claims.into_iter().filter_map(|c| c.expect("claim")).map(|x| x.id).collect();
+    got.sort();
+    assert_eq!(got, ["exs_0", "exs_1", "exs_2", "exs_3", "exs_4"], "each schedule once, to one claimant");
+}
+
+fn export_endpoint(id: &str, project: &str, types: &[&str]) -> Endpoint {
+    Endpoint {
+        id: WebhookId::parse(id).expect("id"),
+        project_id: pid(project),
+        url: format!("http://127.0.0.1:9/{id}"),
+        event_types: EventTypes::parse(types.iter().map(|t| t.to_string()).collect(), "event_types").expect("types"),
+        description: None,
+        enabled: true,
+        disabled_reason: None,
+        secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+        previous_secret: None,
+        failing_since: None,
+        created_at: utc("2026-07-01T00:00:00Z"),
+        updated_at: utc("2026-07-01T00:00:00Z"),
+    }
+}
+
+/// The event types and run ids of what an endpoint was sent.
+async fn sent(s: &dyn Both, endpoint: &str) -> Vec<(String, String)> {
+    let log = s.deliveries(&WebhookId::parse(endpoint).expect("id"), None, 100).await.expect("deliveries");
+    log.into_iter()
+        .map(|d| {
+            let body: serde_json::Value = serde_json::from_str(&d.message.body).expect("json");
+            (d.message.event_type, body["data"]["run_id"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+async fn a_runs_end_is_notified_once_to_the_endpoints_that_want_it(s: &dyn Both) {
+    create_project(s, "proj_1").await;
+    create_project(s, "proj_2").await;
+    s.create_endpoint(&export_endpoint("wh_exports", "proj_1", &["export.*"]), &[]).await.expect("endpoint");
+    s.create_endpoint(&export_endpoint("wh_failed", "proj_1", &["export.failed"]), &[]).await.expect("endpoint");
+    s.create_endpoint(&export_endpoint("wh_quota", "proj_1", &["quota.*"]), &[]).await.expect("endpoint");
+    s.create_endpoint(&export_endpoint("wh_other", "proj_2", &["*"]), &[]).await.expect("endpoint");
+    let sp = spec("proj_1", WindowKind::Day, &[CustomerKind::Project]);
+    let done = |r: &ExportRun, status: RunStatus| ExportRun {
+        status,
+        finished_at: Some(r.started_at + chrono::Duration::seconds(1)),
+        ..r.clone()
+    };
+    // A partial run is notified as it ends.
+    let partial =
+        ExportRun { schedule_id: Some("exs_1".into()), ..started("exr_1", sp.clone(), "2026-07-07T12:00:00Z") };
+    s.create_export_run(&partial).await.expect("create");
+    s.finish_export_run(&ExportRun { mark: Some(Mark::Time), ..done(&partial, RunStatus::Partial) }, &[])
+        .await
+        .expect("finish");
+    // A complete run once reconciled, once however often it is reconciled.
+    let complete = started("exr_2", sp.clone(), "2026-07-07T13:00:00Z");
+    s.create_export_run(&complete).await.expect("create");
+    s.finish_export_run(&done(&complete, RunStatus::Complete), &[]).await.expect("finish");
+    assert_eq!(
+        sent(s, "wh_exports").await,
+        [("export.completed".to_owned(), "exr_1".to_owned())],
+        "not before its reconciliation"
+    );
+    let rec = Reconciliation::default();
+    assert!(s.set_reconciliation("exr_2", &rec, utc("2026-07-07T13:00:02Z")).await.expect("reconcile"));
+    assert!(s.set_reconciliation("exr_2", &rec, utc("2026-07-07T13:00:09Z")).await.expect("again"));
+    // A failed run, and one abandoned.
+    let failed = started("exr_3", sp.clone(), "2026-07-07T14:00:00Z");
+    s.create_export_run(&failed).await.expect("create");
+    s.finish_export_run(&ExportRun { error: Some("disk full".into()), ..done(&failed, RunStatus::Failed) }, &[])
+        .await
+        .expect("finish");
+    let dead = started("exr_4", sp.clone(), "2026-07-07T15:00:00Z");
+    s.create_export_run(&dead).await.expect("create");
+    assert_eq!(
+        s.abandon_export_runs(&pid("proj_1"), utc("2026-07-07T16:00:00Z"), utc("2026-07-07T16:00:00Z"))
+            .await
+            .expect("abandon"),
+        1
+    );
+    let pair = |t: &str, r: &str| (t.to_owned(), r.to_owned());
+    let mut all = sent(s, "wh_exports").await;
+    all.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(
+        all,
+        [
+            pair("export.completed", "exr_1"),
+            pair("export.completed", "exr_2"),
+            pair("export.failed", "exr_3"),
+            pair("export.failed", "exr_4")
+        ]
+    );
+    let mut failures = sent(s, "wh_failed").await;
+    failures.sort();
+    assert_eq!(failures, [pair("export.failed", "exr_3"), pair("export.failed", "exr_4")]);
+    assert!(sent(s, "wh_quota").await.is_empty(), "a quota subscriber gets no export news");
+    assert!(sent(s, "wh_other").await.is_empty(), "another project's endpoint gets none");
+    // The body says what the run did.
+    let log = s.deliveries(&WebhookId::parse("wh_exports").expect("id"), None, 100).await.expect("deliveries");
+    let first = log.iter().find(|d| d.message.body.contains("exr_1")).expect("exr_1's message");
+    let body: serde_json::Value = serde_json::from_str(&first.message.body).expect("json");
+    assert_eq!((body["data"]["status"].as_str(), body["data"]["mark"].as_str()), (Some("partial"), Some("TIME")));
+    assert_eq!(body["data"]["schedule_id"], "exs_1");
+    // Scheduled runs are listed by their schedule.
+    let ids: Vec<String> = s.schedule_runs("exs_1", 10).await.expect("runs").into_iter().map(|r| r.id).collect();
+    assert_eq!(ids, ["exr_1"]);
+    assert!(s.schedule_runs("exs_2", 10).await.expect("runs").is_empty());
 }

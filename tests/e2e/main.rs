@@ -6,6 +6,7 @@ mod audit;
 mod corrections;
 mod estimates;
 mod explain;
+mod export_schedules;
 mod exports;
 mod faults_fold;
 mod faults_outage;

@@ -50,29 +50,52 @@ impl TryFrom<ExportBody> for NewExport {
     fn try_from(b: ExportBody) -> Result<NewExport, FieldError> {
         let project_id = ProjectId::parse(required(b.project_id, "project_id")?.0)
             .map_err(|e| FieldError::new("project_id", e.to_string()))?;
-        let period = match required(b.period, "period")?.0.as_str() {
-            "day" => WindowKind::Day,
-            "calendar_month" => WindowKind::CalendarMonth,
-            other => return Err(FieldError::new("period", format!("must be day or calendar_month; got {other:?}"))),
-        };
-        let mut dimensions = BTreeSet::new();
-        let given = required(b.dimensions, "dimensions")?;
-        if given.is_empty() {
-            return Err(FieldError::new("dimensions", "name at least one of project, api_key, actor, agent, user"));
+        Ok(NewExport {
+            project_id,
+            period: period(required(b.period, "period")?)?,
+            dimensions: dimensions(required(b.dimensions, "dimensions")?)?,
+            format: format(required(b.format, "format")?)?,
+            grace: grace(b.grace_seconds)?,
+        })
+    }
+}
+
+/// An export's `period`: `day` or `calendar_month`.
+pub(crate) fn period(Text(p): Text) -> Result<WindowKind, FieldError> {
+    match p.as_str() {
+        "day" => Ok(WindowKind::Day),
+        "calendar_month" => Ok(WindowKind::CalendarMonth),
+        other => Err(FieldError::new("period", format!("must be day or calendar_month; got {other:?}"))),
+    }
+}
+
+/// An export's `dimensions`: at least one, each once.
+pub(crate) fn dimensions(given: Vec<Text>) -> Result<BTreeSet<CustomerKind>, FieldError> {
+    if given.is_empty() {
+        return Err(FieldError::new("dimensions", "name at least one of project, api_key, actor, agent, user"));
+    }
+    let mut dimensions = BTreeSet::new();
+    for (i, Text(d)) in given.into_iter().enumerate() {
+        let k = d.parse::<CustomerKind>().map_err(|e| FieldError::new(format!("dimensions[{i}]"), e))?;
+        if !dimensions.insert(k) {
+            return Err(FieldError::new(format!("dimensions[{i}]"), format!("{d} is named twice")));
         }
-        for (i, Text(d)) in given.into_iter().enumerate() {
-            let k = d.parse::<CustomerKind>().map_err(|e| FieldError::new(format!("dimensions[{i}]"), e))?;
-            if !dimensions.insert(k) {
-                return Err(FieldError::new(format!("dimensions[{i}]"), format!("{d} is named twice")));
-            }
+    }
+    Ok(dimensions)
+}
+
+/// A run's `format`.
+pub(crate) fn format(Text(f): Text) -> Result<Format, FieldError> {
+    f.parse::<Format>().map_err(|e| FieldError::new("format", e))
+}
+
+/// An export's `grace_seconds`: 3600 unless given, at most 72 h.
+pub(crate) fn grace(given: Option<Count>) -> Result<Grace, FieldError> {
+    match given {
+        None => Ok(Grace::DEFAULT),
+        Some(Count(s)) => {
+            Grace::new(std::time::Duration::from_secs(s)).map_err(|e| FieldError::new("grace_seconds", e.message))
         }
-        let format = required(b.format, "format")?.0.parse::<Format>().map_err(|e| FieldError::new("format", e))?;
-        let grace = match b.grace_seconds {
-            None => Grace::DEFAULT,
-            Some(Count(s)) => Grace::new(std::time::Duration::from_secs(s))
-                .map_err(|e| FieldError::new("grace_seconds", e.message))?,
-        };
-        Ok(NewExport { project_id, period, dimensions, format, grace })
     }
 }
 

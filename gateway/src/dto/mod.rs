@@ -17,6 +17,7 @@
 pub mod check;
 pub mod errors;
 pub mod events;
+pub mod export_schedules;
 pub mod exports;
 pub mod fields;
 pub mod prices;

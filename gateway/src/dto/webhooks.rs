@@ -38,7 +38,8 @@ pub struct EndpointBody {
     #[schema(value_type = String)]
     pub url: Option<Text>,
     /// Exact event types (`quota.exceeded`, `quota.nearly_used`,
-    /// `webhook.test`), `quota.*` or `*`.
+    /// `export.completed`, `export.failed`, `webhook.test`), `quota.*`,
+    /// `export.*` or `*`.
     #[schema(value_type = Vec<String>)]
     pub event_types: Option<Vec<Text>>,
     #[schema(value_type = Option<String>)]

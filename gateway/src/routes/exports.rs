@@ -75,7 +75,7 @@ pub async fn get_export(
 }
 
 /// Whether the run's file is one this server wrote and holds.
-fn downloadable(s: &AppState, run: &meter::export::ExportRun) -> bool {
+pub(crate) fn downloadable(s: &AppState, run: &meter::export::ExportRun) -> bool {
     run.status != RunStatus::Failed
         && run.file.as_deref().is_some_and(|f| std::path::Path::new(f).starts_with(&s.settings.exports.dir))
 }

@@ -12,6 +12,7 @@
 //! Every route is one line of the table below; the router is
 //! built from it and nothing else, so a test can hold the document to it.
 
+mod export_schedules;
 mod exports;
 mod hot;
 mod meta;
@@ -80,6 +81,12 @@ table! {
     POST "/v1/exports" => exports::create_export,
     GET "/v1/exports/{id}" => exports::get_export,
     GET "/v1/exports/{id}/file" => exports::export_file,
+    POST "/v1/export-schedules" => export_schedules::create_schedule,
+    GET "/v1/export-schedules" => export_schedules::list_schedules,
+    GET "/v1/export-schedules/{id}" => export_schedules::get_schedule,
+    PATCH "/v1/export-schedules/{id}" => export_schedules::patch_schedule,
+    DELETE "/v1/export-schedules/{id}" => export_schedules::delete_schedule,
+    POST "/v1/export-schedules/{id}/run" => export_schedules::run_schedule,
     POST "/v1/projects/{id}/webhooks" => webhooks::create_webhook,
     GET "/v1/projects/{id}/webhooks" => webhooks::list_webhooks,
     GET "/v1/webhooks/{id}" => webhooks::get_webhook,
@@ -162,6 +169,12 @@ fn heavy_endpoint(method: &Method, path: &str) -> Option<&'static str> {
         exports::create_export,
         exports::get_export,
         exports::export_file,
+        export_schedules::create_schedule,
+        export_schedules::list_schedules,
+        export_schedules::get_schedule,
+        export_schedules::patch_schedule,
+        export_schedules::delete_schedule,
+        export_schedules::run_schedule,
         webhooks::create_webhook,
         webhooks::list_webhooks,
         webhooks::get_webhook,

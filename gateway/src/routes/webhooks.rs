@@ -78,7 +78,7 @@ pub async fn get_webhook(
     responses(
         (status = 200, description = "The endpoint as changed", body = EndpointView),
         (status = 400, description = "INVALID_REQUEST naming the field; nothing changed", body = ErrorBody,
-         example = json!({"error": {"code": "INVALID_REQUEST", "message": "event_types[0]: must be one of quota.exceeded, quota.nearly_used, webhook.test, quota.* or *", "meta": {"field": "event_types[0]"}}})),
+         example = json!({"error": {"code": "INVALID_REQUEST", "message": "event_types[0]: must be one of quota.exceeded, quota.nearly_used, export.completed, export.failed, webhook.test, quota.*, export.*, *", "meta": {"field": "event_types[0]"}}})),
         (status = 404, description = "NOT_FOUND", body = ErrorBody,
          example = json!({"error": {"code": "NOT_FOUND", "message": "webhook wh_nope does not exist", "meta": {}}})),
     ))]

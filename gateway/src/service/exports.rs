@@ -75,6 +75,8 @@ pub struct ExportRequest {
     pub consumer: String,
     pub topic: String,
     pub principal: Option<Principal>,
+    /// The schedule that starts the run, if one does.
+    pub schedule_id: Option<String>,
 }
 
 /// A byte-counting writer.
@@ -245,6 +247,7 @@ pub async fn start(s: &AppState, spec: ExportSpec, format: Format, principal: Pr
         consumer: x.consumer.clone(),
         topic: x.topic.clone(),
         principal: Some(principal),
+        schedule_id: None,
     };
     run_export(s.stores.tenants.as_ref(), s.stores.exports.as_ref(), s.clock.as_ref(), &req, &|_, _| {}).await
 }
@@ -299,6 +302,7 @@ pub async fn run_export(
         file: None,
         reconciliation: None,
         error: None,
+        schedule_id: req.schedule_id.clone(),
     };
     // A run that died running frees the project once past its bound.
     let stale = chrono::Duration::from_std(req.max_time.saturating_add(Duration::from_secs(600)))
@@ -339,9 +343,17 @@ pub async fn run_export(
         return Err(e.into());
     }
     if export_run.status == RunStatus::Complete {
-        let fold = reconcile(exports, cut.as_mut(), &req.spec, tz, at, req.slice).await?;
+        // The run is complete whatever the reconciliation finds; one that
+        // could not be made says so in its place (and is not `ok`).
+        let fold = match reconcile(exports, cut.as_mut(), &req.spec, tz, at, req.slice).await {
+            Ok(fold) => fold,
+            Err(e) => {
+                tracing::warn!(run = %export_run.id, error = %e, "export run: reconciliation failed");
+                Check { lines: 0, differing: 0, differences: vec![format!("the reconciliation failed: {e}")] }
+            }
+        };
         let r = Reconciliation { fold, log: None };
-        exports.set_reconciliation(&export_run.id, &r).await?;
+        exports.set_reconciliation(&export_run.id, &r, clock.now()).await?;
         export_run.reconciliation = Some(r);
     }
     cut.close().await?;
@@ -375,6 +387,7 @@ fn audit_entry(run: &ExportRun, principal: Option<Principal>) -> AuditEntry {
             bytes: run.bytes,
             watermark: run.watermark_text(),
             error: run.error.clone(),
+            schedule_id: run.schedule_id.clone(),
         },
         created_at: run.finished_at.unwrap_or(run.started_at),
     }

@@ -16,6 +16,7 @@
 
 pub mod admission;
 pub mod audit;
+pub mod export_schedules;
 pub mod exports;
 pub mod permits;
 pub mod pricing;

@@ -287,6 +287,8 @@ pub struct ExportRun {
     pub file: Option<String>,
     pub reconciliation: Option<Reconciliation>,
     pub error: Option<String>,
+    /// The schedule that started it (`exs_…`), if one did.
+    pub schedule_id: Option<String>,
 }
 
 impl ExportRun {

@@ -34,15 +34,18 @@ use meter::{
 };
 use sqlx::Transaction;
 
+use meter::export::schedule::notification;
+
 use super::config::insert_audit;
 use super::ledger::{
     AGGREGATE_COLUMNS, MODEL_USAGE_COLUMNS, counter_key, model_usage_row, offset_row, offsets_stmt, totals,
 };
+use super::webhooks::enqueue_in;
 use super::{Backend, Rec, Rows, SqlStore, Stmt, corrupt, each, error, limit, to_i64};
 
-const RUN_COLUMNS: &str = "id, export_key, project_id, period_kind, dimensions, grace_secs, format, status, mark, \
-                           watermark, receipt_bound, started_at, finished_at, \"rows\", bytes, file, reconciliation, \
-                           error";
+pub(super) const RUN_COLUMNS: &str = "id, export_key, project_id, period_kind, dimensions, grace_secs, format, \
+                                      status, mark, watermark, receipt_bound, started_at, finished_at, \"rows\", bytes, \
+                                      file, reconciliation, error, schedule_id";
 
 /// The dimensions of a spec as stored: `+`-joined, in order.
 fn dimensions_text(spec: &ExportSpec) -> String {
@@ -50,7 +53,7 @@ fn dimensions_text(spec: &ExportSpec) -> String {
     dims.join("+")
 }
 
-fn run<B: Backend>(r: &Rec<'_, B>) -> PortResult<ExportRun> {
+pub(super) fn run<B: Backend>(r: &Rec<'_, B>) -> PortResult<ExportRun> {
     let dims = r.text("dimensions")?;
     let dimensions = dims
         .split('+')
@@ -80,6 +83,7 @@ fn run<B: Backend>(r: &Rec<'_, B>) -> PortResult<ExportRun> {
         file: r.get("file")?,
         reconciliation: r.opt_json("reconciliation")?,
         error: r.get("error")?,
+        schedule_id: r.get("schedule_id")?,
     })
 }
 
@@ -295,7 +299,7 @@ impl<B: Backend> ExportStore for SqlStore<B> {
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_export_run"))]
     async fn create_export_run(&self, run: &ExportRun) -> PortResult<()> {
-        let params: Vec<String> = (1..=18).map(|i| format!("${i}")).collect();
+        let params: Vec<String> = (1..=19).map(|i| format!("${i}")).collect();
         let stmt = Stmt::new(format!("INSERT INTO export_runs ({RUN_COLUMNS}) VALUES ({})", params.join(", ")))
             .text(&run.id)
             .text(run.spec.key())
@@ -314,7 +318,8 @@ impl<B: Backend> ExportStore for SqlStore<B> {
             .int(to_i64("bytes", run.bytes)?)
             .opt_text(run.file.as_deref())
             .opt_json(run.reconciliation.as_ref())?
-            .opt_text(run.error.as_deref());
+            .opt_text(run.error.as_deref())
+            .opt_text(run.schedule_id.as_deref());
         self.run(stmt).await.map(drop)
     }
 
@@ -406,6 +411,11 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         for entry in audit {
             B::execute(&mut *tx, insert_audit(entry)?).await?;
         }
+        // A complete run's notification waits for its reconciliation.
+        if run.status != RunStatus::Complete {
+            let at = run.finished_at.unwrap_or(run.started_at);
+            enqueue_in::<B>(&mut *tx, &notification(run, at), None).await?;
+        }
         tx.commit().await.map_err(error::<B>)
     }
 
@@ -426,10 +436,26 @@ impl<B: Backend> ExportStore for SqlStore<B> {
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "set_reconciliation"))]
-    async fn set_reconciliation(&self, id: &str, reconciliation: &Reconciliation) -> PortResult<bool> {
+    async fn set_reconciliation(
+        &self,
+        id: &str,
+        reconciliation: &Reconciliation,
+        at: DateTime<Utc>,
+    ) -> PortResult<bool> {
+        let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
         let stmt =
-            Stmt::new("UPDATE export_runs SET reconciliation = $2 WHERE id = $1").text(id).json(reconciliation)?;
-        Ok(self.run(stmt).await? == 1)
+            Stmt::new(format!("UPDATE export_runs SET reconciliation = $2 WHERE id = $1 RETURNING {RUN_COLUMNS}"))
+                .text(id)
+                .json(reconciliation)?;
+        let rows = B::fetch(&mut *tx, stmt).await?;
+        let Some(row) = rows.first() else { return Ok(false) };
+        let updated = run(&Rec::<B>(row))?;
+        if updated.status == RunStatus::Complete {
+            // Once per run: a second reconciliation (`--verify`) finds it enqueued.
+            enqueue_in::<B>(&mut *tx, &notification(&updated, at), None).await?;
+        }
+        tx.commit().await.map_err(error::<B>)?;
+        Ok(true)
     }
 
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "last_complete_run"))]
@@ -457,16 +483,19 @@ impl<B: Backend> ExportStore for SqlStore<B> {
         .text(project.as_str())
         .time(started_before);
         B::execute(&mut *tx, lines).await?;
-        let stmt = Stmt::new(
+        let stmt = Stmt::new(format!(
             "UPDATE export_runs SET status = 'failed', finished_at = $3, \
              error = 'abandoned: still running past its time bound (its process died?)' \
-             WHERE project_id = $1 AND status = 'running' AND started_at < $2",
-        )
+             WHERE project_id = $1 AND status = 'running' AND started_at < $2 RETURNING {RUN_COLUMNS}"
+        ))
         .text(project.as_str())
         .time(started_before)
         .time(at);
-        let n = B::execute(&mut *tx, stmt).await?;
+        let abandoned = each(&B::fetch(&mut *tx, stmt).await?, run::<B>)?;
+        for r in &abandoned {
+            enqueue_in::<B>(&mut *tx, &notification(r, at), None).await?;
+        }
         tx.commit().await.map_err(error::<B>)?;
-        Ok(n)
+        Ok(abandoned.len() as u64)
     }
 }

@@ -31,6 +31,7 @@ mod config;
 mod exports;
 mod ledger;
 mod prices;
+mod schedules;
 pub mod shadow;
 mod webhooks;
 

@@ -769,6 +769,7 @@ impl SqlStore<sqlx::Postgres> {
 }
 
 /// A schema name Tollgate quotes into SQL: letters, digits and `_` only.
+#[cfg(feature = "postgres")]
 fn valid_schema(schema: &str) -> PortResult<()> {
     if schema.is_empty() || schema.len() > 63 || !schema.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
         return Err(PortError::Permanent(format!(
