@@ -319,6 +319,12 @@ struct ProjectArgs {
     /// time one publish may take).
     #[arg(long, env = "TOLLGATE_DEAD_LETTER_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
     dead_letter_lease: Duration,
+    /// How long a projector's membership lasts unrenewed: projectors of one
+    /// consumer name split the usage topic's partitions among themselves,
+    /// and a killed one's partitions go to the others this long after its
+    /// last heartbeat (it renews five times per lease).
+    #[arg(long, env = "TOLLGATE_PROJECTOR_LEASE", default_value = "10s", value_parser = humantime::parse_duration)]
+    projector_lease: Duration,
     /// The name the audit folder's offsets (on the audit topic) are stored
     /// under. The folder, and the relay that publishes the store's audit
     /// outbox to the audit topic, run beside the projector.
@@ -460,6 +466,13 @@ async fn project(args: ProjectArgs) -> anyhow::Result<()> {
     config.consumer = args.consumer;
     config.max_batch = args.max_batch;
     config.dead_letter_lease = chrono::Duration::from_std(args.dead_letter_lease).context("--dead-letter-lease")?;
+    if args.projector_lease < Duration::from_millis(500) {
+        bail!("TOLLGATE_PROJECTOR_LEASE must be at least 500ms");
+    }
+    config.share = Some(projector::ShareConfig {
+        member_lease: chrono::Duration::from_std(args.projector_lease).context("--projector-lease")?,
+        heartbeat: args.projector_lease / 5,
+    });
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let notifier_config = args.notify.then(|| args.notifier.config()).transpose()?;
     let store = Arc::new(store);

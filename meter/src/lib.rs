@@ -90,6 +90,7 @@ pub mod price;
 pub mod quota;
 pub mod report;
 pub mod role;
+pub mod share;
 pub mod tenant;
 pub mod usage;
 pub mod view;

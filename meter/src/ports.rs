@@ -3,14 +3,15 @@
 //! PostgreSQL; and embedded ones), and every implementation runs the same
 //! conformance suite.
 //!
-//! The durable store is nine traits — [`TenantStore`] (projects, keys,
+//! The durable store is ten traits — [`TenantStore`] (projects, keys,
 //! roles), [`QuotaStore`], [`AuditStore`] (the audit outbox and the
 //! audit log folded from the audit topic), [`PriceStore`] (the price book
 //! and what it failed to price), [`Ledger`] (the fold, its offsets and the
 //! durable totals), [`ReportStore`] (usage reports) and [`WebhookStore`]
 //! (endpoints and the notification outbox), [`ExportStore`] (billing
 //! export runs, and a cut of the fold to export from), [`ScheduleStore`]
-//! (export schedules the notifier runs) — which one database
+//! (export schedules the notifier runs), [`PartitionLeases`] (projectors
+//! sharing the usage topic) — which one database
 //! implements together as a [`Store`]. A caller holds only the ones it uses.
 //!
 //! Errors say once, at the adapter, whether retrying can help.
@@ -496,10 +497,50 @@ pub trait ScheduleStore: Send + Sync {
     async fn schedule_runs(&self, id: &str, limit: usize) -> PortResult<Vec<ExportRun>>;
 }
 
+/// Projectors sharing a topic's partitions (see [`crate::share`]): each
+/// member's heartbeat, and who holds what.
+#[async_trait]
+pub trait PartitionLeases: Send + Sync {
+    /// A heartbeat of `member` among the projectors of `consumer` on
+    /// `topic`, in one transaction that holds the partitions' owners still
+    /// against other members' heartbeats: renews its membership until
+    /// `until`, forgets members whose membership lapsed before `at`, and
+    /// gives it its share of `partitions` ([`crate::share::assign`]).
+    /// Returns the partitions it now holds.
+    async fn share_partitions(
+        &self,
+        consumer: &str,
+        topic: &str,
+        member: &str,
+        partitions: &[i32],
+        at: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> PortResult<BTreeSet<i32>>;
+    /// `member` leaves: its membership ends and its partitions are free.
+    async fn leave_partitions(&self, consumer: &str, topic: &str, member: &str) -> PortResult<()>;
+    /// Each partition's owner as the store holds it (`None`: free), and the
+    /// members whose membership lasts past `at`.
+    async fn partition_owners(
+        &self,
+        consumer: &str,
+        topic: &str,
+        at: DateTime<Utc>,
+    ) -> PortResult<(BTreeMap<i32, Option<String>>, BTreeSet<String>)>;
+}
+
 /// One database that is every store port at once (PostgreSQL, or the
 /// embedded SQLite file). Implemented for anything that implements them all.
 pub trait Store:
-    TenantStore + QuotaStore + AuditStore + PriceStore + Ledger + ReportStore + WebhookStore + ExportStore + ScheduleStore
+    TenantStore
+    + QuotaStore
+    + AuditStore
+    + PriceStore
+    + Ledger
+    + ReportStore
+    + WebhookStore
+    + ExportStore
+    + ScheduleStore
+    + PartitionLeases
 {
 }
 
@@ -512,7 +553,8 @@ impl<
         + ReportStore
         + WebhookStore
         + ExportStore
-        + ScheduleStore,
+        + ScheduleStore
+        + PartitionLeases,
 > Store for T
 {
 }

@@ -113,6 +113,27 @@ pub struct ProjectorConfig {
     /// before the projector takes the store, not the records, to be at fault
     /// and stops.
     pub max_store_refusals: usize,
+    /// Share the topic's partitions with the other projectors of the same
+    /// consumer name ([`meter::share`]); `None`: read every partition (a
+    /// replay's fold into a shadow, `tollgate dev`).
+    pub share: Option<ShareConfig>,
+}
+
+/// How a projector shares the topic's partitions with others.
+#[derive(Debug, Clone)]
+pub struct ShareConfig {
+    /// How long a membership lasts unrenewed: how soon a killed projector's
+    /// partitions are taken by the others.
+    pub member_lease: chrono::Duration,
+    /// How often a projector renews its membership and takes its share
+    /// (well under the lease).
+    pub heartbeat: Duration,
+}
+
+impl Default for ShareConfig {
+    fn default() -> Self {
+        ShareConfig { member_lease: chrono::Duration::seconds(10), heartbeat: Duration::from_secs(1) }
+    }
 }
 
 impl ProjectorConfig {
@@ -128,6 +149,7 @@ impl ProjectorConfig {
             dead_letter_lease: chrono::Duration::seconds(30),
             publish_dead_letters: true,
             max_store_refusals: 16,
+            share: None,
         }
     }
 }
@@ -178,11 +200,21 @@ pub(crate) async fn seek_to_stored<R: LogReader>(
     consumer: &str,
     topic: &str,
 ) -> PortResult<BTreeMap<i32, i64>> {
+    let partitions: BTreeSet<i32> = reader.partitions().await?.into_iter().collect();
+    seek_partitions(reader, store, consumer, topic, &partitions).await
+}
+
+/// Seeks `reader` to the stored offsets of `partitions` only (it reads no
+/// other); answers where it now stands.
+async fn seek_partitions<R: LogReader>(
+    reader: &mut R,
+    store: &dyn Store,
+    consumer: &str,
+    topic: &str,
+    partitions: &BTreeSet<i32>,
+) -> PortResult<BTreeMap<i32, i64>> {
     let stored = store.offsets(consumer, topic).await?;
-    let mut positions = BTreeMap::new();
-    for p in reader.partitions().await? {
-        positions.insert(p, stored.get(&p).copied().unwrap_or(0));
-    }
+    let positions: BTreeMap<i32, i64> = partitions.iter().map(|p| (*p, stored.get(p).copied().unwrap_or(0))).collect();
     reader.seek(&positions).await?;
     Ok(positions)
 }
@@ -208,6 +240,10 @@ pub struct Projector<R: LogReader> {
     letters_check_at: Option<DateTime<Utc>>,
     /// View updates not applied yet (the view failed), by project.
     backlog: BTreeMap<ProjectId, ViewUpdate>,
+    /// Every partition of the topic (sharing: what the share is of).
+    partitions: Vec<i32>,
+    /// Sharing: when the next heartbeat is due.
+    next_heartbeat: Option<tokio::time::Instant>,
 }
 
 impl<R: LogReader> Projector<R> {
@@ -234,6 +270,8 @@ impl<R: LogReader> Projector<R> {
             last_purge: None,
             letters_check_at: None,
             backlog: BTreeMap::new(),
+            partitions: Vec::new(),
+            next_heartbeat: None,
         }
     }
 
@@ -242,13 +280,72 @@ impl<R: LogReader> Projector<R> {
         &mut self.reader
     }
 
-    /// Positions the reader at the offsets the store holds (0 where it holds none).
+    /// Positions the reader at the offsets the store holds (0 where it
+    /// holds none) of the partitions it reads: all of them, or (sharing)
+    /// its share, taken now.
     pub async fn start(&mut self) -> PortResult<()> {
-        let positions =
-            seek_to_stored(&mut self.reader, self.store.as_ref(), &self.config.consumer, &self.config.topic).await?;
+        self.partitions = self.reader.partitions().await?;
+        let mine = match self.config.share.clone() {
+            None => self.partitions.iter().copied().collect(),
+            Some(share) => self.heartbeat(&share).await?,
+        };
+        self.position(&mine).await
+    }
+
+    /// Seeks to the stored offsets of `partitions`, reading no other.
+    async fn position(&mut self, partitions: &BTreeSet<i32>) -> PortResult<()> {
+        let (store, c) = (self.store.as_ref(), &self.config);
+        let positions = seek_partitions(&mut self.reader, store, &c.consumer, &c.topic, partitions).await?;
         info!(consumer = %self.config.consumer, ?positions, "projector positioned");
+        metrics::gauge!("tollgate_projector_partitions").set(positions.len() as f64);
         self.positions = positions;
         Ok(())
+    }
+
+    /// Sharing: renews this projector's membership and takes its share of
+    /// the partitions ([`meter::share`]); the next heartbeat is due a
+    /// [`ShareConfig::heartbeat`] later.
+    async fn heartbeat(&mut self, share: &ShareConfig) -> PortResult<BTreeSet<i32>> {
+        let at = self.clock.now();
+        let mine = self
+            .store
+            .share_partitions(
+                &self.config.consumer,
+                &self.config.topic,
+                &self.claimant,
+                &self.partitions,
+                at,
+                at + share.member_lease,
+            )
+            .await?;
+        self.next_heartbeat = Some(tokio::time::Instant::now() + share.heartbeat);
+        Ok(mine)
+    }
+
+    /// Sharing: a heartbeat when one is due, and a move to the partitions
+    /// it gives (between batches: nothing is in flight).
+    async fn share(&mut self) -> PortResult<()> {
+        let Some(share) = self.config.share.clone() else { return Ok(()) };
+        if self.next_heartbeat.is_some_and(|t| tokio::time::Instant::now() < t) {
+            return Ok(());
+        }
+        let mine = self.heartbeat(&share).await?;
+        let held: BTreeSet<i32> = self.positions.keys().copied().collect();
+        if mine != held {
+            info!(consumer = %self.config.consumer, from = ?held, to = ?mine, "projector's share of the partitions changed");
+            self.position(&mine).await?;
+        }
+        Ok(())
+    }
+
+    /// Sharing: gives back this projector's membership and partitions, so
+    /// the others take them at once rather than when its lease lapses.
+    async fn leave(&self) {
+        if self.config.share.is_some()
+            && let Err(e) = self.store.leave_partitions(&self.config.consumer, &self.config.topic, &self.claimant).await
+        {
+            warn!(error = %e, "projector could not give back its partitions; they are free when its lease lapses");
+        }
     }
 
     /// Runs steps until `shutdown` resolves. Transient failures (and a
@@ -260,13 +357,19 @@ impl<R: LogReader> Projector<R> {
             if let Err(e) = self.start().await {
                 warn!(error = %e, "projector cannot start yet");
                 tokio::select! {
-                    _ = &mut shutdown => return Ok(()),
+                    _ = &mut shutdown => {
+                        self.leave().await;
+                        return Ok(());
+                    }
                     _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
                 }
             }
             loop {
                 let step = tokio::select! {
-                    _ = &mut shutdown => return Ok(()),
+                    _ = &mut shutdown => {
+                        self.leave().await;
+                        return Ok(());
+                    }
                     r = self.step() => r,
                 };
                 match step {
@@ -292,8 +395,14 @@ impl<R: LogReader> Projector<R> {
     /// and commits it (bisecting what the store refuses), publishes its dead
     /// letters, then updates the view.
     pub async fn step(&mut self) -> PortResult<StepReport> {
+        self.share().await?;
         self.publish_dead_letters().await;
-        let records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
+        let mut records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
+        // Sharing: a record of a partition given back, fetched before the
+        // move, is the new holder's to fold.
+        if self.config.share.is_some() {
+            records.retain(|r| self.positions.contains_key(&r.partition));
+        }
         let mut report = StepReport { read: records.len(), ..StepReport::default() };
         if records.is_empty() {
             self.flush_view_backlog().await;

@@ -75,6 +75,8 @@ macro_rules! conformance {
             a_correction_amends_or_voids_its_original_as_the_difference,
             a_refused_correction_is_dead_lettered_with_its_reason_and_forgotten,
             a_tokens_amend_is_priced_as_of_the_originals_receipt,
+            members_split_the_partitions_and_a_lapsed_members_are_taken,
+            concurrent_heartbeats_never_give_a_partition_to_two_members,
         );
 
         // `purge_processed_before` and `migrate` are inherent methods of
@@ -2550,4 +2552,66 @@ pub async fn racing_writes_of_prices_each_see_what_the_other_replaced(s: &dyn St
             "round {round}: one replaced nothing, the other the first's price: {a:?} {b:?}"
         );
     }
+}
+
+// --- Projectors sharing the partitions ------------------------------------------
+
+async fn members_split_the_partitions_and_a_lapsed_members_are_taken(s: &dyn Store) {
+    let (c, t) = ("projector", "tollgate.usage");
+    let parts: Vec<i32> = (0..6).collect();
+    let t0 = utc("2026-07-07T12:00:00Z");
+    let secs = |n: i64| t0 + Duration::seconds(n);
+    let lease = Duration::seconds(10);
+    let mine = |v: &[i32]| v.iter().copied().collect::<std::collections::BTreeSet<i32>>();
+    // Alone, a takes every partition.
+    assert_eq!(s.share_partitions(c, t, "a", &parts, t0, t0 + lease).await.expect("beat"), mine(&parts));
+    // b joins: nothing is free until a gives back what is over its share.
+    assert!(s.share_partitions(c, t, "b", &parts, secs(1), secs(1) + lease).await.expect("beat").is_empty());
+    assert_eq!(s.share_partitions(c, t, "a", &parts, secs(2), secs(2) + lease).await.expect("beat"), mine(&[0, 1, 2]));
+    assert_eq!(s.share_partitions(c, t, "b", &parts, secs(3), secs(3) + lease).await.expect("beat"), mine(&[3, 4, 5]));
+    let (owners, live) = s.partition_owners(c, t, secs(3)).await.expect("owners");
+    assert_eq!(live, ["a".to_owned(), "b".to_owned()].into());
+    assert_eq!(owners.values().filter(|o| o.as_deref() == Some("b")).count(), 3);
+    // Another consumer's or topic's members share nothing with these.
+    assert_eq!(s.share_partitions("replay", t, "x", &parts, secs(3), secs(3) + lease).await.expect("beat").len(), 6);
+    // a stops beating: once its membership lapses b takes everything.
+    assert_eq!(
+        s.share_partitions(c, t, "b", &parts, secs(11), secs(11) + lease).await.expect("beat"),
+        mine(&[3, 4, 5])
+    );
+    assert_eq!(s.share_partitions(c, t, "b", &parts, secs(13), secs(13) + lease).await.expect("beat"), mine(&parts));
+    let (_, live) = s.partition_owners(c, t, secs(13)).await.expect("owners");
+    assert_eq!(live, ["b".to_owned()].into());
+    // b leaves: its partitions are free at once for a newcomer.
+    s.leave_partitions(c, t, "b").await.expect("leave");
+    let (owners, live) = s.partition_owners(c, t, secs(14)).await.expect("owners");
+    assert!(live.is_empty() && owners.values().all(Option::is_none), "{owners:?} {live:?}");
+    assert_eq!(s.share_partitions(c, t, "c", &parts, secs(14), secs(14) + lease).await.expect("beat"), mine(&parts));
+}
+
+async fn concurrent_heartbeats_never_give_a_partition_to_two_members(s: &dyn Store) {
+    let (c, t) = ("projector", "tollgate.usage");
+    let parts: Vec<i32> = (0..6).collect();
+    let t0 = utc("2026-07-07T12:00:00Z");
+    let names: Vec<String> = (0..4).map(|i| format!("m{i}")).collect();
+    let mut held: BTreeMap<String, std::collections::BTreeSet<i32>> = BTreeMap::new();
+    for round in 0..3 {
+        let at = t0 + Duration::seconds(round);
+        let beats = futures::future::join_all(
+            names.iter().map(|n| s.share_partitions(c, t, n, &parts, at, at + Duration::seconds(30))),
+        )
+        .await;
+        for (n, b) in names.iter().zip(beats) {
+            held.insert(n.clone(), b.expect("beat"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (n, mine) in &held {
+            for p in mine {
+                assert!(seen.insert(*p), "round {round}: partition {p} held twice ({n}): {held:?}");
+            }
+        }
+    }
+    let sizes: Vec<usize> = held.values().map(|m| m.len()).collect();
+    assert_eq!(sizes.iter().sum::<usize>(), 6, "{held:?}");
+    assert!(sizes.iter().all(|n| (1..=2).contains(n)), "fair shares of 6 among 4: {held:?}");
 }

@@ -15,6 +15,7 @@ mod harness;
 mod invariants;
 mod model;
 mod permits;
+mod projectors;
 mod replay;
 mod roles;
 mod webhooks;

@@ -33,6 +33,7 @@ mod ledger;
 mod prices;
 mod schedules;
 pub mod shadow;
+mod shares;
 mod webhooks;
 
 use std::borrow::Cow;
