@@ -24,6 +24,12 @@
 //! 5,000 sequential requests after 500 warm-up (p50, p99), then 64
 //! concurrent clients for 5 s after a 1 s warm-up (requests/s).
 //!
+//! To profile one variant, `TOLLGATE_BENCH_PROFILE=hello|layer|null_log`
+//! runs only that one, its concurrent clients for
+//! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) and nothing else, so a
+//! sampling profiler attached to the process (`perf record -g -p <pid>`)
+//! sees only it; the process prints its pid first.
+//!
 //! Run it with `cargo bench --bench in_process` (or `scripts/bench`). Under
 //! `cargo test --all-targets` it returns at once. It never asserts: it prints
 //! a markdown report and writes it to `target/bench-in-process.md`.
@@ -345,6 +351,9 @@ struct Results {
 }
 
 async fn run() -> AnyResult<()> {
+    if let Ok(which) = std::env::var("TOLLGATE_BENCH_PROFILE") {
+        return profile(&which).await;
+    }
     let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     eprintln!("in_process: run {id}; {workers} worker threads");
@@ -369,6 +378,47 @@ async fn run() -> AnyResult<()> {
         Ok(()) => eprintln!("in_process: report written to {}", path.display()),
         Err(e) => eprintln!("in_process: could not write {}: {e}", path.display()),
     }
+    Ok(())
+}
+
+/// Runs one variant's concurrent clients for a while, for a profiler.
+async fn profile(which: &str) -> AnyResult<()> {
+    let secs: f64 = std::env::var("TOLLGATE_BENCH_PROFILE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20.0);
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
+    let secret_shape = format!("tg_{}", random_token(40));
+    let body = json!({ "api_key": secret_shape });
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-profile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let backend = match which {
+        "hello" => None,
+        "layer" => Some(Backend::Memory),
+        "null_log" => Some(Backend::NullLog),
+        other => return Err(format!("TOLLGATE_BENCH_PROFILE: {other:?} is not hello, layer or null_log").into()),
+    };
+    let (url, secret, running) = match backend {
+        None => (format!("{}/hello", serve(hello_app()).await?), secret_shape.clone(), Running::Nothing),
+        Some(b) => {
+            let (state, running) = start(&dir.join("profile.db"), b).await?;
+            let secret = project_with_quota(&state, "bench-profile").await?;
+            (format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?), secret, running)
+        }
+    };
+    let op = {
+        let (h, u, s, b) = (http.clone(), url.clone(), secret.clone(), body.clone());
+        move || {
+            let (h, u, s, b) = (h.clone(), u.clone(), s.clone(), b.clone());
+            async move { post_json(&h, &u, &s, &b).await }
+        }
+    };
+    throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
+    eprintln!("in_process: profiling {which}: pid {} for {secs} s", std::process::id());
+    let rate = throughput(CLIENTS, secs, op).await;
+    eprintln!(
+        "in_process: {which}: {:.0} req/s ({} in {:.2} s, {} errors)",
+        rate.per_sec, rate.done, rate.secs, rate.errors
+    );
+    running.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 

@@ -640,7 +640,7 @@ impl http_body::Body for HeldBody {
 }
 
 /// The caller's key and actor, or the 401/400 to answer with.
-async fn identify(state: &AppState, config: &Config, headers: &HeaderMap) -> ApiResult<(ApiKey, Option<String>)> {
+async fn identify(state: &AppState, config: &Config, headers: &HeaderMap) -> ApiResult<(Arc<ApiKey>, Option<String>)> {
     let Some(secret) = secret(&config.key, headers) else {
         return Err(unauthenticated(&config.key, "an api key is required"));
     };

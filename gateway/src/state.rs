@@ -23,7 +23,8 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use meter::{
@@ -208,9 +209,24 @@ pub struct ProjectConfig {
     pub watched: Arc<meter::Watched>,
 }
 
+/// How many shards a cache's entries are spread over, so lookups of
+/// different keys do not wait on one lock.
+const CACHE_SHARDS: usize = 16;
+
+/// How many entries one shard holds before it is emptied (bounds memory
+/// against lookups of ever new secrets).
+const SHARD_CAPACITY: usize = 100_000 / CACHE_SHARDS;
+
+type Entries<T> = HashMap<String, (Instant, T)>;
+
 /// Entries by key, each with when it was loaded, and the loads under way.
+/// The entries are spread over [`CACHE_SHARDS`] read-write locks by the
+/// key's hash: a hit takes one shard's read lock, so concurrent hits never
+/// wait for each other, and values are `Arc`s, so a hit copies no
+/// configuration.
 struct Cached<T> {
-    entries: Mutex<HashMap<String, (Instant, T)>>,
+    shards: Box<[RwLock<Entries<T>>]>,
+    hasher: RandomState,
     /// One lock per key being loaded: while entries are cached (a TTL above
     /// zero), the lookups that miss one key together wait for the first
     /// one's load and take its entry, instead of each asking the store — a
@@ -221,13 +237,33 @@ struct Cached<T> {
 
 impl<T> Default for Cached<T> {
     fn default() -> Self {
-        Cached { entries: Mutex::default(), loads: Mutex::default() }
+        Cached {
+            shards: (0..CACHE_SHARDS).map(|_| RwLock::default()).collect(),
+            hasher: RandomState::new(),
+            loads: Mutex::default(),
+        }
     }
 }
 
 impl<T> Cached<T> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Instant, T)>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    fn shard(&self, key: &str) -> &RwLock<Entries<T>> {
+        // The remainder is below the shard count, so it fits.
+        &self.shards[(self.hasher.hash_one(key) % self.shards.len() as u64) as usize]
+    }
+
+    fn read(&self, key: &str) -> RwLockReadGuard<'_, Entries<T>> {
+        self.shard(key).read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self, key: &str) -> RwLockWriteGuard<'_, Entries<T>> {
+        self.shard(key).write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps only the entries `keep` says yes to, in every shard.
+    fn retain(&self, mut keep: impl FnMut(&str, &T) -> bool) {
+        for shard in self.shards.iter() {
+            shard.write().unwrap_or_else(|e| e.into_inner()).retain(|k, (_, v)| keep(k, v));
+        }
     }
 
     /// Waits until no other lookup is loading `key`, and holds that turn
@@ -271,10 +307,10 @@ pub const STORE_RETRY: Duration = Duration::from_secs(1);
 /// for when the store cannot be read.
 #[derive(Default)]
 pub struct ConfigCache {
-    projects: Cached<Option<ProjectConfig>>,
-    keys: Cached<Option<ApiKey>>,
+    projects: Cached<Option<Arc<ProjectConfig>>>,
+    keys: Cached<Option<Arc<ApiKey>>>,
     prices: Cached<Arc<PriceBook>>,
-    roles: Cached<Option<Role>>,
+    roles: Cached<Option<Arc<Role>>>,
     /// Until when the store is taken to be down, after a failed load.
     store_down_until: Mutex<Option<Instant>>,
 }
@@ -320,7 +356,7 @@ impl ConfigCache {
 /// The entry under `k`, if any: whether it is fresh (younger than `ttl`),
 /// and its value if it is younger than `max_stale` (or fresh).
 fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration, max_stale: Duration) -> Option<(bool, T)> {
-    let g = m.lock();
+    let g = m.read(k);
     g.get(k).and_then(|(at, v)| {
         let age = at.elapsed();
         (age < ttl || age < max_stale).then(|| (age < ttl, v.clone()))
@@ -328,8 +364,8 @@ fn get<T: Clone>(m: &Cached<T>, k: &str, ttl: Duration, max_stale: Duration) -> 
 }
 
 fn put<T>(m: &Cached<T>, k: String, v: T) {
-    let mut g = m.lock();
-    if g.len() > 100_000 {
+    let mut g = m.write(&k);
+    if g.len() >= SHARD_CAPACITY {
         g.clear();
     }
     g.insert(k, (Instant::now(), v));
@@ -493,14 +529,14 @@ impl AppState {
     }
 
     /// A project and its quotas (cached).
-    pub async fn project_config(&self, id: &ProjectId) -> PortResult<Option<ProjectConfig>> {
+    pub async fn project_config(&self, id: &ProjectId) -> PortResult<Option<Arc<ProjectConfig>>> {
         self.cached(&self.cache.projects, id.as_str(), async {
             Ok(match self.stores.tenants.project(id).await? {
                 None => None,
                 Some(project) => {
                     let quotas = self.stores.quotas.quotas(id).await?;
                     let watched = Arc::new(meter::Watched::of(&quotas));
-                    Some(ProjectConfig { project, quotas: Arc::new(quotas), watched })
+                    Some(Arc::new(ProjectConfig { project, quotas: Arc::new(quotas), watched }))
                 }
             })
         })
@@ -516,35 +552,34 @@ impl AppState {
     }
 
     /// A role by its id (cached).
-    pub async fn role_by_id(&self, id: &RoleId) -> PortResult<Option<Role>> {
-        self.cached(&self.cache.roles, id.as_str(), self.stores.tenants.role(id)).await
+    pub async fn role_by_id(&self, id: &RoleId) -> PortResult<Option<Arc<Role>>> {
+        self.cached(&self.cache.roles, id.as_str(), async { Ok(self.stores.tenants.role(id).await?.map(Arc::new)) })
+            .await
     }
 
     /// Forgets the cached price book after a change.
     pub fn invalidate_prices(&self) {
-        let mut g = self.cache.prices.lock();
-        g.clear();
+        self.cache.prices.retain(|_, _| false);
     }
 
     /// Forgets a project's cached configuration after an admin change.
     pub fn invalidate_project(&self, id: &ProjectId) {
-        let mut g = self.cache.projects.lock();
-        g.remove(id.as_str());
+        self.cache.projects.write(id.as_str()).remove(id.as_str());
     }
 
     /// Forgets a key's cached lookups after it was deleted.
     pub fn invalidate_key(&self, id: &ApiKeyId) {
-        let mut g = self.cache.keys.lock();
-        g.retain(|k, (_, v)| k != &format!("id:{id}") && v.as_ref().is_none_or(|key| &key.id != id));
+        let by_id = format!("id:{id}");
+        self.cache.keys.retain(|k, v| k != by_id && v.as_ref().is_none_or(|key| &key.id != id));
     }
 
     /// An API key by its secret (cached by the secret's hash, and a key
     /// found also by its id, so the settles of a checked key find it while
     /// the store is down).
-    pub async fn key_by_secret(&self, secret: &str) -> PortResult<Option<ApiKey>> {
+    pub async fn key_by_secret(&self, secret: &str) -> PortResult<Option<Arc<ApiKey>>> {
         let hash = hash_secret(secret);
         self.cached(&self.cache.keys, &hash, async {
-            let key = self.stores.tenants.api_key_by_secret_hash(&hash).await?;
+            let key = self.stores.tenants.api_key_by_secret_hash(&hash).await?.map(Arc::new);
             if let Some(k) = &key {
                 put(&self.cache.keys, format!("id:{}", k.id), key.clone());
             }
@@ -554,8 +589,11 @@ impl AppState {
     }
 
     /// An API key by its id (cached).
-    pub async fn key_by_id(&self, id: &ApiKeyId) -> PortResult<Option<ApiKey>> {
-        self.cached(&self.cache.keys, &format!("id:{id}"), self.stores.tenants.api_key(id)).await
+    pub async fn key_by_id(&self, id: &ApiKeyId) -> PortResult<Option<Arc<ApiKey>>> {
+        self.cached(&self.cache.keys, &format!("id:{id}"), async {
+            Ok(self.stores.tenants.api_key(id).await?.map(Arc::new))
+        })
+        .await
     }
 }
 

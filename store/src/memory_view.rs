@@ -10,18 +10,23 @@
 //! layer; it is not a test double, and it passes the same conformance suite
 //! (`tests/view_conformance.rs`).
 //!
-//! ## Atomicity
+//! ## Atomicity, and no global lock
 //!
-//! The model sits behind one mutex, taken once per operation and never held
-//! across an `.await` (no operation awaits anything), so every operation is
-//! one atomic step, as a script is in Redis. Clones share the state.
+//! Projects are spread over [`SHARDS`] shards by their id, each a model of
+//! its own behind its own mutex, so checks of different projects do not
+//! wait for each other (every operation of the port names one project, as
+//! every Redis script touches one project's keys). A shard's mutex is taken
+//! once per operation and never held across an `.await` (no operation
+//! awaits anything), so every operation is one atomic step, as a script is
+//! in Redis. Clones share the state.
 //!
 //! ## Time
 //!
-//! The time is injected: the view never reads a clock. The model's clock,
-//! the analogue of the Redis server's clock that expires keys, is the latest
-//! `at` any operation was given (it never runs backwards); the operations
-//! the port gives no `at` (seed, unsettle, release, fold) run at that clock.
+//! The time is injected: the view never reads a clock. A shard's model's
+//! clock, the analogue of the Redis server's clock that expires keys, is the
+//! latest `at` any operation on that shard was given (it never runs
+//! backwards); the operations the port gives no `at` (unsettle, release,
+//! lowering totals) run at that clock.
 //! Records are expired lazily, when an operation reaches them, and swept from
 //! memory at most once a minute of that clock, so memory stays bounded by
 //! what is live (plus a project's `loaded` marker, which like Redis's never
@@ -35,6 +40,7 @@
 //! fail.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -47,10 +53,19 @@ use meter::{
 /// How often (in the model's time) expired records are swept from memory.
 const SWEEP_EVERY: TimeDelta = TimeDelta::minutes(1);
 
+/// How many shards the projects are spread over.
+pub const SHARDS: usize = 32;
+
 /// The in-memory hot-path view. Cheap to clone: clones share one state.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryView {
-    state: Arc<Mutex<State>>,
+    shards: Arc<[Mutex<State>]>,
+}
+
+impl Default for MemoryView {
+    fn default() -> Self {
+        MemoryView { shards: (0..SHARDS).map(|_| Mutex::new(State::default())).collect() }
+    }
 }
 
 #[derive(Default)]
@@ -87,26 +102,35 @@ impl MemoryView {
     /// projects) the view holds, expired ones not swept yet included: a gauge
     /// of its memory.
     pub fn records(&self) -> usize {
-        self.lock().model.records()
+        self.shards.iter().map(|s| lock(s).model.records()).sum()
     }
 
     /// One project's live records, in the model's comparable form (for
     /// tests and debugging).
     pub fn dump(&self, project: &ProjectId) -> ProjectDump {
-        self.lock().model.dump(project)
+        lock(self.shard(project)).model.dump(project)
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The shard that holds `project`.
+    fn shard(&self, project: &ProjectId) -> &Mutex<State> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        project.as_str().hash(&mut h);
+        // The remainder is below SHARDS, so it fits.
+        &self.shards[(h.finish() % self.shards.len() as u64) as usize]
     }
 
-    /// Runs one operation on the model, then sweeps if one is due.
-    fn with<T>(&self, op: impl FnOnce(&mut ViewModel) -> T) -> T {
-        let mut st = self.lock();
+    /// Runs one operation on the model of `project`'s shard, then sweeps
+    /// that shard if a sweep is due.
+    fn with<T>(&self, project: &ProjectId, op: impl FnOnce(&mut ViewModel) -> T) -> T {
+        let mut st = lock(self.shard(project));
         let out = op(&mut st.model);
         st.sweep_if_due();
         out
     }
+}
+
+fn lock(shard: &Mutex<State>) -> MutexGuard<'_, State> {
+    shard.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[async_trait]
@@ -118,26 +142,26 @@ impl View for MemoryView {
         hold: &Hold,
         at: DateTime<Utc>,
     ) -> PortResult<Option<CheckOutcome>> {
-        self.with(|m| m.check(project, plan, hold, at))
+        self.with(project, |m| m.check(project, plan, hold, at))
     }
 
     async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()> {
-        self.with(|m| m.seed(project, seed, at));
+        self.with(project, |m| m.seed(project, seed, at));
         Ok(())
     }
 
     async fn settle(&self, project: &ProjectId, settlements: &[Settlement], at: DateTime<Utc>) -> PortResult<()> {
-        self.with(|m| m.settle(project, settlements, at));
+        self.with(project, |m| m.settle(project, settlements, at));
         Ok(())
     }
 
     async fn unsettle(&self, project: &ProjectId, events: &[EventId]) -> PortResult<()> {
-        self.with(|m| m.unsettle(project, events, m.now()));
+        self.with(project, |m| m.unsettle(project, events, m.now()));
         Ok(())
     }
 
     async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()> {
-        self.with(|m| m.release(project, reservation, m.now()));
+        self.with(project, |m| m.release(project, reservation, m.now()));
         Ok(())
     }
 
@@ -148,12 +172,12 @@ impl View for MemoryView {
         events: &[EventId],
         at: DateTime<Utc>,
     ) -> PortResult<()> {
-        self.with(|m| m.apply_fold(project, totals, events, at));
+        self.with(project, |m| m.apply_fold(project, totals, events, at));
         Ok(())
     }
 
     async fn lower_totals(&self, project: &ProjectId, totals: &[(Counter, Totals)]) -> PortResult<()> {
-        self.with(|m| m.lower_totals(project, totals, m.now()));
+        self.with(project, |m| m.lower_totals(project, totals, m.now()));
         Ok(())
     }
 
@@ -163,6 +187,6 @@ impl View for MemoryView {
         counter: &CounterKey,
         at: DateTime<Utc>,
     ) -> PortResult<Option<CounterUsage>> {
-        Ok(self.with(|m| m.usage(project, counter, at)))
+        Ok(self.with(project, |m| m.usage(project, counter, at)))
     }
 }

@@ -1037,9 +1037,10 @@ mod memory {
             assert!(check(&view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
         }
         assert!(view.records() > 200, "{} records", view.records());
-        // Eight days on (past every grace and TTL), any call sweeps; the
-        // seeded project keeps only its loaded marker.
-        view.usage(&project(), &c.key, at + Duration::days(8)).await.expect("usage");
+        // Eight days on (past every grace and TTL), any call on a project
+        // of the same shard sweeps it; the seeded project keeps only its
+        // loaded marker.
+        view.usage(&p, &c.key, at + Duration::days(8)).await.expect("usage");
         assert_eq!(view.records(), 1);
         assert_eq!(usage(&view, &p, &c, at + Duration::days(8)).await, meter::CounterUsage::default());
     }

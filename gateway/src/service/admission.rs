@@ -63,7 +63,8 @@ impl From<&Verdict> for Remaining {
 #[derive(Debug, Clone)]
 pub struct Admission {
     pub reservation: ReservationId,
-    pub key: ApiKey,
+    /// The caller's key, as the configuration cache holds it (shared, not copied).
+    pub key: Arc<ApiKey>,
     /// The limits that apply: the key's grants narrowed by its role's.
     pub limits: Grants,
     /// The bounds the call runs under: the server's, narrowed by `limits`.
@@ -169,7 +170,7 @@ pub enum Checked {
 /// Who a check counts against.
 #[derive(Debug, Clone)]
 enum Subject {
-    Key(ApiKey),
+    Key(Arc<ApiKey>),
     User { project: ProjectId, user: String },
 }
 
@@ -297,7 +298,7 @@ fn checked(g: Granted, bounds: meter::Bounds) -> Checked {
 /// Runs one check for an API key (with its role, if it has one).
 pub async fn admit(
     s: &AppState,
-    key: ApiKey,
+    key: Arc<ApiKey>,
     agent: Option<String>,
     actor: Option<String>,
     storage_delta: Option<i64>,
@@ -310,7 +311,7 @@ pub async fn admit(
 /// `max_concurrent` cap: both or neither. What the tower Layer runs.
 pub async fn admit_holding(
     s: &AppState,
-    key: ApiKey,
+    key: Arc<ApiKey>,
     actor: Option<String>,
     explain: bool,
 ) -> Result<(Admission, Option<Permit>)> {
@@ -320,13 +321,18 @@ pub async fn admit_holding(
 
 /// Runs one check for an API key (with its role), taking a permit if
 /// `permit` asks for one and the key has a cap.
-async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) -> Result<(Admission, Option<Permit>)> {
+async fn admit_key(
+    s: &AppState,
+    key: Arc<ApiKey>,
+    mut ctx: Context,
+    permit: bool,
+) -> Result<(Admission, Option<Permit>)> {
     let role = match &key.role_id {
         Some(r) => s.role_by_id(r).await?,
         None => None,
     };
-    let limits = meter::role::effective_grants(&key.grants, role.as_ref());
-    ctx.permit = PermitAsk::of(s, permit, Some(&key), role.as_ref(), &limits);
+    let limits = meter::role::effective_grants(&key.grants, role.as_deref());
+    ctx.permit = PermitAsk::of(s, permit, Some(&key), role.as_deref(), &limits);
     let g = admit_subject(s, Subject::Key(key.clone()), role, ctx).await?;
     let admission = Admission {
         reservation: g.reservation,
@@ -344,7 +350,7 @@ async fn admit_key(s: &AppState, key: ApiKey, mut ctx: Context, permit: bool) ->
 /// Runs one check: one view round trip, the verdict, and the request event
 /// published in the background. A refusal is [`Error::Refused`], or
 /// [`Error::ViewUnavailable`] by the view-down policy.
-async fn admit_subject(s: &AppState, subject: Subject, role: Option<Role>, ctx: Context) -> Result<Granted> {
+async fn admit_subject(s: &AppState, subject: Subject, role: Option<Arc<Role>>, ctx: Context) -> Result<Granted> {
     let started = std::time::Instant::now();
     let result = admit_subject_timed(s, subject, role, ctx).await;
     metrics::histogram!("tollgate_check_seconds").record(started.elapsed().as_secs_f64());
@@ -360,7 +366,7 @@ async fn admit_subject(s: &AppState, subject: Subject, role: Option<Role>, ctx: 
     result
 }
 
-async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Role>, ctx: Context) -> Result<Granted> {
+async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Arc<Role>>, ctx: Context) -> Result<Granted> {
     if role.as_ref().is_some_and(|r| r.exempt) {
         metrics::counter!("tollgate_exempt_checks_total").increment(1);
         return Ok(Granted {

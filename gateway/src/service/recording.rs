@@ -318,7 +318,7 @@ mod tests {
         log.down.store(true, Ordering::SeqCst);
         let mut facts = Vec::new();
         for i in 0..2 {
-            let a = admission::admit(&s, made.key.clone(), None, None, None).await.expect("admitted");
+            let a = admission::admit(&s, Arc::new(made.key.clone()), None, None, None).await.expect("admitted");
             let fact = UsageFact {
                 api_key_id: Some(made.key.id.clone()),
                 reservation_id: Some(a.reservation),
@@ -334,7 +334,8 @@ mod tests {
             facts.push(fact);
         }
         assert_eq!(count(calls.clone()).await, 2, "both calls stay counted");
-        let e = admission::admit(&s, made.key.clone(), None, None, None).await.expect_err("the limit is reached");
+        let e =
+            admission::admit(&s, Arc::new(made.key.clone()), None, None, None).await.expect_err("the limit is reached");
         assert!(matches!(e, Error::Refused(_)), "{e:?}");
         // Let the request events' background publishes fail.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
