@@ -13,6 +13,7 @@
 #
 # What a caller uses:
 #   ensure_postgres, ensure_redis, start_tansu [dir], ensure_services [dir]
+#   start_redis_cluster     # three masters on 127.0.0.1:7001-7003 (scripts/test)
 #   services_traps          # EXIT -> services_cleanup, INT -> 130, TERM -> 143
 #   SERVICES_RC             # set it to the caller's result; cleanup exits with it
 #   services_before_cleanup # optional function the caller defines; run first
@@ -231,6 +232,13 @@ services_cleanup() {
     if [ -n "$TANSU_PID" ]; then
         stop_pid tansu "$TANSU_PID"
     fi
+    local p
+    for p in $CLUSTER_PIDS; do
+        stop_pid redis-cluster-node "$p"
+    done
+    if [ -n "$CLUSTER_DIR" ]; then
+        rm -rf "$CLUSTER_DIR"
+    fi
     if [ -n "$TANSU_DIR" ]; then
         if ! rc_is_ok "$rc"; then
             tansu_log_tail
@@ -288,6 +296,55 @@ start_tansu() {
     sleep 0.5
     kill -0 "$TANSU_PID" 2>/dev/null || { TANSU_PID=""; die "tansu exited right after start-up"; }
     log "tansu is up (pid $TANSU_PID)"
+}
+
+CLUSTER_PORTS="${TOLLGATE_TEST_CLUSTER_PORTS:-7001 7002 7003}"
+CLUSTER_PIDS=""
+CLUSTER_DIR=""
+
+node_pong() { [ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" = PONG ]; }
+
+cluster_ok() {
+    local first
+    first="${CLUSTER_PORTS%% *}"
+    redis-cli -h 127.0.0.1 -p "$first" cluster info 2>/dev/null | grep -q '^cluster_state:ok'
+}
+
+# start_redis_cluster: a Redis Cluster of three masters (no replicas, no
+# persistence) on 127.0.0.1:7001-7003, unless one answers there already;
+# stopped by services_cleanup. Exports TOLLGATE_TEST_REDIS_CLUSTER.
+start_redis_cluster() {
+    local port nodes=() url=""
+    for port in $CLUSTER_PORTS; do
+        nodes+=("127.0.0.1:$port")
+        url="${url:+$url,}127.0.0.1:$port"
+    done
+    export TOLLGATE_TEST_REDIS_CLUSTER="${TOLLGATE_TEST_REDIS_CLUSTER:-redis+cluster://$url}"
+    if cluster_ok; then
+        log "a Redis Cluster answers on ${nodes[*]}; using it"
+        return
+    fi
+    for port in $CLUSTER_PORTS; do
+        if port_open "$port"; then
+            die "127.0.0.1:$port is taken by something that is no Redis Cluster (set TOLLGATE_TEST_CLUSTER_PORTS)"
+        fi
+    done
+    CLUSTER_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tollgate-redis-cluster.XXXXXX")"
+    log "starting a Redis Cluster of three masters on ${nodes[*]} (dir $CLUSTER_DIR)"
+    for port in $CLUSTER_PORTS; do
+        redis-server --bind 127.0.0.1 --port "$port" --cluster-enabled yes \
+            --cluster-config-file "nodes-$port.conf" --cluster-node-timeout 5000 \
+            --save "" --appendonly no --dir "$CLUSTER_DIR" \
+            --logfile "$CLUSTER_DIR/redis-$port.log" </dev/null &
+        CLUSTER_PIDS="$CLUSTER_PIDS $!"
+    done
+    for port in $CLUSTER_PORTS; do
+        wait_for "cluster node 127.0.0.1:$port" "$WAIT_SECS" node_pong "$port"
+    done
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$CLUSTER_DIR/create.log" 2>&1 \
+        || { cat "$CLUSTER_DIR/create.log" >&2; die "redis-cli --cluster create failed"; }
+    wait_for "the Redis Cluster (cluster_state:ok)" "$WAIT_SECS" cluster_ok
+    log "Redis Cluster is up"
 }
 
 # ensure_services [tansu dir]: PostgreSQL, Redis and the broker.

@@ -76,7 +76,8 @@ struct Backends {
     /// Kafka bootstrap brokers, `host:port[,…]`.
     #[arg(long, env = "TOLLGATE_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     kafka_brokers: String,
-    /// Redis URL of the view.
+    /// Redis URL of the view: `redis://host:port/db`, or
+    /// `redis+cluster://host:port,host:port` for a Redis Cluster.
     #[arg(long, env = "TOLLGATE_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
     /// Prefix of every topic name (`<prefix>usage`, `<prefix>audit`, `<prefix>dlq`).

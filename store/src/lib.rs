@@ -27,6 +27,8 @@ pub mod pg;
 #[cfg(feature = "postgres")]
 pub mod pg_permits;
 #[cfg(feature = "redis")]
+pub mod redis_conn;
+#[cfg(feature = "redis")]
 pub mod redis_permits;
 #[cfg(feature = "redis")]
 pub mod redis_view;
@@ -47,6 +49,8 @@ pub use outbox::PublishOptions;
 pub use pg::PgStore;
 #[cfg(feature = "postgres")]
 pub use pg_permits::PgPermits;
+#[cfg(feature = "redis")]
+pub use redis_conn::RedisConn;
 #[cfg(feature = "redis")]
 pub use redis_permits::RedisPermits;
 #[cfg(feature = "redis")]

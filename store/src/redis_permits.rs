@@ -34,10 +34,10 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::{Claimed, Permit, PermitClaim, PermitId, Permits, Pool, PortError, PortResult};
 use redis::Script;
-use redis::aio::ConnectionManager;
 use std::sync::Arc;
 use tracing::Instrument;
 
+use crate::redis_conn::RedisConn;
 use crate::redis_view::classify;
 
 struct Scripts {
@@ -49,7 +49,7 @@ struct Scripts {
 /// Permits in Redis; cheap to clone.
 #[derive(Clone)]
 pub struct RedisPermits {
-    conn: ConnectionManager,
+    conn: RedisConn,
     /// `P{permits}:`
     base: Arc<str>,
     scripts: Arc<Scripts>,
@@ -75,7 +75,7 @@ fn token(v: i64) -> u64 {
 
 impl RedisPermits {
     /// Over a view's connection; `prefix` is the view's (no `{` or `}`).
-    pub(crate) fn new(conn: ConnectionManager, prefix: &str) -> RedisPermits {
+    pub(crate) fn new(conn: RedisConn, prefix: &str) -> RedisPermits {
         RedisPermits {
             conn,
             base: format!("{prefix}{{permits}}:").into(),

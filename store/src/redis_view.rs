@@ -83,7 +83,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -97,9 +96,10 @@ use meter::{
     CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError, PortResult,
     ProjectDump, ProjectId, ReservationId, Seed, Settlement, Totals, View,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
 use tracing::Instrument;
+
+use crate::redis_conn::{RedisConn, ScanScope};
 
 const COMMON: &str = include_str!("lua/common.lua");
 
@@ -179,7 +179,7 @@ impl Scripts {
 /// self-reconnecting connection.
 #[derive(Clone)]
 pub struct RedisView {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
 }
@@ -191,23 +191,22 @@ impl fmt::Debug for RedisView {
 }
 
 impl RedisView {
-    /// Connects to `url` (`redis://host:port/db`); every key starts with
+    /// Connects to `url` — `redis://host:port/db` for one server, or
+    /// `redis+cluster://host:port,host:port` for a Redis Cluster (any of
+    /// its nodes; see [`crate::redis_conn`]); every key starts with
     /// `prefix` (for example `tg:`), which must not contain `{` or `}` (the
     /// project's hash tag follows it).
     pub async fn connect(url: &str, prefix: &str) -> Result<RedisView, PortError> {
         if prefix.contains(['{', '}']) {
             return Err(PortError::Permanent(format!("redis key prefix {prefix:?} must not contain '{{' or '}}'")));
         }
-        let client = redis::Client::open(url).map_err(|e| PortError::Permanent(format!("redis url: {e}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(Duration::from_secs(1)))
-            .set_number_of_retries(3);
-        let conn = ConnectionManager::new_with_config(client, config)
-            .instrument(tracing::debug_span!("datastore", op = "connect"))
-            .await
-            .map_err(|e| classify("connect", &e))?;
+        let conn = RedisConn::connect(url).await?;
         Ok(RedisView { conn, prefix: prefix.into(), scripts: Arc::new(Scripts::new()) })
+    }
+
+    /// Whether this view is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.conn.is_cluster()
     }
 
     /// The permits of this Redis, over this view's connection and prefix
@@ -243,45 +242,35 @@ impl RedisView {
         let mut conn = self.conn.clone();
         let span = tracing::debug_span!("datastore", op = "forget_all");
         let pattern = format!("{}*", glob_escape(&self.prefix));
-        let mut cursor: u64 = 0;
+        let mut keys = self.conn.scan("forget_all", &pattern, ScanScope::All).await?;
+        keys.sort_unstable();
+        keys.dedup();
         let mut deleted = 0u64;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000)
+        // On a cluster the client splits an UNLINK by slot.
+        for batch in keys.chunks(1000) {
+            let n: u64 = redis::cmd("UNLINK")
+                .arg(batch)
                 .query_async(&mut conn)
                 .instrument(span.clone())
                 .await
                 .map_err(|e| classify("forget_all", &e))?;
-            if !batch.is_empty() {
-                let n: u64 = redis::cmd("UNLINK")
-                    .arg(&batch)
-                    .query_async(&mut conn)
-                    .instrument(span.clone())
-                    .await
-                    .map_err(|e| classify("forget_all", &e))?;
-                deleted = deleted.saturating_add(n);
-            }
-            if next == 0 {
-                return Ok(deleted);
-            }
-            cursor = next;
+            deleted = deleted.saturating_add(n);
         }
+        Ok(deleted)
     }
 
-    /// The `run_id` of the Redis server this view talks to now. A project's
+    /// The `run_id` of the Redis server that holds `project`'s keys now
+    /// (on a cluster, the master of the project's slot). A project's
     /// `loaded` marker holds the `run_id` of the server that seeded it: a
     /// server restarted (from a snapshot or not) or a promoted replica has
     /// another, so a marker it restored is not trusted (the scripts compare
     /// it with `INFO server` themselves, at every check and usage read).
-    pub async fn run_id(&self) -> PortResult<String> {
+    pub async fn run_id(&self, project: &ProjectId) -> PortResult<String> {
         let mut conn = self.conn.clone();
-        let info: String = redis::cmd("INFO")
-            .arg("server")
-            .query_async(&mut conn)
+        // A script naming the project's `loaded` key runs where that key lives.
+        let info: String = Script::new("return redis.call('INFO', 'server')")
+            .key(format!("{}loaded", self.base(project)))
+            .invoke_async(&mut conn)
             .instrument(tracing::debug_span!("datastore", op = "info"))
             .await
             .map_err(|e| classify("info", &e))?;
@@ -294,27 +283,8 @@ impl RedisView {
     /// Every key of one project (a `SCAN`; not atomic, never on the hot path).
     async fn project_keys(&self, project: &ProjectId) -> PortResult<Vec<String>> {
         let base = self.base(project);
-        let mut conn = self.conn.clone();
-        let span = tracing::debug_span!("datastore", op = "scan", project = %project);
-        let mut keys: Vec<String> = Vec::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}*", glob_escape(&base)))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .instrument(span.clone())
-                .await
-                .map_err(|e| classify("scan", &e))?;
-            keys.extend(batch);
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        let pattern = format!("{}*", glob_escape(&base));
+        let mut keys = self.conn.scan("scan", &pattern, ScanScope::SlotOf(&base)).await?;
         keys.sort();
         keys.dedup();
         Ok(keys)
@@ -331,7 +301,7 @@ impl RedisView {
         let mut conn = self.conn.clone();
         let span = tracing::debug_span!("datastore", op = "dump", project = %project);
         let keys = self.project_keys(project).await?;
-        let run_id = self.run_id().await?;
+        let run_id = self.run_id(project).await?;
         let bad = |key: &str, what: &str| PortError::Permanent(format!("redis dump: {key}: {what}"));
         let mut dump = ProjectDump::default();
         for key in keys {

@@ -254,6 +254,31 @@ mod redis {
     conformance!(Fresh::new());
 }
 
+/// The same on the test Redis Cluster: every permit script's keys carry
+/// the one hash tag `{permits}`.
+struct OnCluster {
+    permits: Arc<dyn Permits>,
+    _keys: testkit::RedisPrefix,
+}
+
+impl OnCluster {
+    async fn new() -> Option<OnCluster> {
+        if !testkit::available(&[testkit::Service::RedisCluster]) {
+            return None;
+        }
+        let keys = testkit::RedisPrefix::on_cluster("tgpermit");
+        let view = RedisView::connect(&keys.url, &keys.prefix).await.expect("connect to the test Redis Cluster");
+        assert!(view.is_cluster());
+        Some(OnCluster { permits: Arc::new(view.permits()), _keys: keys })
+    }
+}
+
+mod redis_cluster {
+    use super::*;
+
+    conformance!(OnCluster::new());
+}
+
 /// Permits in a fresh, migrated PostgreSQL database (dropped on drop).
 struct PgDb {
     permits: Arc<dyn Permits>,

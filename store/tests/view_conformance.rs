@@ -954,6 +954,93 @@ mod redis {
     }
 }
 
+// ---------------------------------------------------------------- Redis Cluster
+
+/// A view on the test Redis Cluster (three masters) with a prefix of its
+/// own: every suite, and exact admission under concurrent checks, holds
+/// there as on one server, each project's keys living on the master of its
+/// hash tag's slot.
+struct OnCluster {
+    view: RedisView,
+    _keys: testkit::RedisPrefix,
+}
+
+impl OnCluster {
+    async fn new() -> Option<OnCluster> {
+        if !testkit::available(&[testkit::Service::RedisCluster]) {
+            return None;
+        }
+        let keys = testkit::RedisPrefix::on_cluster("tgtest");
+        let view = RedisView::connect(&keys.url, &keys.prefix).await.expect("connect to the test Redis Cluster");
+        assert!(view.is_cluster(), "{} names a cluster", keys.url);
+        Some(OnCluster { view, _keys: keys })
+    }
+
+    async fn cleanup(self) {}
+}
+
+/// How many keys under the prefix each node of the cluster URL holds.
+async fn keys_per_node(keys: &testkit::RedisPrefix) -> Vec<usize> {
+    let nodes = keys.url.strip_prefix("redis+cluster://").expect("a cluster url");
+    let mut out = Vec::new();
+    for node in nodes.split(',') {
+        let client = ::redis::Client::open(format!("redis://{}", node.trim())).expect("node url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("node connection");
+        let mut cursor = 0u64;
+        let mut n = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = ::redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}*", keys.prefix))
+                .query_async(&mut conn)
+                .await
+                .expect("scan");
+            n += batch.len();
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        out.push(n);
+    }
+    out
+}
+
+mod redis_cluster {
+    use super::*;
+
+    conformance!(OnCluster::new());
+
+    /// Projects spread over the masters; `forget_all` finds every key on
+    /// every master, and a dump reads the marker of the project's own master.
+    #[tokio::test]
+    async fn projects_spread_over_the_masters_and_forget_all_reaches_each() {
+        let Some(fixture) = OnCluster::new().await else { return };
+        let view = &fixture.view;
+        let at = Utc::now();
+        let mut projects = Vec::new();
+        for _ in 0..12 {
+            let p = seeded(view, &[]).await;
+            assert!(view.dump(&p).await.expect("dump").loaded, "a seeded project reads as loaded");
+            projects.push(p);
+        }
+        for p in &projects {
+            let c = project_counter(at);
+            assert_eq!(usage(view, p, &c, at).await.durable, Totals::default());
+        }
+        let before = keys_per_node(&fixture._keys).await;
+        assert!(before.iter().filter(|n| **n > 0).count() >= 2, "the projects' keys on one master only: {before:?}");
+        let deleted = view.forget_all().await.expect("forget_all");
+        assert!(deleted >= 12, "one marker per project at least, deleted {deleted}");
+        assert_eq!(keys_per_node(&fixture._keys).await.iter().sum::<usize>(), 0, "a key left on some master");
+        for p in &projects {
+            assert!(!view.dump(p).await.expect("dump").loaded, "forgotten everywhere");
+        }
+        fixture.cleanup().await;
+    }
+}
+
 // ---------------------------------------------------------------- memory
 
 /// A fresh in-memory view.

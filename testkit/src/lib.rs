@@ -40,6 +40,9 @@ pub mod env {
     pub const DATABASE_URL: &str = "TOLLGATE_TEST_DATABASE_URL";
     /// A Redis URL; tests use key prefixes of their own on it.
     pub const REDIS_URL: &str = "TOLLGATE_TEST_REDIS_URL";
+    /// A Redis Cluster, `redis+cluster://host:port,host:port,…` (scripts/test
+    /// starts three masters on 127.0.0.1:7001-7003).
+    pub const REDIS_CLUSTER_URL: &str = "TOLLGATE_TEST_REDIS_CLUSTER";
     /// Set (to anything) to make a missing service a failure, not a skip.
     pub const REQUIRE_SERVICES: &str = "TOLLGATE_REQUIRE_SERVICES";
     /// Set to show the logs of the processes and code under test.
@@ -53,6 +56,10 @@ pub mod env {
     }
     pub fn redis_url() -> String {
         std::env::var(REDIS_URL).unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+    pub fn redis_cluster_url() -> String {
+        std::env::var(REDIS_CLUSTER_URL)
+            .unwrap_or_else(|_| "redis+cluster://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003".into())
     }
     pub fn services_required() -> bool {
         std::env::var_os(REQUIRE_SERVICES).is_some()
@@ -68,6 +75,7 @@ pub enum Service {
     Postgres,
     Redis,
     Kafka,
+    RedisCluster,
 }
 
 impl Service {
@@ -76,6 +84,7 @@ impl Service {
             Service::Postgres => "PostgreSQL",
             Service::Redis => "Redis",
             Service::Kafka => "the Kafka broker",
+            Service::RedisCluster => "the Redis Cluster",
         }
     }
 
@@ -85,13 +94,18 @@ impl Service {
             Service::Postgres => host_port(&env::database_url(), 5432),
             Service::Redis => host_port(&env::redis_url(), 6379),
             Service::Kafka => env::kafka().split(',').next().unwrap_or_default().to_owned(),
+            Service::RedisCluster => {
+                let url = env::redis_cluster_url();
+                let nodes = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
+                nodes.split(',').next().unwrap_or_default().trim().trim_end_matches('/').to_owned()
+            }
         }
     }
 
     /// Whether something accepts connections at its address (asked once per
     /// process: the answer does not change during a test run).
     fn answers(self) -> bool {
-        static ANSWERS: [OnceLock<bool>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+        static ANSWERS: [OnceLock<bool>; 4] = [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
         *ANSWERS[self as usize].get_or_init(|| reachable(&self.address()))
     }
 }
@@ -237,6 +251,11 @@ impl RedisPrefix {
         RedisPrefix { url: env::redis_url(), prefix: format!("{tag}:{}:", unique_id()) }
     }
 
+    /// A prefix of its own on the test Redis Cluster ([`env::redis_cluster_url`]).
+    pub fn on_cluster(tag: &str) -> RedisPrefix {
+        RedisPrefix { url: env::redis_cluster_url(), prefix: format!("{tag}:{}:", unique_id()) }
+    }
+
     /// Deletes every key under the prefix now.
     pub async fn clear(&self) {
         clear_prefix(&self.url, &self.prefix).await;
@@ -251,6 +270,17 @@ impl Drop for RedisPrefix {
 }
 
 async fn clear_prefix(url: &str, prefix: &str) {
+    if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+        // Every master's keys under the prefix (a cluster node answers for its own).
+        for node in nodes.split(',').map(|n| n.trim().trim_end_matches('/')).filter(|n| !n.is_empty()) {
+            clear_node(&format!("redis://{node}"), prefix, true).await;
+        }
+        return;
+    }
+    clear_node(url, prefix, false).await;
+}
+
+async fn clear_node(url: &str, prefix: &str, cluster: bool) {
     let Ok(client) = redis::Client::open(url) else { return };
     let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return };
     let pattern = format!("{prefix}*");
@@ -265,7 +295,12 @@ async fn clear_prefix(url: &str, prefix: &str) {
             .query_async(&mut conn)
             .await;
         let Ok((next, keys)) = r else { return };
-        if !keys.is_empty() {
+        if cluster {
+            // A cluster node refuses a command over keys of several slots.
+            for key in &keys {
+                let _: redis::RedisResult<()> = redis::cmd("UNLINK").arg(key).query_async(&mut conn).await;
+            }
+        } else if !keys.is_empty() {
             let _: redis::RedisResult<()> = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await;
         }
         if next == 0 {
