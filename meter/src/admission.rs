@@ -248,12 +248,17 @@ impl Watched {
 
     /// Whether a check (or a key's detail) can read this counter.
     pub fn covers(&self, key: &CounterKey) -> bool {
-        let own = matches!(key.window, WindowKind::Day | WindowKind::CalendarMonth);
-        match &key.dimension {
+        self.covers_parts(&key.dimension, key.window)
+    }
+
+    /// [`Watched::covers`] of a counter given by its dimension and window.
+    pub fn covers_parts(&self, dimension: &Dimension, window: WindowKind) -> bool {
+        let own = matches!(window, WindowKind::Day | WindowKind::CalendarMonth);
+        match dimension {
             Dimension::ApiKey(_) | Dimension::User(_) if own => true,
-            Dimension::AllApiKeys => self.all_keys.contains(&key.window),
-            Dimension::Actor(_) if self.any_actor.contains(&key.window) => true,
-            d => self.exact.contains(&(d.clone(), key.window)),
+            Dimension::AllApiKeys => self.all_keys.contains(&window),
+            Dimension::Actor(_) if self.any_actor.contains(&window) => true,
+            d => self.exact.contains(&(d.clone(), window)),
         }
     }
 }

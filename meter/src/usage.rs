@@ -709,17 +709,38 @@ pub fn dimensions_of(fact: &UsageFact) -> Vec<Dimension> {
 /// footprint for storage facts), with what it adds there. Empty when the
 /// fact adds nothing.
 pub fn counters_for(fact: &UsageFact, tz: Tz, book: &PriceBook) -> Vec<(Counter, Totals)> {
+    counters_where(fact, tz, book, |_, _| true)
+}
+
+/// [`counters_for`], only the counters `keep` accepts by dimension and
+/// window: the others are never built, and a window no kept counter needs is
+/// never computed (what a settle on the hot path wants, where a check reads
+/// a few of the counters a fact lands in).
+pub fn counters_where(
+    fact: &UsageFact,
+    tz: Tz,
+    book: &PriceBook,
+    keep: impl Fn(&Dimension, WindowKind) -> bool,
+) -> Vec<(Counter, Totals)> {
     let delta = delta_of(fact, book);
     if delta.is_zero() {
         return Vec::new();
     }
     if matches!(fact.kind, EventKind::StorageDelta | EventKind::StorageSnapshot) {
-        return vec![(Counter { key: CounterKey::footprint(), resets_at: None }, delta)];
+        let key = CounterKey::footprint();
+        return match keep(&key.dimension, key.window) {
+            true => vec![(Counter { key, resets_at: None }, delta)],
+            false => Vec::new(),
+        };
     }
-    let windows: Vec<_> = WindowKind::FLOW.iter().map(|w| window_at(*w, tz, fact.occurred_at)).collect();
+    let mut windows: [Option<_>; WindowKind::FLOW.len()] = std::array::from_fn(|_| None);
     let mut out = Vec::new();
     for dimension in dimensions_of(fact) {
-        for w in &windows {
+        for (kind, window) in WindowKind::FLOW.into_iter().zip(windows.iter_mut()) {
+            if !keep(&dimension, kind) {
+                continue;
+            }
+            let w = window.get_or_insert_with(|| window_at(kind, tz, fact.occurred_at));
             out.push((
                 Counter {
                     key: CounterKey { dimension: dimension.clone(), window: w.kind, window_key: w.key.clone() },
@@ -845,6 +866,32 @@ mod tests {
         assert!(counters_for(&user_check, Tz::UTC, &PriceBook::default()).is_empty());
         let reported = UsageFact { api_key_id: None, ..fact(EventKind::Request, Outcome::Success, 0) };
         assert_eq!(delta_of(&reported, &PriceBook::default()).requests, 1);
+    }
+
+    /// The hot path's filtered counters are exactly the full list filtered,
+    /// in the same order, for any choice of dimensions and windows.
+    #[test]
+    fn counters_where_is_counters_for_filtered() {
+        let book = PriceBook::default();
+        let tz: Tz = "America/New_York".parse().expect("zone");
+        for kind in [EventKind::Call, EventKind::Request, EventKind::StorageDelta] {
+            let f = UsageFact { storage_bytes: Some(5), ..fact(kind, Outcome::Success, 3) };
+            let all = counters_for(&f, tz, &book);
+            for mask in 0u32..64 {
+                let keep = |d: &Dimension, w: WindowKind| {
+                    let dim = match d {
+                        Dimension::Project => 0,
+                        Dimension::AllApiKeys => 1,
+                        _ => 2,
+                    };
+                    let win = WindowKind::FLOW.iter().position(|k| *k == w).unwrap_or(5);
+                    mask & (1 << dim) != 0 && (mask >> 3) & (1 << (win % 3)) != 0
+                };
+                let expected: Vec<_> =
+                    all.iter().filter(|(c, _)| keep(&c.key.dimension, c.key.window)).cloned().collect();
+                assert_eq!(counters_where(&f, tz, &book, keep), expected, "{kind:?} mask {mask:#b}");
+            }
+        }
     }
 
     #[test]

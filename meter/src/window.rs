@@ -85,7 +85,47 @@ impl Window {
 }
 
 /// The window of `kind` that contains `at`; calendar kinds use `tz`.
+///
+/// A calendar window (`day`, `calendar_month`) is found in the time zone
+/// database, which costs microseconds; every check and settle asks for the
+/// same few, so the last ones found are kept per thread and given again
+/// while `at` falls inside them (`start <= at < resets_at`: the window that
+/// contains an instant is unique, so the answer is the same).
 pub fn window_at(kind: WindowKind, tz: Tz, at: DateTime<Utc>) -> Window {
+    if !matches!(kind, WindowKind::Day | WindowKind::CalendarMonth) {
+        return compute_window(kind, tz, at);
+    }
+    RECENT.with(|recent| {
+        let Ok(mut recent) = recent.try_borrow_mut() else { return compute_window(kind, tz, at) };
+        let found = recent
+            .iter()
+            .find(|(k, z, w)| *k == kind && *z == tz && w.start <= at && w.resets_at.is_some_and(|r| at < r));
+        if let Some((_, _, w)) = found {
+            return w.clone();
+        }
+        let w = compute_window(kind, tz, at);
+        match recent.iter_mut().find(|(k, z, _)| *k == kind && *z == tz) {
+            Some(slot) => slot.2 = w.clone(),
+            None => {
+                if recent.len() >= RECENT_WINDOWS {
+                    recent.remove(0);
+                }
+                recent.push((kind, tz, w.clone()));
+            }
+        }
+        w
+    })
+}
+
+/// How many calendar windows (one per kind and zone) a thread keeps.
+const RECENT_WINDOWS: usize = 16;
+
+thread_local! {
+    static RECENT: std::cell::RefCell<Vec<(WindowKind, Tz, Window)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`window_at`] computed afresh.
+fn compute_window(kind: WindowKind, tz: Tz, at: DateTime<Utc>) -> Window {
     match kind {
         WindowKind::Rolling1m => fixed(kind, at, 60),
         WindowKind::Rolling1h => fixed(kind, at, 3600),
@@ -179,6 +219,26 @@ mod tests {
         let w = window_at(WindowKind::Rolling24h, Tz::UTC, at);
         assert_eq!(w.key, "2026-07-07T00:00Z");
         assert_eq!(w.resets_at, Some(utc("2026-07-08T00:00:00Z")));
+    }
+
+    proptest::proptest! {
+        /// The windows kept per thread are the windows computed afresh,
+        /// whatever the order of the instants asked about (back and forth
+        /// across days, months and daylight-saving changes, in zones with
+        /// odd offsets and midnights that do not exist).
+        #[test]
+        fn kept_calendar_windows_are_the_computed_ones(
+            steps in proptest::collection::vec((0usize..5, -90_000_000i64..90_000_000, proptest::bool::ANY), 1..60)
+        ) {
+            let zones = [Tz::UTC, chrono_tz::America::Sao_Paulo, chrono_tz::Asia::Kathmandu,
+                chrono_tz::America::Havana, chrono_tz::Australia::Lord_Howe];
+            let base = utc("2026-03-08T06:59:59Z").timestamp();
+            for (z, offset, month) in steps {
+                let at = DateTime::<Utc>::from_timestamp(base + offset, 0).expect("instant");
+                let kind = if month { WindowKind::CalendarMonth } else { WindowKind::Day };
+                proptest::prop_assert_eq!(window_at(kind, zones[z], at), compute_window(kind, zones[z], at));
+            }
+        }
     }
 
     #[test]

@@ -152,24 +152,22 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
         let Some(cfg) = s.project_config(&f.project_id).await? else {
             return Err(Error::invalid("project_id", format!("project {} does not exist", f.project_id)));
         };
-        let counters = meter::usage::counters_for(f, cfg.project.timezone, &book);
+        // Only where a check can read it; the fold brings every counter's
+        // durable total (meter::Watched says why).
+        let counters =
+            meter::usage::counters_where(f, cfg.project.timezone, &book, |d, w| cfg.watched.covers_parts(d, w));
         if f.kind == EventKind::Tokens {
             let rows = meter::usage::priced(f, &book).unpriced_rows;
             if !rows.is_empty() {
                 let out = unpriced.entry(f.project_id.clone()).or_default();
                 // A refusal and an exception read them on a quota's counter;
                 // the fold records them on every counter.
-                for (c, _) in counters.iter().filter(|(c, _)| cfg.watched.covers(&c.key)) {
+                for (c, _) in &counters {
                     out.extend(rows.iter().map(|k| UnpricedRow { counter: c.clone(), key: k.clone() }));
                 }
             }
         }
-        // Only where a check can read it; the fold brings every counter's
-        // durable total (meter::Watched says why).
-        let deltas = counters
-            .into_iter()
-            .filter(|(c, _)| c.resets_at.is_none_or(|r| r > now) && cfg.watched.covers(&c.key))
-            .collect();
+        let deltas = counters.into_iter().filter(|(c, _)| c.resets_at.is_none_or(|r| r > now)).collect();
         by_project.entry(f.project_id.clone()).or_default().push(Settlement {
             event: f.id.clone(),
             reservation: f.reservation_id.clone(),
