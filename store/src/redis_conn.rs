@@ -242,9 +242,9 @@ mod tests {
 
     #[test]
     fn a_cluster_url_names_its_nodes() {
-        assert_eq!(cluster_nodes("redis://127.0.0.1:6379/0").unwrap(), None);
+        assert_eq!(cluster_nodes("redis://127.0.0.1:6379/0").expect("a url"), None);
         assert_eq!(
-            cluster_nodes("redis+cluster://127.0.0.1:7001, 127.0.0.1:7002/").unwrap(),
+            cluster_nodes("redis+cluster://127.0.0.1:7001, 127.0.0.1:7002/").expect("a url"),
             Some(vec!["redis://127.0.0.1:7001".to_owned(), "redis://127.0.0.1:7002".to_owned()])
         );
         assert!(cluster_nodes("redis+cluster://").is_err());
@@ -260,7 +260,7 @@ c3 127.0.0.1:7003@17003 master,fail - 0 1 3 connected 10923-16383
 d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
 e5 127.0.0.1:7005@17005 master - 0 1 5 connected
 ";
-        assert_eq!(parse_masters(text).unwrap(), vec![("127.0.0.1".to_owned(), 7001), ("127.0.0.1".to_owned(), 7002)]);
+        assert_eq!(parse_masters(text).expect("readable"), vec![("127.0.0.1".to_owned(), 7001), ("127.0.0.1".to_owned(), 7002)]);
         assert!(parse_masters("x").is_err());
     }
 }
