@@ -351,7 +351,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
             if r { ok += 1 } else { bad += 1 }
         }
         let secs = start.elapsed().as_secs_f64();
-        Rate { per_sec: ok as f64 / secs, done: ok, errors: bad, secs }
+        Rate { per_sec: ok as f64 / secs, done: ok, errors: bad, secs, cpu_secs: None }
     };
     eprintln!("hot_path: raw producer, {EVENTS_N} records in batches of {EVENTS_BATCH} from {EVENTS_CLIENTS} tasks");
     let raw_batched = {
@@ -555,7 +555,7 @@ async fn raw_consume(kafka: &KafkaConfig) -> AnyResult<(u64, Rate)> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    Ok((total, Rate { per_sec: read as f64 / secs, done: read, errors: total - read, secs }))
+    Ok((total, Rate { per_sec: read as f64 / secs, done: read, errors: total - read, secs, cpu_secs: None }))
 }
 
 /// Replays the usage topic from offset 0 through the projector into the
@@ -598,7 +598,7 @@ async fn replay_log(
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let after = commits().await?;
     Ok((
-        Rate { per_sec: read as f64 / secs, done: read, errors: total.saturating_sub(read), secs },
+        Rate { per_sec: read as f64 / secs, done: read, errors: total.saturating_sub(read), secs, cpu_secs: None },
         after - before,
         folded,
     ))
@@ -699,7 +699,7 @@ where
     }
     let secs = start.elapsed().as_secs_f64();
     let done = ok.load(Ordering::Relaxed);
-    Rate { per_sec: done as f64 / secs, done, errors: EVENTS_N as u64 - done, secs }
+    Rate { per_sec: done as f64 / secs, done, errors: EVENTS_N as u64 - done, secs, cpu_secs: None }
 }
 
 fn lat_row(name: &str, what: &str, l: &Latency) -> String {
@@ -783,6 +783,20 @@ fn report(r: &Results) -> String {
         r.hello_rate.per_sec,
         verdict(tput >= 0.35)
     ));
+    // The process holds the clients, the gateway and the producer; the
+    // broker, Redis and PostgreSQL are processes of their own.
+    match (r.check_rate.cpu_us_per_op(), r.hello_rate.cpu_us_per_op()) {
+        (Some(check), Some(hello)) if hello > 0.0 => {
+            let ratio = check / hello;
+            s.push_str(&format!(
+                "| process CPU per check ≤ 3 × hello-world's per request (issue 14; clients in both) | {ratio:.2} ({check:.0} / {hello:.0} µs user + system) | 3 | {} |\n",
+                verdict(ratio <= 3.0)
+            ));
+        }
+        _ => s.push_str(
+            "| process CPU per check ≤ 3 × hello-world's per request | not measured (no /proc/self/stat) | 3 | - |\n",
+        ),
+    }
     let publish = r.events.per_sec / r.raw_pipelined.per_sec;
     s.push_str(&format!(
         "| publish (`/v1/events`) ≥ 0.5 × raw producer | {publish:.3} ({:.0} / {:.0} per s) | 0.5 | {} |\n",

@@ -278,8 +278,13 @@ async fn run() -> AnyResult<()> {
     }
     let secs = start.elapsed().as_secs_f64();
     let done = (inbox.count("webhook.test") - before) as u64;
-    let notify_rate =
-        Rate { per_sec: done as f64 / secs, done, errors: (DELIVERIES as u64).saturating_sub(done), secs };
+    let notify_rate = Rate {
+        per_sec: done as f64 / secs,
+        done,
+        errors: (DELIVERIES as u64).saturating_sub(done),
+        secs,
+        cpu_secs: None,
+    };
 
     let _ = stop.send(true);
     fold.await??;

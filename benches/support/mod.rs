@@ -69,6 +69,29 @@ pub struct Rate {
     pub done: u64,
     pub errors: u64,
     pub secs: f64,
+    /// The benchmark process's CPU time (user + system) over the run, when
+    /// measured: everything in the process, the clients included.
+    pub cpu_secs: Option<f64>,
+}
+
+impl Rate {
+    /// Process CPU per completed operation, in µs.
+    pub fn cpu_us_per_op(&self) -> Option<f64> {
+        let cpu = self.cpu_secs?;
+        (self.done > 0).then(|| cpu * 1e6 / self.done as f64)
+    }
+}
+
+/// This process's CPU time so far (user + system), from `/proc/self/stat`
+/// (fields 14 and 15, in the kernel's fixed 100 ticks a second).
+pub fn process_cpu_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; the fields after it don't.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    // utime and stime are fields 14 and 15: indexes 11 and 12 from field 3 on.
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
 }
 
 /// Runs `op` `n` times in sequence (after `warmup` untimed runs).
@@ -101,6 +124,7 @@ where
 {
     let ok = Arc::new(AtomicU64::new(0));
     let bad = Arc::new(AtomicU64::new(0));
+    let cpu_before = process_cpu_secs();
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::with_capacity(clients);
@@ -121,7 +145,8 @@ where
     }
     let elapsed = start.elapsed().as_secs_f64();
     let done = ok.load(Ordering::Relaxed);
-    Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed }
+    let cpu_secs = cpu_before.zip(process_cpu_secs()).map(|(a, b)| b - a);
+    Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed, cpu_secs }
 }
 
 /// The 1, 5 and 15 minute load averages (Linux), to judge how quiet the machine was.

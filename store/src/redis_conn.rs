@@ -260,7 +260,10 @@ c3 127.0.0.1:7003@17003 master,fail - 0 1 3 connected 10923-16383
 d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
 e5 127.0.0.1:7005@17005 master - 0 1 5 connected
 ";
-        assert_eq!(parse_masters(text).expect("readable"), vec![("127.0.0.1".to_owned(), 7001), ("127.0.0.1".to_owned(), 7002)]);
+        assert_eq!(
+            parse_masters(text).expect("readable"),
+            vec![("127.0.0.1".to_owned(), 7001), ("127.0.0.1".to_owned(), 7002)]
+        );
         assert!(parse_masters("x").is_err());
     }
 }
