@@ -93,58 +93,59 @@ impl RedisConn {
     /// per master; not atomic, never on the hot path). A key may appear
     /// twice (a `SCAN` may repeat one); callers dedup when it matters.
     pub(crate) async fn scan(&self, op: &'static str, pattern: &str, scope: ScanScope<'_>) -> PortResult<Vec<String>> {
-        let span = tracing::debug_span!("datastore", op);
         let mut keys = Vec::new();
-        match self {
-            RedisConn::Single(c) => {
-                let mut c = c.clone();
-                let mut cursor: u64 = 0;
-                loop {
-                    let (next, batch): (u64, Vec<String>) = scan_cmd(cursor, pattern)
-                        .query_async(&mut c)
-                        .instrument(span.clone())
-                        .await
-                        .map_err(|e| classify(op, &e))?;
-                    keys.extend(batch);
-                    if next == 0 {
-                        return Ok(keys);
-                    }
-                    cursor = next;
-                }
+        self.scan_each(op, pattern, scope, async |batch| {
+            keys.extend(batch);
+            Ok(())
+        })
+        .await?;
+        Ok(keys)
+    }
+
+    /// [`RedisConn::scan`], handing each batch to `each` as it comes, so
+    /// that nothing holds every key at once. Keys may be deleted meanwhile:
+    /// a `SCAN` still returns every key that stays throughout.
+    pub(crate) async fn scan_each(
+        &self,
+        op: &'static str,
+        pattern: &str,
+        scope: ScanScope<'_>,
+        mut each: impl AsyncFnMut(Vec<String>) -> PortResult<()>,
+    ) -> PortResult<()> {
+        let span = tracing::debug_span!("datastore", op);
+        // One server: one pass, no routing. A cluster: one pass per master.
+        let routes: Vec<Option<SingleNodeRoutingInfo>> = match (self, scope) {
+            (RedisConn::Single(_), _) => vec![None],
+            (RedisConn::Cluster(_), ScanScope::SlotOf(key)) => {
+                vec![Some(SingleNodeRoutingInfo::SpecificNode(Route::with_key(key, SlotAddr::Master)))]
             }
-            RedisConn::Cluster(c) => {
-                let mut c = c.clone();
-                let routes = match scope {
-                    ScanScope::SlotOf(key) => {
-                        vec![SingleNodeRoutingInfo::SpecificNode(Route::with_key(key, SlotAddr::Master))]
+            (RedisConn::Cluster(c), ScanScope::All) => masters(&mut c.clone())
+                .instrument(span.clone())
+                .await?
+                .into_iter()
+                .map(|(host, port)| Some(SingleNodeRoutingInfo::ByAddress { host, port }))
+                .collect(),
+        };
+        for route in routes {
+            let mut cursor: u64 = 0;
+            loop {
+                let answer = match (self, &route) {
+                    (RedisConn::Cluster(c), Some(r)) => {
+                        c.clone().route_command(scan_cmd(cursor, pattern), RoutingInfo::SingleNode(r.clone())).await
                     }
-                    ScanScope::All => masters(&mut c)
-                        .instrument(span.clone())
-                        .await?
-                        .into_iter()
-                        .map(|(host, port)| SingleNodeRoutingInfo::ByAddress { host, port })
-                        .collect(),
+                    _ => scan_cmd(cursor, pattern).query_async::<Value>(&mut self.clone()).await,
                 };
-                for route in routes {
-                    let mut cursor: u64 = 0;
-                    loop {
-                        let v = c
-                            .route_command(scan_cmd(cursor, pattern), RoutingInfo::SingleNode(route.clone()))
-                            .instrument(span.clone())
-                            .await
-                            .map_err(|e| classify(op, &e))?;
-                        let (next, batch): (u64, Vec<String>) = redis::from_redis_value(v)
-                            .map_err(|e| PortError::Permanent(format!("redis {op}: SCAN answered {e}")))?;
-                        keys.extend(batch);
-                        if next == 0 {
-                            break;
-                        }
-                        cursor = next;
-                    }
+                let v = answer.map_err(|e| classify(op, &e))?;
+                let (next, batch): (u64, Vec<String>) = redis::from_redis_value(v)
+                    .map_err(|e| PortError::Permanent(format!("redis {op}: SCAN answered {e}")))?;
+                each(batch).instrument(span.clone()).await?;
+                if next == 0 {
+                    break;
                 }
-                Ok(keys)
+                cursor = next;
             }
         }
+        Ok(())
     }
 }
 

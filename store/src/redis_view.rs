@@ -242,20 +242,24 @@ impl RedisView {
         let mut conn = self.conn.clone();
         let span = tracing::debug_span!("datastore", op = "forget_all");
         let pattern = format!("{}*", glob_escape(&self.prefix));
-        let mut keys = self.conn.scan("forget_all", &pattern, ScanScope::All).await?;
-        keys.sort_unstable();
-        keys.dedup();
         let mut deleted = 0u64;
-        // On a cluster the client splits an UNLINK by slot.
-        for batch in keys.chunks(1000) {
-            let n: u64 = redis::cmd("UNLINK")
-                .arg(batch)
-                .query_async(&mut conn)
-                .instrument(span.clone())
-                .await
-                .map_err(|e| classify("forget_all", &e))?;
-            deleted = deleted.saturating_add(n);
-        }
+        // Batch by batch, as the SCAN gives them; on a cluster the client
+        // splits an UNLINK by slot.
+        self.conn
+            .scan_each("forget_all", &pattern, ScanScope::All, async |batch| {
+                if batch.is_empty() {
+                    return Ok(());
+                }
+                let n: u64 = redis::cmd("UNLINK")
+                    .arg(&batch)
+                    .query_async(&mut conn)
+                    .instrument(span.clone())
+                    .await
+                    .map_err(|e| classify("forget_all", &e))?;
+                deleted = deleted.saturating_add(n);
+                Ok(())
+            })
+            .await?;
         Ok(deleted)
     }
 
