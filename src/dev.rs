@@ -144,6 +144,7 @@ fn print_banner(url: &str, admin: &str, gateway: &str, dir: &Path, demo: Option<
     println!("tollgate dev — gateway, projector and notifier in one process, state in {}", dir.display());
     println!();
     println!("  URL            {url}");
+    println!("  console        {url}/console  (sign in with the admin token)");
     println!("  admin token    {admin}");
     println!("  gateway token  {gateway}");
     if let Some((project, key, secret)) = demo {

@@ -3,7 +3,8 @@
 //! The hot path (`/v1/check`, `/v1/events`), the admin API (projects, API
 //! keys, roles, quotas one by one or a project's whole set declaratively,
 //! the audit log, prices and exceptions, usage reports by model, actor,
-//! agent or key), `/healthz` and `/openapi.json`; and the tower
+//! agent or key), `/healthz` and `/openapi.json`; the web [`console`] at
+//! `/console`; and the tower
 //! [`TollgateLayer`] that gives a Rust service the same admission and
 //! metering in-process.
 //!
@@ -15,6 +16,7 @@
 //! themselves are `meter`'s.
 
 pub mod auth;
+pub mod console;
 pub mod dto;
 #[cfg(feature = "embedded")]
 pub mod embedded;

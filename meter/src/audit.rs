@@ -7,7 +7,7 @@
 //! window**. The "once" is the entry's [`AuditEntry::once_key`], unique in
 //! the store, so any number of gateways racing on the same breach write one
 //! entry. Admin changes to quotas (`quotas:CreateQuota`, `quotas:UpdateQuota`,
-//! `quotas:DeleteQuota`), keys (`keys:CreateApiKey`, `keys:DeleteApiKey`),
+//! `quotas:DeleteQuota`), keys (`keys:CreateApiKey`, `keys:UpdateApiKey`, `keys:DeleteApiKey`),
 //! roles (`roles:CreateRole`), webhook endpoints
 //! (`webhooks:CreateEndpoint`, `webhooks:UpdateEndpoint`,
 //! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`) and the price book
@@ -84,6 +84,8 @@ pub enum AuditAction {
     CreateApiKey,
     /// An API key deleted.
     DeleteApiKey,
+    /// An API key's grants or role changed (the console's grant form).
+    UpdateApiKey,
     /// A role created.
     CreateRole,
     /// A webhook endpoint subscribed.
@@ -109,7 +111,7 @@ pub enum AuditAction {
 }
 
 impl AuditAction {
-    pub const ALL: [AuditAction; 18] = [
+    pub const ALL: [AuditAction; 19] = [
         AuditAction::MonitorBreach,
         AuditAction::CreateQuota,
         AuditAction::UpdateQuota,
@@ -128,6 +130,7 @@ impl AuditAction {
         AuditAction::CreateExportSchedule,
         AuditAction::UpdateExportSchedule,
         AuditAction::DeleteExportSchedule,
+        AuditAction::UpdateApiKey,
     ];
 
     /// The IAM-style action string.
@@ -141,6 +144,7 @@ impl AuditAction {
             AuditAction::WebhookEndpointDisabled => "webhook.endpoint_disabled",
             AuditAction::CreateApiKey => "keys:CreateApiKey",
             AuditAction::DeleteApiKey => "keys:DeleteApiKey",
+            AuditAction::UpdateApiKey => "keys:UpdateApiKey",
             AuditAction::CreateRole => "roles:CreateRole",
             AuditAction::CreateWebhook => "webhooks:CreateEndpoint",
             AuditAction::UpdateWebhook => "webhooks:UpdateEndpoint",
@@ -198,7 +202,8 @@ pub enum AuditDetail {
     },
     /// A webhook endpoint disabled by delivery.
     WebhookEndpointDisabled { url: String, reason: String },
-    /// An API key created (`before` null) or deleted (`after` null). Its
+    /// An API key created (`before` null), changed (its grants or role), or
+    /// deleted (`after` null). Its
     /// secret is never in it, only the prefix the key is shown by.
     ApiKeyChange { before: Option<KeyView>, after: Option<KeyView> },
     /// A role created.

@@ -58,8 +58,16 @@ pub trait TenantStore: Send + Sync {
     /// reads back, and quotas naming it go inert. False if there was no
     /// live key with this id (and `audit` is not written).
     async fn delete_api_key(&self, id: &ApiKeyId, at: DateTime<Utc>, audit: &[AuditEntry]) -> PortResult<bool>;
+    /// A project's live keys, by id.
+    async fn api_keys(&self, project: &ProjectId) -> PortResult<Vec<ApiKey>>;
+    /// Replaces a live key's grants and role with `key`'s (its other fields
+    /// are not written) and writes `audit`, in one transaction. False if
+    /// there was no live key with its id (and `audit` is not written).
+    async fn update_api_key(&self, key: &ApiKey, audit: &[AuditEntry]) -> PortResult<bool>;
     async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()>;
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>>;
+    /// A project's roles, by id.
+    async fn roles(&self, project: &ProjectId) -> PortResult<Vec<Role>>;
 }
 
 /// Quotas. Every change goes through a [`QuotaPlan`], with its audit entries.

@@ -46,6 +46,7 @@ macro_rules! conformance {
             audit_entries_page_by_cursor_in_id_order,
             the_audit_outbox_is_folded_into_the_log_once_per_entry,
             a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all,
+            a_projects_keys_and_roles_are_listed_and_a_keys_grants_change_with_their_entry,
             a_monitor_breach_is_written_once_per_quota_and_window,
             apply_quotas_carries_out_a_plan_with_its_audit_entries,
             a_failing_plan_changes_nothing,
@@ -887,6 +888,65 @@ pub async fn a_key_or_role_change_writes_its_audit_entry_with_it_or_not_at_all(s
         vec![created, deleted, role_made],
         "one entry per change made, in order"
     );
+}
+
+/// A project's live keys and its roles are listed by id (not another
+/// project's, not a deleted key); a key's grants and role change with their
+/// audit entry, or, for a key that is not live, not at all.
+pub async fn a_projects_keys_and_roles_are_listed_and_a_keys_grants_change_with_their_entry(s: &dyn Store) {
+    s.create_project(&project("proj_1", Tz::UTC)).await.expect("create project");
+    s.create_project(&project("proj_2", Tz::UTC)).await.expect("create project");
+    let (k2, k1, other, gone) = (
+        api_key("key_2", "proj_1"),
+        api_key("key_1", "proj_1"),
+        api_key("key_3", "proj_2"),
+        api_key("key_4", "proj_1"),
+    );
+    for (k, hash) in [(&k2, "h2"), (&k1, "h1"), (&other, "h3"), (&gone, "h4")] {
+        s.create_api_key(k, hash, &[]).await.expect("create key");
+    }
+    let at = utc("2026-03-01T00:00:00Z");
+    assert!(s.delete_api_key(&gone.id, at, &[]).await.expect("delete"));
+    let ids = |keys: Vec<ApiKey>| keys.into_iter().map(|k| k.id.to_string()).collect::<Vec<_>>();
+    assert_eq!(ids(s.api_keys(&pid("proj_1")).await.expect("keys")), ["key_1", "key_2"]);
+    assert_eq!(ids(s.api_keys(&pid("proj_9")).await.expect("keys")), Vec::<String>::new());
+
+    let role = |id: &str, project: &str| meter::Role {
+        id: meter::RoleId::parse(id).expect("role id"),
+        project_id: pid(project),
+        name: "partner".into(),
+        grants: Grants::default(),
+        quota: None,
+        exempt: false,
+        created_at: at,
+    };
+    for r in [role("role_2", "proj_1"), role("role_1", "proj_1"), role("role_3", "proj_2")] {
+        s.create_role(&r, &[]).await.expect("create role");
+    }
+    let roles = s.roles(&pid("proj_1")).await.expect("roles");
+    assert_eq!(roles.iter().map(|r| r.id.to_string()).collect::<Vec<_>>(), ["role_1", "role_2"]);
+
+    let changed = ApiKey {
+        grants: Grants { max_concurrent: Some(3), query_timeout: Some(10), max_rows: None },
+        role_id: Some(meter::RoleId::parse("role_1").expect("role id")),
+        name: "not written".into(),
+        ..k1.clone()
+    };
+    let entry = change(
+        "aud_0001",
+        AuditAction::UpdateApiKey,
+        "key_1",
+        AuditDetail::ApiKeyChange {
+            before: Some(meter::KeyView::from(&k1)),
+            after: Some(meter::KeyView::from(&changed)),
+        },
+    );
+    assert!(s.update_api_key(&changed, std::slice::from_ref(&entry)).await.expect("update"));
+    let read = s.api_key(&k1.id).await.expect("read").expect("live");
+    assert_eq!((read.grants, read.role_id, read.name), (changed.grants.clone(), changed.role_id.clone(), k1.name));
+    let on_gone = change("aud_0002", AuditAction::UpdateApiKey, "key_4", entry.detail.clone());
+    assert!(!s.update_api_key(&ApiKey { grants: changed.grants.clone(), ..gone }, &[on_gone]).await.expect("update"));
+    assert_eq!(s.unpublished_audit(10).await.expect("outbox"), vec![entry], "no entry without its change");
 }
 
 fn breach(quota: &str, window_key: &str, observed: u64) -> MonitorBreach {

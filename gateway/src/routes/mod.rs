@@ -119,6 +119,8 @@ pub fn app(state: AppState) -> Router {
             };
             router.route(r.path, handler)
         })
+        // The console's pages: not API routes, so not in the table or the document.
+        .merge(crate::console::router())
         .with_state(state)
 }
 

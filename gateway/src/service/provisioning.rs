@@ -140,6 +140,74 @@ pub async fn api_key(s: &AppState, id: &ApiKeyId) -> Result<KeyDetail> {
     Ok(KeyDetail { key, effective, bounds, quota, period, calls: u.calls + reserved, rows: u.rows })
 }
 
+/// A project with how many live keys and quotas it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProjectSummary {
+    pub project: Project,
+    pub keys: usize,
+    pub quotas: usize,
+}
+
+/// Every project, by id, with its counts of keys and quotas.
+pub async fn projects(s: &AppState) -> Result<Vec<ProjectSummary>> {
+    let mut out = Vec::new();
+    for project in s.stores.tenants.projects().await? {
+        let keys = s.stores.tenants.api_keys(&project.id).await?.len();
+        let quotas = s.stores.quotas.quotas(&project.id).await?.len();
+        out.push(ProjectSummary { project, keys, quotas });
+    }
+    Ok(out)
+}
+
+/// A project's live keys, by id (404 if there is no such project).
+pub async fn api_keys(s: &AppState, project_id: &ProjectId) -> Result<Vec<ApiKey>> {
+    project(s, project_id).await?;
+    Ok(s.stores.tenants.api_keys(project_id).await?)
+}
+
+/// A project's roles, by id (404 if there is no such project).
+pub async fn roles(s: &AppState, project_id: &ProjectId) -> Result<Vec<Role>> {
+    project(s, project_id).await?;
+    Ok(s.stores.tenants.roles(project_id).await?)
+}
+
+/// What a key is granted: its own limits and its role.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyGrants {
+    pub role_id: Option<RoleId>,
+    pub grants: Grants,
+}
+
+/// Replaces a key's grants and role (the role, if one is named, must be
+/// its project's, as on creation), audited as `by`; answers the key as it
+/// is now (404 if there is no live key with this id). Its cached lookups
+/// are forgotten, so this instance's next check runs under the new grants.
+pub async fn set_grants(s: &AppState, id: &ApiKeyId, change: KeyGrants, by: &Principal) -> Result<KeyDetail> {
+    let key = s.stores.tenants.api_key(id).await?.ok_or_else(|| Error::not_found("api key", id.as_str()))?;
+    if let Some(rid) = &change.role_id {
+        match s.stores.tenants.role(rid).await? {
+            Some(role) if role.project_id == key.project_id => {}
+            _ => return Err(Error::invalid("role_id", format!("no role {rid} in project {}", key.project_id))),
+        }
+    }
+    let after = ApiKey { grants: change.grants, role_id: change.role_id, ..key.clone() };
+    let entry = admin_change(
+        new_audit_id(),
+        &key.project_id,
+        AuditAction::UpdateApiKey,
+        id.as_str(),
+        AuditDetail::ApiKeyChange { before: Some(KeyView::from(&key)), after: Some(KeyView::from(&after)) },
+        by,
+        now_micros(s.clock.as_ref()),
+    );
+    // Deleted meanwhile by someone else.
+    if !s.stores.tenants.update_api_key(&after, &[entry]).await? {
+        return Err(Error::not_found("api key", id.as_str()));
+    }
+    s.invalidate_key(id);
+    api_key(s, id).await
+}
+
 /// Deletes a key: it no longer authenticates, and quotas naming it go
 /// inert (404 if there is no live key with this id); audited as `by`.
 pub async fn delete_api_key(s: &AppState, id: &ApiKeyId, by: &Principal) -> Result<()> {

@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 use meter::apply::DesiredQuota;
 use meter::{
-    ApiKeyId, Clock, CounterKey, Dimension, Metric, Mode, PortError, Principal, ProjectId, Quota, QuotaId, QuotaPatch,
-    QuotaPlan, QuotaSpec, Scope, window_at,
+    ApiKeyId, Clock, CounterKey, Dimension, Metric, Mode, PortError, Principal, Project, ProjectId, Quota, QuotaId,
+    QuotaPatch, QuotaPlan, QuotaSpec, Scope, window_at,
 };
 
 use super::{Error, Result, admin_api, now_micros};
@@ -168,6 +168,20 @@ pub async fn get(s: &AppState, id: &QuotaId) -> Result<Detail> {
         .await?
         .ok_or_else(|| Error::not_found("project", quota.spec.project_id.as_str()))?;
     let inert = is_inert(s, &quota, &mut HashMap::new()).await?;
+    let current_usage = current_usage(s, &project, &quota, inert, s.clock.now()).await?;
+    Ok(Detail { quota, inert, current_usage })
+}
+
+/// A quota's count in its window at `at` — what a check compares, and what
+/// [`get`] answers — or `None` when it has no single counter (inert, or one
+/// budget per actor). `project` is the quota's.
+pub async fn current_usage(
+    s: &AppState,
+    project: &Project,
+    quota: &Quota,
+    inert: bool,
+    at: DateTime<Utc>,
+) -> Result<Option<CurrentUsage>> {
     let sp = &quota.spec;
     let dimension = match (sp.scope, &sp.scope_ref) {
         // A deleted key's quota counts nothing any more.
@@ -180,29 +194,33 @@ pub async fn get(s: &AppState, id: &QuotaId) -> Result<Detail> {
         // One budget per actor: no single counter. (User scope is a role's, never stored.)
         (Scope::Actor, None) | (Scope::User, _) => None,
     };
-    let current_usage = match dimension {
-        None => None,
-        Some(d) => {
-            let now = s.clock.now();
-            let w = window_at(sp.window, project.timezone, now);
-            let key = if sp.metric == Metric::StorageBytes {
-                CounterKey::footprint()
-            } else {
-                CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() }
-            };
-            let (t, reserved) = super::usage::live_count(s, &project.id, &key, now).await?;
-            let count = match sp.metric {
-                Metric::Requests => t.requests,
-                Metric::Calls => t.calls + reserved,
-                Metric::Rows => t.rows,
-                Metric::Tokens => t.tokens,
-                Metric::CostUsd => t.cost(sp.meter()),
-                Metric::StorageBytes => u64::try_from(t.storage.max(0)).unwrap_or(0),
-            };
-            Some(CurrentUsage { window_key: w.key, count, resets_at: w.resets_at })
-        }
+    let Some(d) = dimension else { return Ok(None) };
+    let w = window_at(sp.window, project.timezone, at);
+    let key = if sp.metric == Metric::StorageBytes {
+        CounterKey::footprint()
+    } else {
+        CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() }
     };
-    Ok(Detail { quota, inert, current_usage })
+    let (t, reserved) = super::usage::live_count(s, &project.id, &key, at).await?;
+    let count = match sp.metric {
+        Metric::Requests => t.requests,
+        Metric::Calls => t.calls + reserved,
+        Metric::Rows => t.rows,
+        Metric::Tokens => t.tokens,
+        Metric::CostUsd => t.cost(sp.meter()),
+        Metric::StorageBytes => u64::try_from(t.storage.max(0)).unwrap_or(0),
+    };
+    Ok(Some(CurrentUsage { window_key: w.key, count, resets_at: w.resets_at }))
+}
+
+/// Whether a quota counts a key's calls whatever agent or actor makes
+/// them: a project quota, or an `api_key` quota on this key or on all keys.
+pub fn applies_to_key(q: &Quota, key: &ApiKeyId) -> bool {
+    match (q.spec.scope, &q.spec.scope_ref) {
+        (Scope::Project, _) | (Scope::ApiKey, None) => true,
+        (Scope::ApiKey, Some(r)) => r == key.as_str(),
+        _ => false,
+    }
 }
 
 /// The current value of one of a quota's identity fields, as the API shows it.

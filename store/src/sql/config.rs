@@ -193,6 +193,24 @@ impl<B: Backend> TenantStore for SqlStore<B> {
         Ok(self.run_audited(stmt, audit).await? > 0)
     }
 
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "api_keys"))]
+    async fn api_keys(&self, project: &ProjectId) -> PortResult<Vec<ApiKey>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {API_KEY_COLUMNS} FROM api_keys WHERE project_id = $1 AND deleted_at IS NULL ORDER BY id"
+        ))
+        .text(project.as_str());
+        each(&self.all(stmt).await?, api_key::<B>)
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "update_api_key"))]
+    async fn update_api_key(&self, key: &ApiKey, audit: &[AuditEntry]) -> PortResult<bool> {
+        let stmt = Stmt::new("UPDATE api_keys SET grants = $2, role_id = $3 WHERE id = $1 AND deleted_at IS NULL")
+            .text(key.id.as_str())
+            .json(&key.grants)?
+            .opt_text(key.role_id.as_ref().map(RoleId::as_str));
+        Ok(self.run_audited(stmt, audit).await? > 0)
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "create_role"))]
     async fn create_role(&self, role: &Role, audit: &[AuditEntry]) -> PortResult<()> {
         let stmt = Stmt::new(format!("INSERT INTO roles ({ROLE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"))
@@ -210,6 +228,13 @@ impl<B: Backend> TenantStore for SqlStore<B> {
     async fn role(&self, id: &RoleId) -> PortResult<Option<Role>> {
         let stmt = Stmt::new(format!("SELECT {ROLE_COLUMNS} FROM roles WHERE id = $1")).text(id.as_str());
         self.opt(stmt).await?.as_ref().map(|r| role(&Rec::<B>(r))).transpose()
+    }
+
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "roles"))]
+    async fn roles(&self, project: &ProjectId) -> PortResult<Vec<Role>> {
+        let stmt = Stmt::new(format!("SELECT {ROLE_COLUMNS} FROM roles WHERE project_id = $1 ORDER BY id"))
+            .text(project.as_str());
+        each(&self.all(stmt).await?, role::<B>)
     }
 }
 

@@ -1,0 +1,132 @@
+//! Reading the console's forms into the API's own request bodies, so a
+//! form is validated exactly as the API validates the same fields: the
+//! typed fields become a JSON object (a number where one was typed, the
+//! text as typed otherwise, an empty field left out), read by the API's
+//! DTO with [`crate::dto::from_value`] and converted with its `TryFrom`.
+
+use std::collections::BTreeMap;
+
+use meter::{FieldError, Grants, RoleId};
+use serde_json::{Map, Value};
+
+use crate::dto::from_value;
+use crate::dto::tenants::{ApiKeyBody, GrantsBody};
+use crate::service::provisioning::{KeyGrants, NewApiKey};
+
+/// The grant fields of the key forms, as the API names them.
+pub const GRANT_FIELDS: [&str; 3] = ["max_concurrent", "query_timeout", "max_rows"];
+
+/// A form's fields as typed (the last value of a repeated name wins).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fields(BTreeMap<String, String>);
+
+impl Fields {
+    /// The fields of an `application/x-www-form-urlencoded` body.
+    pub fn parse(body: &[u8]) -> Fields {
+        Fields(form_urlencoded::parse(body).map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.get(name).map(String::as_str)
+    }
+
+    /// A field as typed, or "" when absent.
+    pub fn value(&self, name: &str) -> &str {
+        self.get(name).unwrap_or("")
+    }
+
+    /// The field, trimmed, if not empty.
+    fn present(&self, name: &str) -> Option<&str> {
+        self.get(name).map(str::trim).filter(|v| !v.is_empty())
+    }
+
+    /// The named fields as a JSON object: numbers where `numeric` says so and
+    /// the text is one, the text otherwise (which the DTO refuses as the API
+    /// does: "must be a number").
+    fn object(&self, names: &[&str], numeric: bool) -> Map<String, Value> {
+        let mut out = Map::new();
+        for name in names {
+            if let Some(v) = self.present(name) {
+                let value = match serde_json::from_str::<serde_json::Number>(v) {
+                    Ok(n) if numeric => Value::Number(n),
+                    _ => Value::String(v.to_owned()),
+                };
+                out.insert((*name).to_owned(), value);
+            }
+        }
+        out
+    }
+
+    /// The grants and role of a key form, as `POST /v1/projects/{id}/api-keys` reads them.
+    fn key_body(&self, with_name: bool) -> Map<String, Value> {
+        let mut body = if with_name { self.object(&["name"], false) } else { Map::new() };
+        body.extend(self.object(&["role_id"], false));
+        let grants = self.object(&GRANT_FIELDS, true);
+        if !grants.is_empty() {
+            body.insert("grants".into(), Value::Object(grants));
+        }
+        body
+    }
+
+    /// The new-key form (name, role, grants), validated as the API's body.
+    pub fn new_key(&self) -> Result<NewApiKey, FieldError> {
+        NewApiKey::try_from(from_value::<ApiKeyBody>(Value::Object(self.key_body(true)))?)
+    }
+
+    /// The grant form (role, grants), validated as the API validates the
+    /// same fields of a new key; an empty role is none.
+    pub fn key_grants(&self) -> Result<KeyGrants, FieldError> {
+        let grants = match self.key_body(false).remove("grants") {
+            None => Grants::default(),
+            Some(g) => Grants::try_from(from_value::<GrantsBody>(g).map_err(|e| e.under("grants."))?)
+                .map_err(|e| e.under("grants."))?,
+        };
+        let role_id = self
+            .present("role_id")
+            .map(|r| RoleId::parse(r.to_owned()).map_err(|e| FieldError::new("role_id", e.to_string())));
+        Ok(KeyGrants { role_id: role_id.transpose()?, grants })
+    }
+}
+
+/// The form field an API field name is typed into (`grants.max_rows` → `max_rows`).
+pub fn input_of(field: &str) -> &str {
+    field.strip_prefix("grants.").unwrap_or(field)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(body: &str) -> Fields {
+        Fields::parse(body.as_bytes())
+    }
+
+    #[test]
+    fn a_key_form_is_read_as_the_api_body() {
+        let k = fields("name=partner&max_rows=500&max_concurrent=&query_timeout=+30+&csrf=x").new_key().expect("valid");
+        assert_eq!((k.name.as_str(), k.grants.max_rows, k.grants.query_timeout), ("partner", Some(500), Some(30)));
+        assert_eq!(k.grants.max_concurrent, None, "an empty field is no grant");
+        let refused = |body: &str| {
+            let e = fields(body).new_key().expect_err("refused");
+            (e.field, e.message)
+        };
+        assert_eq!(refused("max_rows=5"), ("name".into(), "is required".into()));
+        assert_eq!(refused("name=a&max_rows=abc"), ("grants.max_rows".into(), "must be a number".into()));
+        assert_eq!(refused("name=a&max_rows=-1"), ("grants.max_rows".into(), "must be a whole number ≥ 0".into()));
+        assert_eq!(refused("name=a&max_rows=0"), ("grants.max_rows".into(), "must be greater than 0".into()));
+        assert_eq!(
+            refused("name=a&max_concurrent=1001"),
+            ("grants.max_concurrent".into(), "must be between 1 and 1000".into())
+        );
+        assert_eq!(refused("name=a&role_id=no%20spaces").0, "role_id");
+    }
+
+    #[test]
+    fn a_grant_form_is_read_as_the_api_reads_grants() {
+        let g = fields("max_concurrent=4&role_id=").key_grants().expect("valid");
+        assert_eq!(g, KeyGrants { role_id: None, grants: Grants { max_concurrent: Some(4), ..Grants::default() } });
+        let e = fields("max_concurrent=0").key_grants().expect_err("refused");
+        assert_eq!((e.field.as_str(), input_of(&e.field)), ("grants.max_concurrent", "max_concurrent"));
+        assert_eq!(fields("").key_grants().expect("nothing granted"), KeyGrants::default());
+    }
+}

@@ -1,0 +1,350 @@
+//! The console: web pages where operators see projects, keys and their
+//! usage against quotas, and change a key's grants — served by the gateway
+//! at `/console`, server-rendered from templates compiled into the binary
+//! ([`view`]), with its stylesheet served by Tollgate itself. Nothing is
+//! fetched from elsewhere and no page needs JavaScript.
+//!
+//! The pages are not API routes (they are not in the route table or
+//! `/openapi.json`). Their handlers are shaped like the API's: the
+//! [`Session`] extractor first (a GET without one is sent to the sign-in
+//! page, anything else answered 401), a form's CSRF token checked before
+//! it is read (403, changing nothing), the form read into the API's own
+//! request body ([`form`]), one call into [`crate::service`] — the same
+//! call, with the same validation, as the API route — and the result
+//! rendered. A refusal re-renders the form with the field's message;
+//! nothing changed.
+//!
+//! Every answer carries a Content-Security-Policy that allows only
+//! Tollgate's own stylesheet, `Cache-Control: no-store` (a page may show a
+//! secret once) and refuses framing.
+
+pub mod form;
+pub mod session;
+pub mod view;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, REFERRER_POLICY, X_FRAME_OPTIONS};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use maud::Markup;
+use meter::{ApiKeyId, ProjectId};
+
+use self::form::Fields;
+use self::session::{SESSION_COOKIE, SESSION_TTL, SIGN_IN_COOKIE, SIGN_IN_PATH, Session, set_cookie, with_cookie};
+use self::view::{Bar, FormState, Issued, KeyRow};
+use crate::error::ApiError;
+use crate::service::provisioning::{self, ProjectSummary};
+use crate::service::{self, admin_api, quotas};
+use crate::state::{AppState, same_secret};
+
+/// The console's stylesheet, compiled in.
+const STYLESHEET: &str = include_str!("console.css");
+
+/// The console's pages, to merge into the app's router.
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/console", get(projects))
+        .route(SIGN_IN_PATH, get(sign_in_form).post(sign_in))
+        .route("/console/sign-out", post(sign_out))
+        .route("/console/static/console.css", get(stylesheet))
+        .route("/console/projects/{id}", get(project))
+        .route("/console/projects/{id}/keys", post(create_key))
+        .route("/console/projects/{id}/keys/{key_id}", get(key))
+        .route("/console/projects/{id}/keys/{key_id}/grants", post(set_grants))
+        .layer(axum::middleware::from_fn(protect))
+}
+
+/// The headers every console answer carries.
+async fn protect(req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    h.insert(
+        CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; \
+             frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.entry(CACHE_CONTROL).or_insert(HeaderValue::from_static("no-store"));
+    res
+}
+
+/// An HTML answer.
+pub(crate) fn html(status: StatusCode, markup: Markup) -> Response {
+    (status, [(CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"))], markup.into_string())
+        .into_response()
+}
+
+/// A service refusal or failure as a page, with the status and message the
+/// API would answer (a backend failure is logged once, by that mapping).
+fn failure(e: service::Error) -> Response {
+    let e = ApiError::from(e);
+    let title = e.status.canonical_reason().unwrap_or("Error");
+    html(e.status, view::message_page(title, &e.message, false))
+}
+
+/// A POST whose CSRF token is missing or wrong: refused, nothing read or changed.
+fn forbidden() -> Response {
+    html(
+        StatusCode::FORBIDDEN,
+        view::message_page(
+            "Forbidden",
+            "The form's CSRF token is missing or wrong; reload the page and try again.",
+            false,
+        ),
+    )
+}
+
+async fn stylesheet() -> Response {
+    (
+        [
+            (CONTENT_TYPE, HeaderValue::from_static("text/css; charset=utf-8")),
+            (CACHE_CONTROL, HeaderValue::from_static("public, max-age=3600")),
+        ],
+        STYLESHEET,
+    )
+        .into_response()
+}
+
+async fn sign_in_form() -> Response {
+    let nonce = session::sign_in_nonce();
+    let res = html(StatusCode::OK, view::sign_in(&nonce, None));
+    with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600))
+}
+
+/// Signs in with the admin token typed into the form: a session cookie and
+/// a 303 to `/console`, or the form again (401) after a wrong token.
+async fn sign_in(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let fields = Fields::parse(&body);
+    if !session::sign_in_csrf_ok(&headers, fields.get("csrf")) {
+        return forbidden();
+    }
+    if !fields.get("token").is_some_and(|t| same_secret(t, &s.settings.admin_token)) {
+        let nonce = session::sign_in_nonce();
+        let res = html(StatusCode::UNAUTHORIZED, view::sign_in(&nonce, Some("That is not the admin token.")));
+        return with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600));
+    }
+    let cookie = session::new_session(&s, s.clock.now());
+    let res = with_cookie(
+        Redirect::to("/console").into_response(),
+        set_cookie(SESSION_COOKIE, &cookie, "/console", SESSION_TTL.num_seconds()),
+    );
+    with_cookie(res, set_cookie(SIGN_IN_COOKIE, "", SIGN_IN_PATH, 0))
+}
+
+async fn sign_out(session: Session, State(s): State<AppState>, body: Bytes) -> Response {
+    if !session.csrf_ok(&s, Fields::parse(&body).get("csrf")) {
+        return forbidden();
+    }
+    with_cookie(Redirect::to(SIGN_IN_PATH).into_response(), set_cookie(SESSION_COOKIE, "", "/console", 0))
+}
+
+async fn projects(session: Session, State(s): State<AppState>) -> Response {
+    match provisioning::projects(&s).await {
+        Ok(list) => html(StatusCode::OK, view::projects(&session.csrf, &list)),
+        Err(e) => failure(e),
+    }
+}
+
+/// A project id from a path: one that cannot be an id names nothing (404).
+fn project_id(raw: String) -> service::Result<ProjectId> {
+    crate::dto::path_id("project", raw, ProjectId::parse)
+}
+
+/// The usage bars of the quotas that count a key's calls, and of its role's quota.
+async fn bars_of(
+    s: &AppState,
+    p: &meter::Project,
+    key: &meter::ApiKey,
+    quotas: &[quotas::Listed],
+    at: chrono::DateTime<chrono::Utc>,
+) -> service::Result<Vec<Bar>> {
+    let mut bars = Vec::new();
+    for l in quotas.iter().filter(|l| quotas::applies_to_key(&l.quota, &key.id)) {
+        let Some(u) = quotas::current_usage(s, p, &l.quota, l.inert, at).await? else { continue };
+        let sp = &l.quota.spec;
+        let whose = match (&sp.scope, &sp.scope_ref) {
+            (meter::Scope::Project, _) => "the whole project",
+            (_, None) => "all keys together",
+            _ => "this key",
+        };
+        bars.push(Bar {
+            id: l.quota.id.to_string(),
+            label: format!("{} per {} ({whose})", sp.metric.as_str(), sp.window.as_str()),
+            metric: sp.metric,
+            count: u.count,
+            limit: sp.limit,
+            window_key: u.window_key,
+            resets_at: u.resets_at,
+            mode: sp.mode.as_str(),
+        });
+    }
+    Ok(bars)
+}
+
+/// The bars of a key's role quota (calls and rows this period).
+fn role_bars(d: &provisioning::KeyDetail) -> Vec<Bar> {
+    let Some(q) = d.quota else { return Vec::new() };
+    let role = d.key.role_id.as_ref().map_or_else(String::new, ToString::to_string);
+    [(meter::Metric::Calls, q.calls, d.calls), (meter::Metric::Rows, q.rows, d.rows)]
+        .into_iter()
+        .filter_map(|(metric, limit, count)| {
+            limit.map(|limit| Bar {
+                id: format!("role:{role}:{}", metric.as_str()),
+                label: format!("{} per {} (its role's quota)", metric.as_str(), q.per.as_str()),
+                metric,
+                count,
+                limit,
+                window_key: d.period.key.clone(),
+                resets_at: d.period.resets_at,
+                mode: "enforce",
+            })
+        })
+        .collect()
+}
+
+/// The project page, with the form as given and, after a creation, the new secret.
+async fn project_page(
+    s: &AppState,
+    session: &Session,
+    id: &ProjectId,
+    form: &FormState,
+    issued: Option<&provisioning::IssuedKey>,
+    status: StatusCode,
+) -> Response {
+    let render = async {
+        let project = provisioning::project(s, id).await?;
+        let keys = provisioning::api_keys(s, id).await?;
+        let roles = provisioning::roles(s, id).await?;
+        let quotas = quotas::list(s, id).await?;
+        let at = s.clock.now();
+        let mut rows = Vec::with_capacity(keys.len());
+        for key in &keys {
+            rows.push(KeyRow { key, bars: bars_of(s, &project, key, &quotas, at).await? });
+        }
+        let summary = ProjectSummary { keys: keys.len(), quotas: quotas.len(), project };
+        let issued = issued.map(|i| Issued { key: &i.key, secret: &i.secret });
+        Ok::<_, service::Error>(view::project(&session.csrf, &summary, &rows, &roles, form, issued))
+    };
+    match render.await {
+        Ok(markup) => html(status, markup),
+        Err(e) => failure(e),
+    }
+}
+
+async fn project(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    match project_id(id) {
+        Ok(id) => project_page(&s, &session, &id, &FormState::default(), None, StatusCode::OK).await,
+        Err(e) => failure(e),
+    }
+}
+
+/// The new-key form: `POST /v1/projects/{id}/api-keys`'s body and call. The
+/// page that answers shows the secret this once (it is never in a URL).
+async fn create_key(session: Session, State(s): State<AppState>, Path(id): Path<String>, body: Bytes) -> Response {
+    let fields = Fields::parse(&body);
+    if !session.csrf_ok(&s, fields.get("csrf")) {
+        return forbidden();
+    }
+    let id = match project_id(id) {
+        Ok(id) => id,
+        Err(e) => return failure(e),
+    };
+    let refused = |e| FormState { fields: fields.clone(), error: Some(e) };
+    let new = match fields.new_key() {
+        Ok(new) => new,
+        Err(e) => return project_page(&s, &session, &id, &refused(e), None, StatusCode::BAD_REQUEST).await,
+    };
+    match provisioning::create_api_key(&s, &id, new, &admin_api()).await {
+        Ok(issued) => project_page(&s, &session, &id, &FormState::default(), Some(&issued), StatusCode::OK).await,
+        Err(service::Error::Invalid(e)) => {
+            project_page(&s, &session, &id, &refused(e), None, StatusCode::BAD_REQUEST).await
+        }
+        Err(e) => failure(e),
+    }
+}
+
+/// The key page, with the grant form as given (or as the key has it).
+async fn key_page(
+    s: &AppState,
+    session: &Session,
+    pid: &ProjectId,
+    kid: &ApiKeyId,
+    form: Option<&FormState>,
+    status: StatusCode,
+) -> Response {
+    let render = async {
+        let detail = provisioning::api_key(s, kid).await?;
+        // A key is shown under its own project only.
+        if &detail.key.project_id != pid {
+            return Err(service::Error::not_found("api key", kid.as_str()));
+        }
+        let project = provisioning::project(s, pid).await?;
+        let roles = provisioning::roles(s, pid).await?;
+        let quotas = quotas::list(s, pid).await?;
+        let mut bars = bars_of(s, &project, &detail.key, &quotas, s.clock.now()).await?;
+        bars.extend(role_bars(&detail));
+        let keys = s.stores.tenants.api_keys(pid).await?.len();
+        let summary = ProjectSummary { keys, quotas: quotas.len(), project };
+        let current = FormState { fields: view::grant_fields(&detail.key), error: None };
+        Ok(view::key(&session.csrf, &summary, &detail, &bars, &roles, form.unwrap_or(&current)))
+    };
+    match render.await {
+        Ok(markup) => html(status, markup),
+        Err(e) => failure(e),
+    }
+}
+
+/// The ids of a key's path (either one malformed names nothing: 404).
+fn key_ids(id: String, key_id: String) -> service::Result<(ProjectId, ApiKeyId)> {
+    Ok((project_id(id)?, crate::dto::path_id("api key", key_id, ApiKeyId::parse)?))
+}
+
+async fn key(session: Session, State(s): State<AppState>, Path((id, key_id)): Path<(String, String)>) -> Response {
+    match key_ids(id, key_id) {
+        Ok((pid, kid)) => key_page(&s, &session, &pid, &kid, None, StatusCode::OK).await,
+        Err(e) => failure(e),
+    }
+}
+
+/// The grant form: the key's grants and role, validated as the API
+/// validates them; a 303 back to the key, or the form again with the refusal.
+async fn set_grants(
+    session: Session,
+    State(s): State<AppState>,
+    Path((id, key_id)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let fields = Fields::parse(&body);
+    if !session.csrf_ok(&s, fields.get("csrf")) {
+        return forbidden();
+    }
+    let (pid, kid) = match key_ids(id, key_id) {
+        Ok(ids) => ids,
+        Err(e) => return failure(e),
+    };
+    let refused = |e| FormState { fields: fields.clone(), error: Some(e) };
+    let change = match fields.key_grants() {
+        Ok(c) => c,
+        Err(e) => return key_page(&s, &session, &pid, &kid, Some(&refused(e)), StatusCode::BAD_REQUEST).await,
+    };
+    // Only a key of the project in the path is changed.
+    match provisioning::api_key(&s, &kid).await {
+        Ok(d) if d.key.project_id == pid => {}
+        Ok(_) => return failure(service::Error::not_found("api key", kid.as_str())),
+        Err(e) => return failure(e),
+    }
+    match provisioning::set_grants(&s, &kid, change, &admin_api()).await {
+        Ok(_) => Redirect::to(&view::key_href(pid.as_str(), kid.as_str())).into_response(),
+        Err(service::Error::Invalid(e)) => {
+            key_page(&s, &session, &pid, &kid, Some(&refused(e)), StatusCode::BAD_REQUEST).await
+        }
+        Err(e) => failure(e),
+    }
+}

@@ -1,0 +1,491 @@
+//! The console through `gateway::app(..)` and `oneshot` (no sockets, no
+//! browser), over the embedded backends: a fresh SQLite store and log per
+//! test, the in-memory view and a manual clock. Signing in, the session
+//! every page needs, the CSRF token every form needs, a key made and
+//! granted through the forms, and the usage bars against checks run
+//! through the service layer.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::header::{COOKIE, LOCATION, SET_COOKIE};
+use axum::http::{HeaderMap, Request, StatusCode};
+use chrono::{TimeZone, Utc};
+use gateway::service::admission::{self, CheckRequest, EstimateAsk, KeyRef, Who};
+use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+use gateway::service::quotas;
+use gateway::{AppState, Settings};
+use meter::{ApiKeyId, AuditStore, Grants, ManualClock, Metric, Principal, ProjectId, TenantStore, WindowKind};
+use store::{MemoryView, SqliteLog, SqliteStore};
+use tower::ServiceExt;
+
+/// An admin token no page, header or cookie may ever show.
+const ADMIN: &str = "adm-Console-Secret-7f3a9c";
+
+struct Fixture {
+    app: axum::Router,
+    state: AppState,
+    clock: ManualClock,
+    store: SqliteStore,
+    dir: std::path::PathBuf,
+    project: ProjectId,
+    key: ApiKeyId,
+    secret: String,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The app over a fresh embedded store, with a project ("acme", Kathmandu)
+/// and one key in it under an enforce quota of 5 calls a day.
+async fn fixture() -> Fixture {
+    let dir = std::env::temp_dir().join(format!("tollgate-console-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
+    store.migrate().await.expect("migrate");
+    let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+    log.ensure_schema().await.expect("log schema");
+    let clock = ManualClock::new(Utc.with_ymd_and_hms(2026, 8, 1, 6, 0, 0).single().expect("instant"));
+    let state = AppState::new(
+        Arc::new(store.clone()),
+        Arc::new(MemoryView::new()),
+        Arc::new(log),
+        Arc::new(clock.clone()),
+        Settings::new(ADMIN, "gw"),
+    );
+    let starter = Starter {
+        project: NewProject { name: "acme".into(), timezone: chrono_tz::Asia::Kathmandu },
+        key: NewApiKey { name: "partner".into(), ..NewApiKey::default() },
+        quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 5 }),
+    };
+    let made = provisioning::provision(&state, starter, &Principal::new("admin", "test")).await.expect("provision");
+    Fixture {
+        app: gateway::app(state.clone()),
+        state,
+        clock,
+        store,
+        dir,
+        project: made.project.id,
+        key: made.key.id,
+        secret: made.secret,
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn location(&self) -> Option<&str> {
+        self.headers.get(LOCATION).and_then(|v| v.to_str().ok())
+    }
+
+    /// The `Set-Cookie` header naming `name`, whole.
+    fn set_cookie(&self, name: &str) -> Option<String> {
+        self.headers
+            .get_all(SET_COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .find(|v| v.starts_with(&format!("{name}=")))
+            .map(str::to_owned)
+    }
+
+    /// The value of the first `csrf` field of the page.
+    fn csrf(&self) -> String {
+        let (_, rest) = self.body.split_once(r#"name="csrf" value=""#).expect("a form with a csrf field");
+        rest.split_once('"').expect("end of the value").0.to_owned()
+    }
+}
+
+async fn send(app: &axum::Router, req: Request<Body>) -> Answer {
+    let res = app.clone().oneshot(req).await.expect("response");
+    let status = res.status();
+    let headers = res.headers().clone();
+    let body = axum::body::to_bytes(res.into_body(), 1 << 22).await.expect("body");
+    let body = String::from_utf8(body.to_vec()).expect("utf-8");
+    for v in headers.values() {
+        assert!(!v.as_bytes().windows(ADMIN.len()).any(|w| w == ADMIN.as_bytes()), "the admin token in a header");
+    }
+    assert!(!body.contains(ADMIN), "the admin token in a page");
+    Answer { status, headers, body }
+}
+
+async fn get(app: &axum::Router, uri: &str, cookie: Option<&str>) -> Answer {
+    let mut req = Request::get(uri);
+    if let Some(c) = cookie {
+        req = req.header(COOKIE, c);
+    }
+    send(app, req.body(Body::empty()).expect("request")).await
+}
+
+async fn post(app: &axum::Router, uri: &str, cookie: Option<&str>, form: &[(&str, &str)]) -> Answer {
+    let body = form_urlencoded::Serializer::new(String::new()).extend_pairs(form).finish();
+    let mut req = Request::post(uri).header("content-type", "application/x-www-form-urlencoded");
+    if let Some(c) = cookie {
+        req = req.header(COOKIE, c);
+    }
+    send(app, req.body(Body::from(body)).expect("request")).await
+}
+
+/// `name=value` of a `Set-Cookie` header, as a `Cookie` header sends it back.
+fn pair(set_cookie: &str) -> String {
+    set_cookie.split(';').next().expect("name=value").to_owned()
+}
+
+/// Signs in through the form; the session cookie as a `Cookie` header.
+async fn sign_in(app: &axum::Router) -> String {
+    sign_in_with(app, ADMIN).await
+}
+
+async fn sign_in_with(app: &axum::Router, token: &str) -> String {
+    let form = get(app, "/console/sign-in", None).await;
+    assert_eq!(form.status, StatusCode::OK);
+    let nonce = pair(&form.set_cookie("tollgate_console_sign_in").expect("the sign-in cookie"));
+    let signed = post(app, "/console/sign-in", Some(&nonce), &[("csrf", &form.csrf()), ("token", token)]).await;
+    assert_eq!((signed.status, signed.location()), (StatusCode::SEE_OTHER, Some("/console")));
+    pair(&signed.set_cookie("tollgate_console").expect("the session cookie"))
+}
+
+#[tokio::test]
+async fn signing_in_sets_an_http_only_strict_session_cookie_that_is_not_the_token() {
+    let f = fixture().await;
+    let form = get(&f.app, "/console/sign-in", None).await;
+    assert_eq!(form.status, StatusCode::OK);
+    assert!(form.body.contains(r#"<label for="token">Admin token</label>"#), "{}", form.body);
+    assert!(form.body.contains(r#"type="password""#));
+    let nonce = pair(&form.set_cookie("tollgate_console_sign_in").expect("the sign-in cookie"));
+
+    // A wrong token: the form again, no session.
+    let wrong = post(&f.app, "/console/sign-in", Some(&nonce), &[("csrf", &form.csrf()), ("token", "nope")]).await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    assert!(wrong.body.contains("That is not the admin token."));
+    assert_eq!(wrong.set_cookie("tollgate_console"), None);
+    // The right token without the form's token: refused.
+    let forged = post(&f.app, "/console/sign-in", Some(&nonce), &[("token", ADMIN)]).await;
+    assert_eq!((forged.status, forged.set_cookie("tollgate_console")), (StatusCode::FORBIDDEN, None));
+    let forged = post(&f.app, "/console/sign-in", None, &[("csrf", &form.csrf()), ("token", ADMIN)]).await;
+    assert_eq!((forged.status, forged.set_cookie("tollgate_console")), (StatusCode::FORBIDDEN, None));
+
+    let signed = post(&f.app, "/console/sign-in", Some(&nonce), &[("csrf", &form.csrf()), ("token", ADMIN)]).await;
+    assert_eq!((signed.status, signed.location()), (StatusCode::SEE_OTHER, Some("/console")));
+    let cookie = signed.set_cookie("tollgate_console").expect("the session cookie");
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/console"] {
+        assert!(cookie.split("; ").any(|a| a == attribute), "{attribute} in {cookie}");
+    }
+    let session = pair(&cookie);
+
+    let projects = get(&f.app, "/console", Some(&session)).await;
+    assert_eq!(projects.status, StatusCode::OK, "{}", projects.body);
+    let row = format!(r#"<tr data-project-id="{}">"#, f.project);
+    assert!(projects.body.contains(&row), "{}", projects.body);
+    assert!(projects.body.contains("Asia/Kathmandu"));
+    assert!(projects.body.contains(r#"data-keys="1""#) && projects.body.contains(r#"data-quotas="1""#));
+    assert_eq!(projects.headers["cache-control"], "no-store");
+    assert!(projects.headers["content-security-policy"].to_str().expect("ascii").contains("default-src 'none'"));
+
+    // A session lasts twelve hours.
+    f.clock.advance(chrono::Duration::hours(12) + chrono::Duration::seconds(1));
+    let expired = get(&f.app, "/console", Some(&session)).await;
+    assert_eq!((expired.status, expired.location()), (StatusCode::SEE_OTHER, Some("/console/sign-in")));
+}
+
+#[tokio::test]
+async fn every_console_page_needs_a_session() {
+    let f = fixture().await;
+    let key_page = format!("/console/projects/{}/keys/{}", f.project, f.key);
+    let pages = ["/console".to_owned(), format!("/console/projects/{}", f.project), key_page.clone()];
+    // None, a forged one, and one signed with another admin token.
+    let other = AppState::new(
+        Arc::new(f.store.clone()),
+        Arc::new(MemoryView::new()),
+        f.state.log.clone(),
+        Arc::new(f.clock.clone()),
+        Settings::new("another-token", "gw"),
+    );
+    let foreign = sign_in_with(&gateway::app(other), "another-token").await;
+    for cookie in [None, Some("tollgate_console=v1.1785564000.00ff"), Some(foreign.as_str())] {
+        for page in &pages {
+            let a = get(&f.app, page, cookie).await;
+            assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some("/console/sign-in")), "{page}");
+        }
+        for (uri, form) in [
+            (format!("/console/projects/{}/keys", f.project), vec![("name", "x")]),
+            (format!("{key_page}/grants"), vec![("max_rows", "5")]),
+            ("/console/sign-out".to_owned(), vec![]),
+        ] {
+            assert_eq!(post(&f.app, &uri, cookie, &form).await.status, StatusCode::UNAUTHORIZED, "{uri}");
+        }
+    }
+    assert_eq!(f.store.api_keys(&f.project).await.expect("keys").len(), 1, "no key was made");
+
+    // The stylesheet needs none: the sign-in page uses it.
+    let css = get(&f.app, "/console/static/console.css", None).await;
+    assert_eq!(css.status, StatusCode::OK);
+    assert_eq!(css.headers["content-type"], "text/css; charset=utf-8");
+    assert!(css.body.contains(".usage.full"));
+}
+
+#[tokio::test]
+async fn a_post_without_the_csrf_token_is_refused_and_changes_nothing() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let key_page = format!("/console/projects/{}/keys/{}", f.project, f.key);
+    let csrf = get(&f.app, &key_page, Some(&session)).await.csrf();
+    let new_key = format!("/console/projects/{}/keys", f.project);
+    let grants = format!("{key_page}/grants");
+    for token in [None, Some(""), Some("00"), Some(&csrf[..csrf.len() - 2])] {
+        let with = |form: &[(&'static str, &'static str)]| {
+            let mut form: Vec<(&str, &str)> = form.to_vec();
+            if let Some(t) = token {
+                form.push(("csrf", t));
+            }
+            form
+        };
+        let a = post(&f.app, &new_key, Some(&session), &with(&[("name", "sneaky")])).await;
+        assert_eq!(a.status, StatusCode::FORBIDDEN, "{token:?}");
+        let a = post(&f.app, &grants, Some(&session), &with(&[("max_rows", "7")])).await;
+        assert_eq!(a.status, StatusCode::FORBIDDEN, "{token:?}");
+        let a = post(&f.app, "/console/sign-out", Some(&session), &with(&[])).await;
+        assert_eq!((a.status, a.set_cookie("tollgate_console")), (StatusCode::FORBIDDEN, None), "{token:?}");
+    }
+    // Another session's token is not this one's.
+    f.clock.advance(chrono::Duration::seconds(5));
+    let later = sign_in(&f.app).await;
+    assert_ne!(later, session);
+    let theirs = get(&f.app, "/console", Some(&later)).await.csrf();
+    let a = post(&f.app, &grants, Some(&session), &[("max_rows", "7"), ("csrf", &theirs)]).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN);
+
+    assert_eq!(f.store.api_keys(&f.project).await.expect("keys").len(), 1, "no key was made");
+    let key = f.store.api_key(&f.key).await.expect("read").expect("live");
+    assert_eq!(key.grants, Grants::default(), "no grant was changed");
+    assert_eq!(f.store.unpublished_audit(100).await.expect("outbox").len(), 2, "only the fixture's key and quota");
+    assert_eq!(get(&f.app, "/console", Some(&session)).await.status, StatusCode::OK, "still signed in");
+
+    // With it, signing out ends the session.
+    let out = post(&f.app, "/console/sign-out", Some(&session), &[("csrf", &csrf)]).await;
+    assert_eq!((out.status, out.location()), (StatusCode::SEE_OTHER, Some("/console/sign-in")));
+    let cleared = out.set_cookie("tollgate_console").expect("the cookie cleared");
+    assert!(cleared.contains("Max-Age=0"), "{cleared}");
+    assert_eq!(pair(&cleared), "tollgate_console=");
+}
+
+#[tokio::test]
+async fn a_key_made_through_the_form_with_a_grant_shows_its_secret_once_and_authenticates() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let page = get(&f.app, &format!("/console/projects/{}", f.project), Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK);
+    for input in ["name", "max_concurrent", "query_timeout", "max_rows"] {
+        assert!(page.body.contains(&format!(r#"<label for="f-{input}">"#)), "a label for {input}");
+    }
+    assert!(page.body.contains(r#"<label for="new-key-role">Role</label>"#));
+    let made = post(
+        &f.app,
+        &format!("/console/projects/{}/keys", f.project),
+        Some(&session),
+        &[
+            ("csrf", &page.csrf()),
+            ("name", "reports"),
+            ("max_rows", "500"),
+            ("max_concurrent", "2"),
+            ("query_timeout", ""),
+        ],
+    )
+    .await;
+    assert_eq!(made.status, StatusCode::OK, "{}", made.body);
+    let keys = f.store.api_keys(&f.project).await.expect("keys");
+    let key = keys.iter().find(|k| k.name == "reports").expect("the new key");
+    assert_eq!(key.grants, Grants { max_concurrent: Some(2), query_timeout: None, max_rows: Some(500) });
+    let (_, rest) = made.body.split_once(r#"<code id="secret""#).expect("the secret shown");
+    let secret = rest.split_once('>').expect("tag").1.split_once('<').expect("end").0;
+    assert!(secret.starts_with("tg_") && secret.starts_with(&key.prefix), "{secret}");
+    assert!(made.body.contains(&format!(r#"<tr data-key-id="{}">"#, key.id)), "the new key is listed");
+
+    // The secret is the key's: a check with it is admitted under its grant.
+    let checked = admission::check(&f.state, check_of(secret)).await.expect("admitted");
+    let admission::Checked::Admitted { bounds, .. } = checked else { panic!("not exempt") };
+    assert_eq!(bounds.max_rows, 500);
+    // And never shown again.
+    let again = get(&f.app, &format!("/console/projects/{}/keys/{}", f.project, key.id), Some(&session)).await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert!(!again.body.contains(secret));
+    assert!(!get(&f.app, &format!("/console/projects/{}", f.project), Some(&session)).await.body.contains(secret));
+
+    // A refused form: re-rendered with the field's message and what was typed; nothing made.
+    let bad = post(
+        &f.app,
+        &format!("/console/projects/{}/keys", f.project),
+        Some(&session),
+        &[("csrf", &page.csrf()), ("name", "second"), ("max_concurrent", "1001")],
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert!(bad.body.contains("grants.max_concurrent: must be between 1 and 1000"), "{}", bad.body);
+    assert!(bad.body.contains(r#"value="1001""#) && bad.body.contains(r#"value="second""#));
+    assert_eq!(f.store.api_keys(&f.project).await.expect("keys").len(), 2, "nothing made");
+}
+
+fn check_of(secret: &str) -> CheckRequest {
+    CheckRequest {
+        who: Who::Key(KeyRef::Secret(secret.to_owned())),
+        project: None,
+        agent: None,
+        actor: None,
+        storage_delta: None,
+        permit: false,
+        explain: false,
+        estimate: EstimateAsk::None,
+    }
+}
+
+/// The usage bar of a quota on a page: its percentage and level.
+fn bar_of(body: &str, quota: &str) -> (String, String) {
+    let (_, rest) = body.split_once(&format!(r#"data-quota-id="{quota}""#)).expect("the quota's bar");
+    let attr = |name: &str| {
+        let (_, v) = rest.split_once(&format!(r#"{name}=""#)).expect("attribute");
+        v.split_once('"').expect("end").0.to_owned()
+    };
+    (attr("data-percent"), attr("data-level"))
+}
+
+#[tokio::test]
+async fn the_bar_shows_the_count_a_check_compares_and_turns_at_80_and_100_percent() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let quota = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota;
+    let key_page = format!("/console/projects/{}/keys/{}", f.project, f.key);
+    let project_page = format!("/console/projects/{}", f.project);
+
+    let page = get(&f.app, &key_page, Some(&session)).await;
+    assert_eq!(bar_of(&page.body, quota.id.as_str()), ("0".into(), "ok".into()));
+    for _ in 0..4 {
+        admission::check(&f.state, check_of(&f.secret)).await.expect("admitted");
+    }
+    let page = get(&f.app, &key_page, Some(&session)).await;
+    assert_eq!(bar_of(&page.body, quota.id.as_str()), ("80".into(), "warn".into()));
+    assert!(page.body.contains("80 %</strong> — 4 of 5"), "the value in text: {}", page.body);
+    assert!(page.body.contains(r#"class="usage warn""#));
+    // The same count GET /v1/quotas/{id} answers: durable + settled + reserved.
+    let detail = quotas::get(&f.state, &quota.id).await.expect("quota");
+    assert_eq!(detail.current_usage.as_ref().map(|u| u.count), Some(4));
+    // The window is the project's day (Kathmandu, +05:45), reset at its midnight.
+    assert!(page.body.contains("<code>2026-08-01</code>"), "{}", page.body);
+    assert!(page.body.contains(r#"datetime="2026-08-01T18:15:00+00:00""#), "{}", page.body);
+    let listed = get(&f.app, &project_page, Some(&session)).await;
+    assert_eq!(bar_of(&listed.body, quota.id.as_str()), ("80".into(), "warn".into()));
+
+    admission::check(&f.state, check_of(&f.secret)).await.expect("the fifth is admitted");
+    let page = get(&f.app, &key_page, Some(&session)).await;
+    assert_eq!(bar_of(&page.body, quota.id.as_str()), ("100".into(), "full".into()));
+    assert!(page.body.contains("100 %</strong> — 5 of 5"));
+    assert!(admission::check(&f.state, check_of(&f.secret)).await.is_err(), "the sixth is refused");
+    let page = get(&f.app, &key_page, Some(&session)).await;
+    assert_eq!(bar_of(&page.body, quota.id.as_str()), ("100".into(), "full".into()), "a refusal reserves nothing");
+    let listed = get(&f.app, &project_page, Some(&session)).await;
+    assert_eq!(bar_of(&listed.body, quota.id.as_str()), ("100".into(), "full".into()));
+}
+
+#[tokio::test]
+async fn a_bad_grant_is_refused_with_its_message_and_changes_nothing() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let key_page = format!("/console/projects/{}/keys/{}", f.project, f.key);
+    let grants = format!("{key_page}/grants");
+    let csrf = get(&f.app, &key_page, Some(&session)).await.csrf();
+
+    // A role of another project is no role of this key's.
+    let other =
+        provisioning::create_project(&f.state, NewProject { name: "other".into(), timezone: chrono_tz::Tz::UTC })
+            .await
+            .expect("project");
+    let foreign_role = provisioning::create_role(
+        &f.state,
+        &other.id,
+        provisioning::NewRole { name: "r".into(), ..provisioning::NewRole::default() },
+        &Principal::new("admin", "test"),
+    )
+    .await
+    .expect("role");
+    let outbox = f.store.unpublished_audit(100).await.expect("outbox").len();
+    for (form, field, message) in [
+        (vec![("max_concurrent", "0")], "max_concurrent", "grants.max_concurrent: must be between 1 and 1000"),
+        (vec![("max_rows", "abc")], "max_rows", "grants.max_rows: must be a number"),
+        (vec![("query_timeout", "0")], "query_timeout", "grants.query_timeout: must be greater than 0"),
+        (vec![("max_rows", "-4")], "max_rows", "grants.max_rows: must be a whole number ≥ 0"),
+        (vec![("role_id", foreign_role.id.as_str())], "role_id", "role_id: no role"),
+    ] {
+        let mut form = form.clone();
+        form.push(("csrf", &csrf));
+        let a = post(&f.app, &grants, Some(&session), &form).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{form:?}");
+        assert!(a.body.contains(message), "{message} in {}", a.body);
+        if field != "role_id" {
+            let invalid = format!(r#"id="f-{field}" name="{field}" type="text" value="{}""#, form[0].1);
+            assert!(a.body.contains(&invalid), "{invalid} in {}", a.body);
+            assert!(a.body.contains(&format!(r#"id="f-{field}-error""#)));
+        }
+    }
+    let key = f.store.api_key(&f.key).await.expect("read").expect("live");
+    assert_eq!((key.grants, key.role_id), (Grants::default(), None), "nothing changed");
+    assert_eq!(f.store.unpublished_audit(100).await.expect("outbox").len(), outbox, "nothing audited");
+
+    // A good one: changed, audited, and shown granted beside effective.
+    let role = provisioning::create_role(
+        &f.state,
+        &f.project,
+        provisioning::NewRole {
+            name: "narrow".into(),
+            grants: Grants { max_rows: Some(50), ..Grants::default() },
+            ..provisioning::NewRole::default()
+        },
+        &Principal::new("admin", "test"),
+    )
+    .await
+    .expect("role");
+    let ok = post(
+        &f.app,
+        &grants,
+        Some(&session),
+        &[("csrf", &csrf), ("max_rows", "200"), ("max_concurrent", "3"), ("role_id", role.id.as_str())],
+    )
+    .await;
+    assert_eq!((ok.status, ok.location()), (StatusCode::SEE_OTHER, Some(key_page.as_str())));
+    let key = f.store.api_key(&f.key).await.expect("read").expect("live");
+    assert_eq!(key.grants, Grants { max_concurrent: Some(3), query_timeout: None, max_rows: Some(200) });
+    assert_eq!(key.role_id.as_ref(), Some(&role.id));
+    let audit = f.store.unpublished_audit(100).await.expect("outbox");
+    assert_eq!(audit.last().map(|e| e.action.as_str()), Some("keys:UpdateApiKey"));
+    let page = get(&f.app, &key_page, Some(&session)).await;
+    let row = page.body.split_once(r#"<tr data-limit="max_rows">"#).expect("the max_rows row").1;
+    let row = row.split_once("</tr>").expect("end").0;
+    assert!(row.contains(r#"<td class="num granted">200</td>"#), "{row}");
+    assert!(row.contains(r#"<td class="num effective">50</td>"#), "the role narrows it: {row}");
+    // The checks of the key run under the new grants at once.
+    let checked = admission::check(&f.state, check_of(&f.secret)).await.expect("admitted");
+    let admission::Checked::Admitted { bounds, .. } = checked else { panic!("not exempt") };
+    assert_eq!(bounds.max_rows, 50);
+}
+
+#[tokio::test]
+async fn a_key_is_shown_only_under_its_own_project() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let other =
+        provisioning::create_project(&f.state, NewProject { name: "other".into(), timezone: chrono_tz::Tz::UTC })
+            .await
+            .expect("project");
+    let elsewhere = format!("/console/projects/{}/keys/{}", other.id, f.key);
+    assert_eq!(get(&f.app, &elsewhere, Some(&session)).await.status, StatusCode::NOT_FOUND);
+    let csrf = get(&f.app, "/console", Some(&session)).await.csrf();
+    let a = post(&f.app, &format!("{elsewhere}/grants"), Some(&session), &[("csrf", &csrf), ("max_rows", "9")]).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(f.store.api_key(&f.key).await.expect("read").expect("live").grants, Grants::default());
+    assert_eq!(get(&f.app, "/console/projects/proj_nope", Some(&session)).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(get(&f.app, "/console/projects/bad%20id", Some(&session)).await.status, StatusCode::NOT_FOUND);
+}
