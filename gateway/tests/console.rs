@@ -15,7 +15,10 @@ use gateway::service::admission::{self, CheckRequest, EstimateAsk, KeyRef, Who};
 use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
 use gateway::service::quotas;
 use gateway::{AppState, Settings};
-use meter::{ApiKeyId, AuditStore, Grants, ManualClock, Metric, Principal, ProjectId, TenantStore, WindowKind};
+use meter::{
+    ApiKeyId, AuditStore, Component, EventId, EventKind, FoldBatch, Grants, Ledger, ManualClock, Metric, OffsetMove,
+    Price, PriceKey, PriceStore, Principal, ProjectId, TenantStore, TokenUsage, UsageFact, Usd, WindowKind,
+};
 use store::{MemoryView, SqliteLog, SqliteStore};
 use tower::ServiceExt;
 
@@ -488,4 +491,232 @@ async fn a_key_is_shown_only_under_its_own_project() {
     assert_eq!(f.store.api_key(&f.key).await.expect("read").expect("live").grants, Grants::default());
     assert_eq!(get(&f.app, "/console/projects/proj_nope", Some(&session)).await.status, StatusCode::NOT_FOUND);
     assert_eq!(get(&f.app, "/console/projects/bad%20id", Some(&session)).await.status, StatusCode::NOT_FOUND);
+}
+
+/// Folds `facts` into the store, as the projector would (offsets from `from`).
+async fn fold(store: &SqliteStore, from: i64, facts: Vec<UsageFact>) {
+    let to = from + i64::try_from(facts.len()).expect("few");
+    let batch = FoldBatch {
+        consumer: "projector".into(),
+        topic: "tollgate.usage".into(),
+        offsets: vec![OffsetMove { partition: 0, from, to }],
+        facts,
+        ..FoldBatch::default()
+    };
+    store.fold_batch(&batch).await.expect("fold");
+}
+
+fn at(s: &str) -> chrono::DateTime<Utc> {
+    chrono::DateTime::parse_from_rfc3339(s).expect("instant").with_timezone(&Utc)
+}
+
+/// A successful call of `key` at `when`.
+fn call(f: &Fixture, id: &str, when: &str) -> UsageFact {
+    UsageFact {
+        api_key_id: Some(f.key.clone()),
+        rows: 2,
+        ..UsageFact::new(EventId::parse(id).expect("id"), f.project.clone(), EventKind::Call, at(when))
+    }
+}
+
+#[tokio::test]
+async fn the_quotas_page_switches_a_quota_between_enforce_and_monitor() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let qid = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota.id;
+    let list = format!("/console/projects/{}/quotas", f.project);
+    let switch = format!("{list}/{qid}/mode");
+    let page = get(&f.app, &list, Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains(&format!(r#"<tr data-quota-id="{qid}" data-mode="enforce">"#)), "{}", page.body);
+    assert_eq!(bar_of(&page.body, qid.as_str()), ("0".into(), "ok".into()));
+    assert!(page.body.contains("Switch to monitor"));
+    let csrf = page.csrf();
+    let mode = || async { quotas::get(&f.state, &qid).await.expect("quota").quota.spec.mode };
+    let outbox = f.store.unpublished_audit(100).await.expect("outbox").len();
+
+    // Without the CSRF token, or with a mode the API refuses: nothing changes.
+    let a = post(&f.app, &switch, Some(&session), &[("mode", "monitor")]).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN);
+    let a = post(&f.app, &switch, Some(&session), &[("csrf", &csrf), ("mode", "asleep")]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.body.contains("mode: must be enforce or monitor"), "{}", a.body);
+    assert_eq!(mode().await, meter::Mode::Enforce);
+    assert_eq!(f.store.unpublished_audit(100).await.expect("outbox").len(), outbox, "nothing audited");
+
+    // Used up while enforced: the sixth check is refused.
+    for _ in 0..5 {
+        admission::check(&f.state, check_of(&f.secret)).await.expect("admitted");
+    }
+    assert!(admission::check(&f.state, check_of(&f.secret)).await.is_err(), "enforced");
+    assert_eq!(bar_of(&get(&f.app, &list, Some(&session)).await.body, qid.as_str()), ("100".into(), "full".into()));
+
+    // Switched to monitor, as PATCH /v1/quotas/{id} would: audited, and checks past the limit admitted.
+    let a = post(&f.app, &switch, Some(&session), &[("csrf", &csrf), ("mode", "monitor"), ("from", "quotas")]).await;
+    assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some(list.as_str())));
+    assert_eq!(mode().await, meter::Mode::Monitor);
+    let audit = f.store.unpublished_audit(100).await.expect("outbox");
+    assert_eq!(audit.last().map(|e| e.action.as_str()), Some("quotas:UpdateQuota"));
+    admission::check(&f.state, check_of(&f.secret)).await.expect("a monitor quota refuses nothing");
+    let page = get(&f.app, &list, Some(&session)).await;
+    assert!(page.body.contains(&format!(r#"<tr data-quota-id="{qid}" data-mode="monitor">"#)));
+    // The bar is still the count GET /v1/quotas/{id} gives.
+    let count = quotas::get(&f.state, &qid).await.expect("quota").current_usage.expect("a counter").count;
+    assert_eq!(bar_of(&page.body, qid.as_str()).0, (count * 100 / 5).to_string());
+    assert!(page.body.contains("Switch to enforce"));
+
+    // And back, from the quota's own page.
+    let a = post(&f.app, &switch, Some(&session), &[("csrf", &csrf), ("mode", "enforce")]).await;
+    assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some(format!("{list}/{qid}").as_str())));
+    assert_eq!(mode().await, meter::Mode::Enforce);
+    assert!(admission::check(&f.state, check_of(&f.secret)).await.is_err(), "enforced again");
+
+    // A quota is switched only under its own project.
+    let other =
+        provisioning::create_project(&f.state, NewProject { name: "other".into(), timezone: chrono_tz::Tz::UTC })
+            .await
+            .expect("project");
+    let elsewhere = format!("/console/projects/{}/quotas/{qid}", other.id);
+    assert_eq!(get(&f.app, &elsewhere, Some(&session)).await.status, StatusCode::NOT_FOUND);
+    let a = post(&f.app, &format!("{elsewhere}/mode"), Some(&session), &[("csrf", &csrf), ("mode", "monitor")]).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(mode().await, meter::Mode::Enforce);
+    let a = get(&f.app, &list, None).await;
+    assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some("/console/sign-in")));
+}
+
+#[tokio::test]
+async fn a_quotas_chart_shows_what_was_folded_over_its_window() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let qid = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota.id;
+    // The clock is 06:00 UTC on 1 August, 11:45 in Kathmandu: the day began at 18:15 UTC.
+    fold(
+        &f.store,
+        0,
+        vec![
+            call(&f, "c1", "2026-08-01T00:30:00Z"),
+            call(&f, "c2", "2026-08-01T00:40:00Z"),
+            call(&f, "c3", "2026-08-01T03:10:00Z"),
+            call(&f, "c0", "2026-07-31T18:05:00Z"),
+        ],
+    )
+    .await;
+    let page = get(&f.app, &format!("/console/projects/{}/quotas/{qid}", f.project), Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert_eq!(bar_of(&page.body, qid.as_str()), ("60".into(), "ok".into()), "3 of 5 today; c0 was yesterday");
+    assert!(page.body.contains(r#"<figure id="chart" data-slices="13">"#), "18:00 to 06:00 UTC: {}", page.body);
+    assert!(page.body.contains(r#"role="img" aria-labelledby="chart-title""#));
+    let values: Vec<(String, String)> = page
+        .body
+        .split(r#"data-value=""#)
+        .skip(1)
+        .map(|rest| {
+            let (v, rest) = rest.split_once('"').expect("value");
+            let c = rest.split_once(r#"data-cumulative=""#).expect("cumulative").1.split_once('"').expect("end").0;
+            (v.to_owned(), c.to_owned())
+        })
+        .collect();
+    let expected: Vec<(String, String)> = [0, 0, 0, 0, 0, 0, 2, 0, 0, 1, 0, 0, 0]
+        .iter()
+        .scan(0, |sum, v| {
+            *sum += v;
+            Some((v.to_string(), sum.to_string()))
+        })
+        .collect();
+    // The first hour (18:00-19:00 UTC) began before the day: it holds c0, folded into yesterday's day.
+    let mut expected = expected;
+    expected[0] = ("1".into(), "1".into());
+    for e in expected.iter_mut().skip(1) {
+        let (v, c) = (e.0.parse::<u64>().expect("n"), e.1.parse::<u64>().expect("n") + 1);
+        *e = (v.to_string(), c.to_string());
+    }
+    assert_eq!(values, expected);
+    assert!(page.body.contains(r#"<table id="chart-data">"#), "the numbers in a table too");
+    assert!(page.body.contains("Switch to monitor"));
+}
+
+#[tokio::test]
+async fn the_usage_page_shows_the_apis_report_with_priced_and_unpriced_apart() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let when = at("2026-07-31T20:00:00Z");
+    let key = |c| PriceKey { provider: "openai".into(), model: "gpt-4o".into(), component: c };
+    f.store
+        .put_prices(
+            &[Price { key: key(Component::InputTokens), unit_price_usd: Usd(2_500_000), effective_from: when }],
+            when,
+            None,
+        )
+        .await
+        .expect("prices");
+    let tokens = UsageFact {
+        actor_id: Some("user_1".into()),
+        tokens: vec![TokenUsage {
+            provider: "openai".into(),
+            model: "gpt-4o".into(),
+            input: 1000,
+            output: 7,
+            ..TokenUsage::default()
+        }],
+        ..UsageFact::new(EventId::parse("t1").expect("id"), f.project.clone(), EventKind::Tokens, when)
+    };
+    fold(&f.store, 0, vec![tokens]).await;
+    let usage = format!("/console/projects/{}/usage", f.project);
+
+    let page = get(&f.app, &usage, Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains(r#"<table id="usage-table" data-group-by="model">"#), "by model by default");
+    let row = |body: &str, component: &str| {
+        let r = body.split_once(&format!(r#"data-component="{component}">"#)).expect("the row").1;
+        r.split_once("</tr>").expect("end").0.to_owned()
+    };
+    let input = row(&page.body, "input_tokens");
+    assert!(
+        input.contains(
+            r#"<td class="num priced">1000</td><td class="num unpriced">0</td><td class="num cost">0.0025</td>"#
+        ),
+        "{input}"
+    );
+    let output = row(&page.body, "output_tokens");
+    assert!(
+        output.contains(r#"<td class="num priced">0</td><td class="num unpriced">7</td><td class="num cost">0</td>"#),
+        "{output}"
+    );
+    assert!(page.body.contains(r#"<td class="num" id="total-cost">0.0025</td>"#), "{}", page.body);
+    assert!(page.body.contains(r#"id="unpriced-note""#));
+    // The same figures as GET /v1/usage.
+    let api = Request::get(format!("/v1/usage?project_id={}&group_by=model", f.project))
+        .header("authorization", format!("Bearer {ADMIN}"))
+        .body(Body::empty())
+        .expect("request");
+    let api = send(&f.app, api).await;
+    let api: serde_json::Value = serde_json::from_str(&api.body).expect("json");
+    assert_eq!(api["data"][0]["cost_usd"], "0.0025");
+    assert_eq!(api["window_key"], "2026-08");
+    assert!(page.body.contains("<code>2026-08</code>"), "Kathmandu's August");
+
+    let by_actor = get(&f.app, &format!("{usage}?group_by=actor&window=day"), Some(&session)).await;
+    assert_eq!(by_actor.status, StatusCode::OK);
+    let r = by_actor.body.split_once(r#"<tr data-member="user_1">"#).expect("the actor").1;
+    let r = r.split_once("</tr>").expect("end").0;
+    assert!(
+        r.contains(r#"<td class="num">1007</td><td class="num cost">0.0025</td><td class="num unpriced">1</td>"#),
+        "{r}"
+    );
+    assert!(by_actor.body.contains(r#"<option value="actor" selected>actor</option>"#));
+
+    let earlier = get(&f.app, &format!("{usage}?group_by=model&at=2026-07-01T00:00:00Z"), Some(&session)).await;
+    assert_eq!(earlier.status, StatusCode::OK);
+    assert!(earlier.body.contains(r#"id="no-usage""#) && earlier.body.contains("<code>2026-07</code>"));
+
+    for (query, message) in [
+        ("window=current", "window: must be day or calendar_month"),
+        ("at=yesterday", "at: must be an RFC 3339 timestamp"),
+        ("group_by=colour", "group_by: must be one of model, actor, agent, api_key"),
+    ] {
+        let a = get(&f.app, &format!("{usage}?{query}"), Some(&session)).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(a.body.contains(message), "{message} in {}", a.body);
+    }
 }

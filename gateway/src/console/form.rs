@@ -10,8 +10,12 @@ use meter::{FieldError, Grants, RoleId};
 use serde_json::{Map, Value};
 
 use crate::dto::from_value;
+use crate::dto::quotas::QuotaPatchBody;
+use crate::dto::reports::UsageParams;
 use crate::dto::tenants::{ApiKeyBody, GrantsBody};
 use crate::service::provisioning::{KeyGrants, NewApiKey};
+use crate::service::quotas::Edit;
+use crate::service::usage::UsageQuery;
 
 /// The grant fields of the key forms, as the API names them.
 pub const GRANT_FIELDS: [&str; 3] = ["max_concurrent", "query_timeout", "max_rows"];
@@ -85,6 +89,29 @@ impl Fields {
             .present("role_id")
             .map(|r| RoleId::parse(r.to_owned()).map_err(|e| FieldError::new("role_id", e.to_string())));
         Ok(KeyGrants { role_id: role_id.transpose()?, grants })
+    }
+}
+
+impl Fields {
+    /// The mode switch (`mode`), read as `PATCH /v1/quotas/{id}` reads its body.
+    pub fn quota_mode(&self) -> Result<Edit, FieldError> {
+        let body = self.object(&["mode"], false);
+        if body.is_empty() {
+            return Err(FieldError::new("mode", "is required"));
+        }
+        Edit::try_from(from_value::<QuotaPatchBody>(Value::Object(body))?)
+    }
+
+    /// The usage page's choices for `project`, read as `GET /v1/usage`
+    /// reads its parameters (an empty one is left out).
+    pub fn usage_query(&self, project: &meter::ProjectId) -> Result<UsageQuery, FieldError> {
+        let opt = |name: &str| self.present(name).map(str::to_owned);
+        UsageQuery::try_from(UsageParams {
+            project_id: Some(project.to_string()),
+            group_by: Some(opt("group_by").unwrap_or_else(|| "model".to_owned())),
+            window: opt("window"),
+            at: opt("at"),
+        })
     }
 }
 

@@ -55,6 +55,10 @@ pub fn router() -> Router<AppState> {
         .route("/console/projects/{id}/keys", post(create_key))
         .route("/console/projects/{id}/keys/{key_id}", get(key))
         .route("/console/projects/{id}/keys/{key_id}/grants", post(set_grants))
+        .route("/console/projects/{id}/quotas", get(quotas_page))
+        .route("/console/projects/{id}/quotas/{quota_id}", get(quota_page))
+        .route("/console/projects/{id}/quotas/{quota_id}/mode", post(set_mode))
+        .route("/console/projects/{id}/usage", get(usage_page))
         .layer(axum::middleware::from_fn(protect))
 }
 
@@ -157,7 +161,22 @@ fn project_id(raw: String) -> service::Result<ProjectId> {
     crate::dto::path_id("project", raw, ProjectId::parse)
 }
 
-/// The usage bars of the quotas that count a key's calls, and of its role's quota.
+/// A quota's usage bar, from its current usage.
+fn quota_bar(q: &meter::Quota, u: quotas::CurrentUsage, whose: &str) -> Bar {
+    let sp = &q.spec;
+    Bar {
+        id: q.id.to_string(),
+        label: format!("{} per {} ({whose})", sp.metric.as_str(), sp.window.as_str()),
+        metric: sp.metric,
+        count: u.count,
+        limit: sp.limit,
+        window_key: u.window_key,
+        resets_at: u.resets_at,
+        mode: sp.mode.as_str(),
+    }
+}
+
+/// The usage bars of the quotas that count a key's calls.
 async fn bars_of(
     s: &AppState,
     p: &meter::Project,
@@ -168,22 +187,12 @@ async fn bars_of(
     let mut bars = Vec::new();
     for l in quotas.iter().filter(|l| quotas::applies_to_key(&l.quota, &key.id)) {
         let Some(u) = quotas::current_usage(s, p, &l.quota, l.inert, at).await? else { continue };
-        let sp = &l.quota.spec;
-        let whose = match (&sp.scope, &sp.scope_ref) {
+        let whose = match (&l.quota.spec.scope, &l.quota.spec.scope_ref) {
             (meter::Scope::Project, _) => "the whole project",
             (_, None) => "all keys together",
             _ => "this key",
         };
-        bars.push(Bar {
-            id: l.quota.id.to_string(),
-            label: format!("{} per {} ({whose})", sp.metric.as_str(), sp.window.as_str()),
-            metric: sp.metric,
-            count: u.count,
-            limit: sp.limit,
-            window_key: u.window_key,
-            resets_at: u.resets_at,
-            mode: sp.mode.as_str(),
-        });
+        bars.push(quota_bar(&l.quota, u, whose));
     }
     Ok(bars)
 }
@@ -345,6 +354,148 @@ async fn set_grants(
         Err(service::Error::Invalid(e)) => {
             key_page(&s, &session, &pid, &kid, Some(&refused(e)), StatusCode::BAD_REQUEST).await
         }
+        Err(e) => failure(e),
+    }
+}
+
+/// A project with its counts, for a page's header.
+async fn summary(s: &AppState, pid: &ProjectId, quotas: usize) -> service::Result<ProjectSummary> {
+    let project = provisioning::project(s, pid).await?;
+    let keys = s.stores.tenants.api_keys(pid).await?.len();
+    Ok(ProjectSummary { project, keys, quotas })
+}
+
+/// The quotas page, with a refusal of the mode switch if there was one.
+async fn quotas_view(
+    s: &AppState,
+    session: &Session,
+    pid: &ProjectId,
+    error: Option<&meter::FieldError>,
+) -> service::Result<Markup> {
+    let listed = quotas::list(s, pid).await?;
+    let p = summary(s, pid, listed.len()).await?;
+    let at = s.clock.now();
+    let mut rows = Vec::with_capacity(listed.len());
+    for l in &listed {
+        let usage = quotas::current_usage(s, &p.project, &l.quota, l.inert, at).await?;
+        let bar = usage.map(|u| quota_bar(&l.quota, u, &view::scope_text(&l.quota)));
+        rows.push(view::QuotaRow { quota: &l.quota, inert: l.inert, bar });
+    }
+    Ok(view::quotas(&session.csrf, &p, &rows, error))
+}
+
+async fn quotas_page(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    let shown = async {
+        let pid = project_id(id)?;
+        quotas_view(&s, &session, &pid, None).await
+    };
+    match shown.await {
+        Ok(markup) => html(StatusCode::OK, markup),
+        Err(e) => failure(e),
+    }
+}
+
+/// The ids of a quota's path, the quota one of that project's (404 otherwise).
+async fn project_quota(s: &AppState, id: String, quota_id: String) -> service::Result<(ProjectId, quotas::Detail)> {
+    let pid = project_id(id)?;
+    let qid = crate::dto::path_id("quota", quota_id, meter::QuotaId::parse)?;
+    let detail = quotas::get(s, &qid).await?;
+    if detail.quota.spec.project_id != pid {
+        return Err(service::Error::not_found("quota", qid.as_str()));
+    }
+    Ok((pid, detail))
+}
+
+async fn quota_page(
+    session: Session,
+    State(s): State<AppState>,
+    Path((id, quota_id)): Path<(String, String)>,
+) -> Response {
+    let shown = async {
+        let (pid, d) = project_quota(&s, id, quota_id).await?;
+        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let series = quotas::series(&s, &p.project, &d.quota, d.inert, s.clock.now()).await?;
+        let bar = d.current_usage.clone().map(|u| quota_bar(&d.quota, u, &view::scope_text(&d.quota)));
+        let row = view::QuotaRow { quota: &d.quota, inert: d.inert, bar };
+        Ok::<_, service::Error>(view::quota(&session.csrf, &p, &row, &series))
+    };
+    match shown.await {
+        Ok(markup) => html(StatusCode::OK, markup),
+        Err(e) => failure(e),
+    }
+}
+
+/// The mode switch: `PATCH /v1/quotas/{id}`'s body (`{"mode"}`) and call;
+/// a 303 back to the page it was on, or the quotas page again with the refusal.
+async fn set_mode(
+    session: Session,
+    State(s): State<AppState>,
+    Path((id, quota_id)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let fields = Fields::parse(&body);
+    if !session.csrf_ok(&s, fields.get("csrf")) {
+        return forbidden();
+    }
+    let (pid, d) = match project_quota(&s, id, quota_id).await {
+        Ok(found) => found,
+        Err(e) => return failure(e),
+    };
+    let edit = match fields.quota_mode() {
+        Ok(edit) => edit,
+        Err(e) => return mode_refused(&s, &session, &pid, &e).await,
+    };
+    match quotas::edit(&s, &d.quota.id, edit).await {
+        Ok(_) => {
+            let back = match fields.get("from") {
+                Some("quotas") => format!("{}/quotas", view::project_href(pid.as_str())),
+                _ => view::quota_href(pid.as_str(), d.quota.id.as_str()),
+            };
+            Redirect::to(&back).into_response()
+        }
+        Err(service::Error::Invalid(e)) => mode_refused(&s, &session, &pid, &e).await,
+        Err(e) => failure(e),
+    }
+}
+
+/// The quotas page again, 400, with a refused mode switch's message.
+async fn mode_refused(s: &AppState, session: &Session, pid: &ProjectId, e: &meter::FieldError) -> Response {
+    match quotas_view(s, session, pid, Some(e)).await {
+        Ok(markup) => html(StatusCode::BAD_REQUEST, markup),
+        Err(e) => failure(e),
+    }
+}
+
+/// The usage page: `GET /v1/usage`'s parameters (read and checked by its
+/// DTO) and report. With no parameters: by model, this month.
+async fn usage_page(
+    session: Session,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    uri: axum::http::Uri,
+) -> Response {
+    let fields = Fields::parse(uri.query().unwrap_or("").as_bytes());
+    let shown = async {
+        let pid = project_id(id)?;
+        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let form = view::UsageForm {
+            group_by: fields.get("group_by").unwrap_or("model"),
+            window: fields.get("window").unwrap_or("calendar_month"),
+            at: fields.value("at"),
+        };
+        let query = fields.usage_query(&pid);
+        let (report, error, status) = match query {
+            Ok(q) => match service::usage::report(&s, q).await {
+                Ok(r) => (Some(r), None, StatusCode::OK),
+                Err(service::Error::Invalid(e)) => (None, Some(e), StatusCode::BAD_REQUEST),
+                Err(e) => return Err(e),
+            },
+            Err(e) => (None, Some(e), StatusCode::BAD_REQUEST),
+        };
+        Ok::<_, service::Error>((status, view::usage(&session.csrf, &p, &form, report.as_ref(), error.as_ref())))
+    };
+    match shown.await {
+        Ok((status, markup)) => html(status, markup),
         Err(e) => failure(e),
     }
 }

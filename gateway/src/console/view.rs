@@ -12,10 +12,12 @@
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use maud::{DOCTYPE, Markup, html};
-use meter::{ApiKey, FieldError, Metric, Role, Usd};
+use meter::{ApiKey, FieldError, Metric, Mode, Quota, Role, Usd, Window};
 
 use super::form::{Fields, GRANT_FIELDS, input_of};
+use crate::dto::reports::{MemberUsageView, ModelUsageView};
 use crate::service::provisioning::{KeyDetail, ProjectSummary};
+use crate::service::usage::{GroupBy, Report, Rows};
 
 /// A page: the layout around `body`. `csrf` is the session's token (none
 /// on the sign-in page, which has no session and no sign-out button).
@@ -150,6 +152,20 @@ pub struct Bar {
 }
 
 impl Bar {
+    /// A bar of nothing against nothing, to fill in.
+    pub fn empty() -> Bar {
+        Bar {
+            id: String::new(),
+            label: String::new(),
+            metric: Metric::Calls,
+            count: 0,
+            limit: 0,
+            window_key: String::new(),
+            resets_at: None,
+            mode: "enforce",
+        }
+    }
+
     /// The whole percentage used, rounded down (100 for a zero limit).
     pub fn percent(&self) -> u64 {
         if self.limit == 0 {
@@ -239,6 +255,7 @@ pub fn project(
         &[(&p.project.name, project_href(pid))],
         html! {
             h1 { "Project " (p.project.name) }
+            (project_nav(pid, "keys"))
             dl.facts {
                 dt { "ID" } dd { code { (pid) } }
                 dt { "Time zone" } dd { (tz.name()) }
@@ -431,6 +448,354 @@ pub fn key(csrf: &str, p: &ProjectSummary, d: &KeyDetail, bars: &[Bar], roles: &
                 }
             },
         ))
+    }
+}
+
+/// The links between a project's pages; `current` is marked.
+pub fn project_nav(pid: &str, current: &str) -> Markup {
+    let links = [
+        ("keys", "API keys", project_href(pid)),
+        ("quotas", "Quotas", format!("{}/quotas", project_href(pid))),
+        ("usage", "Usage", format!("{}/usage", project_href(pid))),
+    ];
+    html! {
+        nav.sub aria-label="Project" {
+            ul {
+                @for (name, label, href) in &links {
+                    li { a href=(href) aria-current=[(*name == current).then_some("page")] { (label) } }
+                }
+            }
+        }
+    }
+}
+
+pub fn quota_href(project: &str, quota: &str) -> String {
+    format!("/console/projects/{project}/quotas/{quota}")
+}
+
+/// Who a quota counts, as a person reads it.
+pub fn scope_text(q: &Quota) -> String {
+    match &q.spec.scope_ref {
+        Some(r) => format!("{} {r}", q.spec.scope.as_str()),
+        None if q.spec.scope == meter::Scope::Actor => "each actor".to_owned(),
+        None if q.spec.scope == meter::Scope::Project => "the project".to_owned(),
+        None => format!("every {}", q.spec.scope.as_str()),
+    }
+}
+
+/// A quota's row on the quotas page: its bar, or why it has none.
+pub struct QuotaRow<'a> {
+    pub quota: &'a Quota,
+    pub inert: bool,
+    pub bar: Option<Bar>,
+}
+
+/// The form that switches a quota between enforce and monitor (`PATCH
+/// /v1/quotas/{id}`'s `mode`); `from` is the page to come back to.
+fn mode_form(csrf: &str, pid: &str, q: &Quota, from: &str) -> Markup {
+    let to = match q.spec.mode {
+        Mode::Enforce => Mode::Monitor,
+        Mode::Monitor => Mode::Enforce,
+    };
+    html! {
+        form.mode id=(format!("mode-{}", q.id)) method="post" action=(format!("{}/mode", quota_href(pid, q.id.as_str())))
+            data-quota-id=(q.id) {
+            input type="hidden" name="csrf" value=(csrf);
+            input type="hidden" name="from" value=(from);
+            input type="hidden" name="mode" value=(to.as_str());
+            button type="submit" { "Switch to " (to.as_str()) }
+        }
+    }
+}
+
+/// When a quota has no bar: why.
+fn no_bar(r: &QuotaRow<'_>) -> &'static str {
+    if r.inert {
+        "inert: its key was deleted"
+    } else if r.quota.spec.scope == meter::Scope::Actor {
+        "one budget per actor"
+    } else {
+        "no single counter"
+    }
+}
+
+/// `/console/projects/{id}/quotas`: every quota with its usage, mode and switch.
+pub fn quotas(csrf: &str, p: &ProjectSummary, rows: &[QuotaRow<'_>], error: Option<&FieldError>) -> Markup {
+    let pid = p.project.id.as_str();
+    let tz = p.project.timezone;
+    page(
+        &format!("Quotas of {}", p.project.name),
+        Some(csrf),
+        &[(&p.project.name, project_href(pid)), ("Quotas", format!("{}/quotas", project_href(pid)))],
+        html! {
+            h1 { "Quotas of " (p.project.name) }
+            (project_nav(pid, "quotas"))
+            (error_summary(error, "quotas-error"))
+            @if rows.is_empty() {
+                p #no-quotas { "No quotas yet." }
+            } @else {
+                table #quotas {
+                    caption { (rows.len()) " quotas, with their usage in the current window" }
+                    thead { tr { th scope="col" { "Quota" } th scope="col" { "Counts" } th scope="col" { "Metric" }
+                        th scope="col" { "Window" } th scope="col" { "Usage" } th scope="col" { "Mode" } } }
+                    tbody {
+                        @for r in rows {
+                            tr data-quota-id=(r.quota.id) data-mode=(r.quota.spec.mode.as_str()) {
+                                th scope="row" { a href=(quota_href(pid, r.quota.id.as_str())) { code { (r.quota.id) } } }
+                                td { (scope_text(r.quota)) }
+                                td { (r.quota.spec.metric.as_str())
+                                    @if let Some(m) = &r.quota.spec.meter_type { " (" (m) ")" } }
+                                td { (r.quota.spec.window.as_str()) }
+                                td {
+                                    @match &r.bar {
+                                        Some(b) => (bar(b, tz)),
+                                        None => { "limit " (amount(r.quota.spec.metric, r.quota.spec.limit)) "; " (no_bar(r)) }
+                                    }
+                                }
+                                td.mode {
+                                    strong { (r.quota.spec.mode.as_str()) }
+                                    (mode_form(csrf, pid, r.quota, "quotas"))
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+/// The chart's size, in its own units (the page scales it).
+const CHART_W: u64 = 600;
+const CHART_H: u64 = 160;
+
+/// A quota's usage over its window as an SVG: one bar per slice, its height
+/// the usage folded up to the slice's end, against a line at the limit.
+pub fn chart(q: &Quota, series: &[(Window, u64)], tz: Tz) -> Markup {
+    let limit = q.spec.limit;
+    let mut running = 0u64;
+    let cumulative: Vec<u64> = series
+        .iter()
+        .map(|(_, v)| {
+            running = running.saturating_add(*v);
+            running
+        })
+        .collect();
+    let top = cumulative.iter().copied().chain([limit, 1]).max().unwrap_or(1);
+    let y = |v: u64| CHART_H - u64::try_from(u128::from(v) * u128::from(CHART_H) / u128::from(top)).unwrap_or(CHART_H);
+    let n = u64::try_from(series.len().max(1)).unwrap_or(1);
+    let bw = CHART_W / n;
+    let level = |v: u64| Bar { count: v, limit, ..Bar::empty() }.level();
+    let (first, last) = (series.first().map(|(w, _)| w.start), series.last().and_then(|(w, _)| w.resets_at));
+    html! {
+        figure #chart data-slices=(series.len()) {
+            svg.chart viewBox=(format!("0 0 {CHART_W} {CHART_H}")) preserveAspectRatio="none" role="img"
+                aria-labelledby="chart-title" {
+                title #chart-title { "Usage of quota " (q.id) " over its window, against its limit" }
+                rect.chart-bg x="0" y="0" width=(CHART_W) height=(CHART_H) {}
+                @for (i, ((w, v), c)) in series.iter().zip(&cumulative).enumerate() {
+                    @let x = u64::try_from(i).unwrap_or(0) * bw;
+                    rect class={ "slice " (level(*c)) } x=(x) y=(y(*c)) width=(bw.saturating_sub(1).max(1))
+                        height=(CHART_H - y(*c)) data-slice=(w.key) data-value=(v) data-cumulative=(c) {}
+                }
+                line.limit x1="0" x2=(CHART_W) y1=(y(limit)) y2=(y(limit)) {}
+            }
+            figcaption {
+                "Folded usage, cumulative, by " (series.first().map_or("slice", |(w, _)| slice_noun(w)))
+                @if let Some(f) = first { " from " (when(f, tz)) }
+                @if let Some(l) = last { " to " (when(l, tz)) }
+                "; the line is the limit (" (amount(q.spec.metric, limit)) ")."
+            }
+            details {
+                summary { "The chart's numbers" }
+                table #chart-data {
+                    thead { tr { th scope="col" { "Slice" } th scope="col" class="num" { "In the slice" }
+                        th scope="col" class="num" { "Cumulative" } } }
+                    tbody {
+                        @for ((w, v), c) in series.iter().zip(&cumulative) {
+                            tr { th scope="row" { (when(w.start, tz)) } td.num { (amount(q.spec.metric, *v)) }
+                                td.num { (amount(q.spec.metric, *c)) } }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn slice_noun(w: &Window) -> &'static str {
+    match w.kind {
+        meter::WindowKind::Day => "day",
+        meter::WindowKind::Rolling1m => "minute",
+        _ => "hour",
+    }
+}
+
+/// `/console/projects/{id}/quotas/{quota_id}`: a quota, its bar, its chart and its mode switch.
+pub fn quota(csrf: &str, p: &ProjectSummary, row: &QuotaRow<'_>, series: &[(Window, u64)]) -> Markup {
+    let pid = p.project.id.as_str();
+    let tz = p.project.timezone;
+    let q = row.quota;
+    let sp = &q.spec;
+    page(
+        &format!("Quota {}", q.id),
+        Some(csrf),
+        &[
+            (&p.project.name, project_href(pid)),
+            ("Quotas", format!("{}/quotas", project_href(pid))),
+            (q.id.as_str(), quota_href(pid, q.id.as_str())),
+        ],
+        html! {
+            h1 { "Quota " code { (q.id) } }
+            (project_nav(pid, "quotas"))
+            dl.facts #quota data-quota-id=(q.id) data-mode=(sp.mode.as_str()) {
+                dt { "Counts" } dd { (scope_text(q)) }
+                dt { "Metric" } dd { (sp.metric.as_str()) @if let Some(m) = &sp.meter_type { " (" (m) ")" } }
+                dt { "Window" } dd { (sp.window.as_str()) " in " (tz.name()) }
+                dt { "Limit" } dd { (amount(sp.metric, sp.limit)) }
+                dt { "Mode" } dd { strong { (sp.mode.as_str()) } (mode_form(csrf, pid, q, "quota")) }
+                @if let Some(o) = sp.on_unpriced {
+                    dt { "Unpriced usage" }
+                    dd { @match o { meter::OnUnpriced::Block => "block", meter::OnUnpriced::Allow => "allow" } }
+                }
+            }
+            section #usage aria-labelledby="usage-title" {
+                h2 #usage-title { "Current window" }
+                @match &row.bar {
+                    Some(b) => (bar(b, tz)),
+                    None => p { (no_bar(row)) }
+                }
+            }
+            section aria-labelledby="chart-title-h" {
+                h2 #chart-title-h { "Over the window" }
+                @if series.is_empty() {
+                    p #no-chart { "No chart for this quota (a one-minute window, storage, or no single counter)." }
+                } @else {
+                    (chart(q, series, tz))
+                }
+            }
+        },
+    )
+}
+
+/// The usage page's choices, as typed.
+pub struct UsageForm<'a> {
+    pub group_by: &'a str,
+    pub window: &'a str,
+    pub at: &'a str,
+}
+
+/// `/console/projects/{id}/usage`: `GET /v1/usage`'s report, by model, actor, agent or key.
+pub fn usage(
+    csrf: &str,
+    p: &ProjectSummary,
+    form: &UsageForm<'_>,
+    report: Option<&Report>,
+    error: Option<&FieldError>,
+) -> Markup {
+    let pid = p.project.id.as_str();
+    let tz = p.project.timezone;
+    let select = |name: &str, label: &str, options: &[&str], chosen: &str| {
+        html! {
+            div.field.invalid[error.is_some_and(|e| e.field == name)] {
+                label for=(format!("u-{name}")) { (label) }
+                select id=(format!("u-{name}")) name=(name) {
+                    @for o in options { option value=(o) selected[*o == chosen] { (o) } }
+                }
+            }
+        }
+    };
+    let groups: Vec<&str> = GroupBy::ALL.iter().map(|g| g.as_str()).collect();
+    page(
+        &format!("Usage of {}", p.project.name),
+        Some(csrf),
+        &[(&p.project.name, project_href(pid)), ("Usage", format!("{}/usage", project_href(pid)))],
+        html! {
+            h1 { "Usage of " (p.project.name) }
+            (project_nav(pid, "usage"))
+            form #usage-form method="get" action=(format!("{}/usage", project_href(pid))) {
+                (error_summary(error, "usage-error"))
+                (select("group_by", "Group by", &groups, form.group_by))
+                (select("window", "Period", &["calendar_month", "day"], form.window))
+                div.field.invalid[error.is_some_and(|e| e.field == "at")] {
+                    label for="u-at" { "At (RFC 3339; empty for now)" }
+                    input #u-at type="text" name="at" value=(form.at) placeholder="2026-08-01T00:00:00Z";
+                }
+                button type="submit" { "Show" }
+            }
+            @if let Some(r) = report {
+                p #period { "Folded usage in " (r.window.kind.as_str()) " " code { (r.window.key) }
+                    " (" (when(r.window.start, tz)) @if let Some(e) = r.window.resets_at { " to " (when(e, tz)) } ")."
+                    " Costs are of priced usage only, in USD." }
+                @match &r.rows {
+                    Rows::Models(rows) => (model_table(rows)),
+                    Rows::Members(rows) => (member_table(r.group_by, rows)),
+                }
+            }
+        },
+    )
+}
+
+fn model_table(rows: &[meter::ModelUsageRow]) -> Markup {
+    let total = rows.iter().fold(Usd(0), |acc, r| Usd(acc.0.saturating_add(r.cost.0)));
+    let unpriced = rows.iter().filter(|r| r.unpriced_quantity > 0).count();
+    html! {
+        @if rows.is_empty() { p #no-usage { "No usage folded in this period." } } @else {
+            table #usage-table data-group-by="model" {
+                caption { "By model: priced and unpriced quantities apart; cost of the priced" }
+                thead { tr { th scope="col" { "Provider" } th scope="col" { "Model" } th scope="col" { "Component" }
+                    th scope="col" { "Meter" } th scope="col" class="num" { "Priced quantity" }
+                    th scope="col" class="num" { "Unpriced quantity" } th scope="col" class="num" { "Cost (USD)" } } }
+                tbody {
+                    @for r in rows {
+                        @let v = ModelUsageView::from(r);
+                        tr data-model=(v.model) data-component=(v.component) {
+                            th scope="row" { (v.provider) }
+                            td { (v.model) @if v.embedding { " (embedding)" } }
+                            td { (v.component) }
+                            td { (v.meter_type) }
+                            td.num.priced { (v.priced_quantity) }
+                            td.num.unpriced { (v.unpriced_quantity) }
+                            td.num.cost { (v.cost_usd) }
+                        }
+                    }
+                }
+                tfoot { tr { th scope="row" colspan="6" { "Total priced cost" } td.num #total-cost { (total) } } }
+            }
+            @if unpriced > 0 {
+                p #unpriced-note { (unpriced) " rows have unpriced usage, which no cost includes: put a price for them." }
+            }
+        }
+    }
+}
+
+fn member_table(group_by: GroupBy, rows: &[crate::service::usage::Member]) -> Markup {
+    let who = match group_by {
+        GroupBy::Actor => "Actor",
+        GroupBy::Agent => "Agent",
+        _ => "API key",
+    };
+    html! {
+        @if rows.is_empty() { p #no-usage { "No usage folded in this period." } } @else {
+            table #usage-table data-group-by=(group_by.as_str()) {
+                caption { "By " (who.to_lowercase()) ": counts, priced cost, and LLM events with unpriced usage" }
+                thead { tr { th scope="col" { (who) } th scope="col" class="num" { "Requests" }
+                    th scope="col" class="num" { "Calls" } th scope="col" class="num" { "Rows" }
+                    th scope="col" class="num" { "Tokens" } th scope="col" class="num" { "Cost (USD, priced)" }
+                    th scope="col" class="num" { "LLM events unpriced" } } }
+                tbody {
+                    @for m in rows {
+                        @let v = MemberUsageView::from(m);
+                        tr data-member=(m.id) {
+                            th scope="row" { code { (m.id) } }
+                            td.num { (v.requests) } td.num { (v.calls) } td.num { (v.rows) } td.num { (v.tokens) }
+                            td.num.cost { (v.cost_usd) }
+                            td.num.unpriced { (m.totals.llm_unpriced) }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use meter::apply::DesiredQuota;
 use meter::{
     ApiKeyId, Clock, CounterKey, Dimension, Metric, Mode, PortError, Principal, Project, ProjectId, Quota, QuotaId,
-    QuotaPatch, QuotaPlan, QuotaSpec, Scope, window_at,
+    QuotaPatch, QuotaPlan, QuotaSpec, Scope, Totals, window_at,
 };
 
 use super::{Error, Result, admin_api, now_micros};
@@ -183,7 +183,21 @@ pub async fn current_usage(
     at: DateTime<Utc>,
 ) -> Result<Option<CurrentUsage>> {
     let sp = &quota.spec;
-    let dimension = match (sp.scope, &sp.scope_ref) {
+    let Some(d) = counter_dimension(quota, inert) else { return Ok(None) };
+    let w = window_at(sp.window, project.timezone, at);
+    let key = if sp.metric == Metric::StorageBytes {
+        CounterKey::footprint()
+    } else {
+        CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() }
+    };
+    let (t, reserved) = super::usage::live_count(s, &project.id, &key, at).await?;
+    Ok(Some(CurrentUsage { window_key: w.key, count: metric_value(sp, &t, reserved), resets_at: w.resets_at }))
+}
+
+/// The one counter a quota reads, if it has one: not inert, and not one
+/// budget per actor.
+fn counter_dimension(q: &Quota, inert: bool) -> Option<Dimension> {
+    match (q.spec.scope, &q.spec.scope_ref) {
         // A deleted key's quota counts nothing any more.
         _ if inert => None,
         (Scope::Project, _) | (Scope::Agent, None) => Some(Dimension::Project),
@@ -193,24 +207,41 @@ pub async fn current_usage(
         (Scope::Actor, Some(r)) => Some(Dimension::Actor(r.clone())),
         // One budget per actor: no single counter. (User scope is a role's, never stored.)
         (Scope::Actor, None) | (Scope::User, _) => None,
-    };
-    let Some(d) = dimension else { return Ok(None) };
-    let w = window_at(sp.window, project.timezone, at);
-    let key = if sp.metric == Metric::StorageBytes {
-        CounterKey::footprint()
-    } else {
-        CounterKey { dimension: d, window: w.kind, window_key: w.key.clone() }
-    };
-    let (t, reserved) = super::usage::live_count(s, &project.id, &key, at).await?;
-    let count = match sp.metric {
+    }
+}
+
+/// What a quota compares of a counter's totals (and, for calls, its live
+/// reservations), in the metric's unit.
+fn metric_value(sp: &QuotaSpec, t: &Totals, reserved_calls: u64) -> u64 {
+    match sp.metric {
         Metric::Requests => t.requests,
-        Metric::Calls => t.calls + reserved,
+        Metric::Calls => t.calls + reserved_calls,
         Metric::Rows => t.rows,
         Metric::Tokens => t.tokens,
         Metric::CostUsd => t.cost(sp.meter()),
         Metric::StorageBytes => u64::try_from(t.storage.max(0)).unwrap_or(0),
+    }
+}
+
+/// A quota's usage over its window at `at`, slice by slice
+/// ([`super::usage::slices`]): what the projector has folded in each, in
+/// the metric's unit (durable only; [`current_usage`] is the live count).
+/// Empty for a quota with no single counter, on storage, or on a one-minute
+/// window.
+pub async fn series(
+    s: &AppState,
+    project: &Project,
+    quota: &Quota,
+    inert: bool,
+    at: DateTime<Utc>,
+) -> Result<Vec<(meter::Window, u64)>> {
+    let sp = &quota.spec;
+    let Some(d) = counter_dimension(quota, inert).filter(|_| sp.metric != Metric::StorageBytes) else {
+        return Ok(Vec::new());
     };
-    Ok(Some(CurrentUsage { window_key: w.key, count, resets_at: w.resets_at }))
+    let slices = super::usage::slices(&window_at(sp.window, project.timezone, at), project.timezone, at);
+    let totals = super::usage::durable_series(s, &project.id, &d, &slices).await?;
+    Ok(slices.into_iter().zip(totals).map(|(w, t)| (w, metric_value(sp, &t, 0))).collect())
 }
 
 /// Whether a quota counts a key's calls whatever agent or actor makes

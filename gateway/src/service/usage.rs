@@ -123,6 +123,53 @@ pub async fn report(s: &AppState, q: UsageQuery) -> Result<Report> {
     Ok(Report { project, window, group_by: q.group_by, rows })
 }
 
+/// Most slices a window is charted in (a month of days, a DST day of hours,
+/// an hour of minutes).
+pub const MAX_SLICES: usize = 62;
+
+/// The shorter windows a window's usage is charted in, from its start up to
+/// `until` (or its end): the days of a calendar month, the hours of a day or
+/// of 24 hours, the minutes of an hour; none for a minute or `current`.
+/// Rolling windows are whole UTC hours and minutes, so in a zone whose
+/// offset is not whole hours (+05:45) the first hour of a day begins before
+/// the day does.
+pub fn slices(window: &Window, tz: chrono_tz::Tz, until: DateTime<Utc>) -> Vec<Window> {
+    let sub = match window.kind {
+        WindowKind::CalendarMonth => WindowKind::Day,
+        WindowKind::Day | WindowKind::Rolling24h => WindowKind::Rolling1h,
+        WindowKind::Rolling1h => WindowKind::Rolling1m,
+        WindowKind::Rolling1m | WindowKind::Current => return Vec::new(),
+    };
+    let mut out = Vec::new();
+    let mut t = window.start;
+    while t <= until && window.resets_at.is_none_or(|r| t < r) && out.len() < MAX_SLICES {
+        let w = meter::window_at(sub, tz, t);
+        match w.resets_at {
+            Some(next) if next > t => t = next,
+            _ => break,
+        }
+        out.push(w);
+    }
+    out
+}
+
+/// The durable totals of one dimension in each of the given windows (zero
+/// where nothing was folded), in their order: one read of the ledger.
+pub async fn durable_series(
+    s: &AppState,
+    project: &ProjectId,
+    dimension: &Dimension,
+    windows: &[Window],
+) -> Result<Vec<Totals>> {
+    let keys: Vec<CounterKey> = windows
+        .iter()
+        .map(|w| CounterKey { dimension: dimension.clone(), window: w.kind, window_key: w.key.clone() })
+        .collect();
+    let found: std::collections::HashMap<CounterKey, Totals> =
+        s.stores.ledger.totals(project, &keys).await?.into_iter().collect();
+    Ok(keys.iter().map(|k| found.get(k).copied().unwrap_or_default()).collect())
+}
+
 /// A counter's usage (durable + pending + the estimates its live
 /// reservations hold) and its live reservations: from the view (which seeds
 /// an unseeded project), or the durable totals alone, with no reservations,
@@ -153,5 +200,29 @@ mod tests {
         assert_eq!(member(GroupBy::ApiKey, &k(Dimension::AllApiKeys)), None);
         assert_eq!(member(GroupBy::Actor, &k(Dimension::Agent("a".into()))), None);
         assert_eq!(member(GroupBy::Agent, &k(Dimension::Agent("a".into()))), Some(("agent_id", "a".to_owned())));
+    }
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).expect("instant").with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_window_is_charted_in_its_days_hours_or_minutes_up_to_now() {
+        let tz = chrono_tz::Asia::Kathmandu;
+        let at = utc("2026-08-03T06:10:00Z");
+        let month = meter::window_at(WindowKind::CalendarMonth, tz, at);
+        let days: Vec<String> = slices(&month, tz, at).into_iter().map(|w| w.key).collect();
+        assert_eq!(days, ["2026-08-01", "2026-08-02", "2026-08-03"]);
+        // A Kathmandu day begins at 18:15 UTC: its first hour is 18:00-19:00 UTC.
+        let day = meter::window_at(WindowKind::Day, tz, at);
+        let hours = slices(&day, tz, at);
+        assert_eq!(hours.first().map(|w| w.start), Some(utc("2026-08-02T18:00:00Z")));
+        assert_eq!(hours.last().map(|w| w.start), Some(utc("2026-08-03T06:00:00Z")));
+        assert_eq!(hours.len(), 13);
+        let whole = slices(&day, tz, utc("2026-08-09T00:00:00Z"));
+        assert_eq!(whole.len(), 25, "to the day's end, which is inside its 25th UTC hour");
+        let hour = meter::window_at(WindowKind::Rolling1h, tz, at);
+        assert_eq!(slices(&hour, tz, at).len(), 11, "06:00 to 06:10");
+        assert!(slices(&meter::window_at(WindowKind::Rolling1m, tz, at), tz, at).is_empty());
     }
 }
