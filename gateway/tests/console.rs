@@ -13,11 +13,12 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use chrono::{TimeZone, Utc};
 use gateway::service::admission::{self, CheckRequest, EstimateAsk, KeyRef, Who};
 use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
-use gateway::service::quotas;
+use gateway::service::{quotas, webhooks};
 use gateway::{AppState, Settings};
 use meter::{
-    ApiKeyId, AuditStore, Component, EventId, EventKind, FoldBatch, Grants, Ledger, ManualClock, Metric, OffsetMove,
-    Price, PriceKey, PriceStore, Principal, ProjectId, TenantStore, TokenUsage, UsageFact, Usd, WindowKind,
+    ApiKeyId, AuditBatch, AuditStore, Clock, Component, EventId, EventKind, EventTypes, FoldBatch, Grants, Ledger,
+    ManualClock, Metric, OffsetMove, Price, PriceKey, PriceStore, Principal, ProjectId, TenantStore, TokenUsage,
+    UnpricedException, UsageFact, Usd, WindowKind,
 };
 use store::{MemoryView, SqliteLog, SqliteStore};
 use tower::ServiceExt;
@@ -719,4 +720,136 @@ async fn the_usage_page_shows_the_apis_report_with_priced_and_unpriced_apart() {
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
         assert!(a.body.contains(message), "{message} in {}", a.body);
     }
+}
+
+#[tokio::test]
+async fn the_audit_trail_pages_by_the_apis_cursor() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    for i in 0..60 {
+        let key = NewApiKey { name: format!("k{i}"), ..NewApiKey::default() };
+        provisioning::create_api_key(&f.state, &f.project, key, &Principal::new("admin", "test")).await.expect("key");
+    }
+    // What the audit relay and folder would do: the outbox onto the audit log.
+    let entries = f.store.unpublished_audit(1000).await.expect("outbox");
+    assert_eq!(entries.len(), 62);
+    let batch = AuditBatch {
+        consumer: "tollgate-audit".into(),
+        topic: "tollgate.audit".into(),
+        offsets: vec![OffsetMove { partition: 0, from: 0, to: 62 }],
+        entries,
+    };
+    f.store.fold_audit(&batch).await.expect("fold the audit");
+    let base = format!("/console/projects/{}/audit", f.project);
+
+    let first = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    assert_eq!(first.body.matches("<tr data-audit-id=").count(), 50);
+    assert!(first.body.contains(r#"data-action="keys:CreateApiKey""#));
+    let (_, next) = first.body.split_once(r#"<a id="next" rel="next" href=""#).expect("a next page");
+    let next = next.split_once('"').expect("end").0.replace("&amp;", "&");
+    assert!(next.starts_with(&format!("{base}?after=aud_")), "{next}");
+    let second = get(&f.app, &next, Some(&session)).await;
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(second.body.matches("<tr data-audit-id=").count(), 12);
+    assert!(second.body.contains(r#"<span id="last">"#));
+    // The API's page after the same cursor holds the same entries.
+    let cursor = next.split_once("after=").expect("cursor").1;
+    let api = Request::get(format!("/v1/audit?project_id={}&limit=50&after={cursor}", f.project))
+        .header("authorization", format!("Bearer {ADMIN}"))
+        .body(Body::empty())
+        .expect("request");
+    let api: serde_json::Value = serde_json::from_str(&send(&f.app, api).await.body).expect("json");
+    let first_id = api["data"][0]["id"].as_str().expect("an id").to_owned();
+    assert!(second.body.contains(&format!(r#"<tr data-audit-id="{first_id}""#)));
+
+    let bad = get(&f.app, &format!("{base}?after=no%20such%20id"), Some(&session)).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert!(bad.body.contains("after: "), "{}", bad.body);
+}
+
+#[tokio::test]
+async fn exceptions_are_listed_by_quota() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let base = format!("/console/projects/{}/exceptions", f.project);
+    let empty = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert!(empty.body.contains(r#"id="no-exceptions""#));
+    let quota = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota;
+    let exception = UnpricedException {
+        project_id: f.project.clone(),
+        quota_id: quota.id.clone(),
+        limit: 25_000_000_000_000,
+        window_key: "2026-08".into(),
+        llm_events: 4,
+        unpriced_events: 3,
+        unpriced_rows: vec![PriceKey {
+            provider: "acme".into(),
+            model: "mystery".into(),
+            component: Component::InputTokens,
+        }],
+        occurrence_count: 1,
+        first_seen: at("2026-08-01T05:00:00Z"),
+        last_seen: at("2026-08-01T05:00:00Z"),
+    };
+    f.store.file_exception(&exception).await.expect("filed");
+    f.store.file_exception(&exception).await.expect("filed again");
+    let page = get(&f.app, &base, Some(&session)).await;
+    let row = page.body.split_once(&format!(r#"<tr data-quota-id="{}">"#, quota.id)).expect("its row").1;
+    let row = row.split_once("</tr>").expect("end").0;
+    assert!(row.contains("$25") && row.contains("3 of 4") && row.contains("acme / mystery / input_tokens"), "{row}");
+    assert!(row.contains(r#"<td class="num">2</td>"#), "seen twice: {row}");
+    let bad = get(&f.app, &format!("{base}?after=bad%20cursor"), Some(&session)).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_delivery_is_resent_from_the_webhook_page() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let new = webhooks::NewEndpoint {
+        url: "https://hooks.example.com/tollgate".into(),
+        event_types: EventTypes::parse(vec!["quota.exceeded".into()], "event_types").expect("types"),
+        description: Some("billing".into()),
+        enabled: true,
+    };
+    let made = webhooks::create(&f.state, &f.project, new, &Principal::new("admin", "test")).await.expect("endpoint");
+    let wid = made.endpoint.id.clone();
+    let mid = webhooks::test(&f.state, &wid).await.expect("a test message");
+    let list = get(&f.app, &format!("/console/projects/{}/webhooks", f.project), Some(&session)).await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert!(list.body.contains(&format!(r#"<tr data-webhook-id="{wid}">"#)));
+    let page_uri = format!("/console/projects/{}/webhooks/{wid}", f.project);
+    let page = get(&f.app, &page_uri, Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(!page.body.contains(&made.endpoint.secret), "the signing secret is never shown");
+    assert!(page.body.contains(&format!(r#"<tr data-message-id="{mid}" data-status="pending">"#)), "{}", page.body);
+    assert!(page.body.contains(&format!(r#"id="resend-{mid}""#)));
+
+    let resend = format!("{page_uri}/deliveries/{mid}/resend");
+    let next_attempt = || async {
+        let q = webhooks::DeliveriesQuery { after: None, limit: 10 };
+        webhooks::deliveries(&f.state, &wid, &q).await.expect("log").items.remove(0).next_attempt_at
+    };
+    let before = next_attempt().await;
+    f.clock.advance(chrono::Duration::hours(1));
+    assert_eq!(post(&f.app, &resend, Some(&session), &[]).await.status, StatusCode::FORBIDDEN);
+    assert_eq!(next_attempt().await, before, "not resent");
+    let a = post(&f.app, &resend, Some(&session), &[("csrf", &page.csrf())]).await;
+    assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some(page_uri.as_str())));
+    assert_eq!(next_attempt().await, Some(f.clock.now()), "due now, on a fresh schedule");
+    // Under another project, or an unknown message: 404.
+    let other =
+        provisioning::create_project(&f.state, NewProject { name: "other".into(), timezone: chrono_tz::Tz::UTC })
+            .await
+            .expect("project");
+    let elsewhere = format!("/console/projects/{}/webhooks/{wid}", other.id);
+    assert_eq!(get(&f.app, &elsewhere, Some(&session)).await.status, StatusCode::NOT_FOUND);
+    let a =
+        post(&f.app, &format!("{elsewhere}/deliveries/{mid}/resend"), Some(&session), &[("csrf", &page.csrf())]).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    let a = post(&f.app, &format!("{page_uri}/deliveries/msg_nope/resend"), Some(&session), &[("csrf", &page.csrf())])
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
 }

@@ -18,6 +18,7 @@
 //! Tollgate's own stylesheet, `Cache-Control: no-store` (a page may show a
 //! secret once) and refuses framing.
 
+pub mod feeds;
 pub mod form;
 pub mod session;
 pub mod view;
@@ -59,6 +60,11 @@ pub fn router() -> Router<AppState> {
         .route("/console/projects/{id}/quotas/{quota_id}", get(quota_page))
         .route("/console/projects/{id}/quotas/{quota_id}/mode", post(set_mode))
         .route("/console/projects/{id}/usage", get(usage_page))
+        .route("/console/projects/{id}/audit", get(feeds::audit_page))
+        .route("/console/projects/{id}/exceptions", get(feeds::exceptions_page))
+        .route("/console/projects/{id}/webhooks", get(feeds::webhooks_page))
+        .route("/console/projects/{id}/webhooks/{webhook_id}", get(feeds::webhook_page))
+        .route("/console/projects/{id}/webhooks/{webhook_id}/deliveries/{message_id}/resend", post(feeds::resend))
         .layer(axum::middleware::from_fn(protect))
 }
 
