@@ -58,7 +58,7 @@ async fn fixture() -> Fixture {
         Arc::new(MemoryView::new()),
         Arc::new(log),
         Arc::new(clock.clone()),
-        Settings::new(ADMIN, "gw"),
+        settings(&dir),
     );
     let starter = Starter {
         project: NewProject { name: "acme".into(), timezone: chrono_tz::Asia::Kathmandu },
@@ -76,6 +76,13 @@ async fn fixture() -> Fixture {
         key: made.key.id,
         secret: made.secret,
     }
+}
+
+/// The settings of the fixture: its admin token, and exports written under `dir`.
+fn settings(dir: &std::path::Path) -> Settings {
+    let mut settings = Settings::new(ADMIN, "gw");
+    settings.exports.dir = dir.join("exports");
+    settings
 }
 
 struct Answer {
@@ -852,4 +859,54 @@ async fn a_delivery_is_resent_from_the_webhook_page() {
     let a = post(&f.app, &format!("{page_uri}/deliveries/msg_nope/resend"), Some(&session), &[("csrf", &page.csrf())])
         .await;
     assert_eq!(a.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn export_runs_are_listed_with_a_link_to_their_file() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let base = format!("/console/projects/{}/exports", f.project);
+    let empty = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert!(empty.body.contains(r#"id="no-exports""#));
+    fold(&f.store, 0, vec![call(&f, "c1", "2026-08-01T00:30:00Z")]).await;
+    let body =
+        serde_json::json!({"project_id": f.project, "period": "day", "dimensions": ["api_key"], "format": "csv"});
+    let req = Request::post("/v1/exports")
+        .header("authorization", format!("Bearer {ADMIN}"))
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let made = send(&f.app, req).await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.body);
+    let run: serde_json::Value = serde_json::from_str(&made.body).expect("json");
+    let run_id = run["id"].as_str().expect("an id").to_owned();
+
+    let page = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let status = run["status"].as_str().expect("a status");
+    assert!(page.body.contains(&format!(r#"<tr data-run-id="{run_id}" data-status="{status}">"#)), "{}", page.body);
+    let link = format!("{base}/{run_id}/file");
+    assert!(page.body.contains(&format!(r#"href="{link}""#)), "{}", page.body);
+    let file = get(&f.app, &link, Some(&session)).await;
+    assert_eq!(file.status, StatusCode::OK);
+    assert_eq!(file.headers["content-type"], "text/csv; charset=utf-8");
+    // The same bytes as the API's download.
+    let req = Request::get(format!("/v1/exports/{run_id}/file"))
+        .header("authorization", format!("Bearer {ADMIN}"))
+        .body(Body::empty())
+        .expect("request");
+    let api = send(&f.app, req).await;
+    assert_eq!(file.body, api.body);
+    assert!(file.body.contains(f.key.as_str()), "the key's usage is in it: {}", file.body);
+
+    // Not without a session, not under another project, not an unknown run.
+    let a = get(&f.app, &link, None).await;
+    assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some("/console/sign-in")));
+    let other =
+        provisioning::create_project(&f.state, NewProject { name: "other".into(), timezone: chrono_tz::Tz::UTC })
+            .await
+            .expect("project");
+    let elsewhere = format!("/console/projects/{}/exports/{run_id}/file", other.id);
+    assert_eq!(get(&f.app, &elsewhere, Some(&session)).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(get(&f.app, &format!("{base}/exr_nope/file"), Some(&session)).await.status, StatusCode::NOT_FOUND);
 }

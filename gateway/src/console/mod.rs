@@ -18,6 +18,7 @@
 //! Tollgate's own stylesheet, `Cache-Control: no-store` (a page may show a
 //! secret once) and refuses framing.
 
+pub mod exports;
 pub mod feeds;
 pub mod form;
 pub mod session;
@@ -65,6 +66,8 @@ pub fn router() -> Router<AppState> {
         .route("/console/projects/{id}/webhooks", get(feeds::webhooks_page))
         .route("/console/projects/{id}/webhooks/{webhook_id}", get(feeds::webhook_page))
         .route("/console/projects/{id}/webhooks/{webhook_id}/deliveries/{message_id}/resend", post(feeds::resend))
+        .route("/console/projects/{id}/exports", get(exports::exports_page))
+        .route("/console/projects/{id}/exports/{run_id}/file", get(exports::export_file))
         .layer(axum::middleware::from_fn(protect))
 }
 

@@ -460,6 +460,7 @@ pub fn project_nav(pid: &str, current: &str) -> Markup {
         ("audit", "Audit trail", format!("{}/audit", project_href(pid))),
         ("exceptions", "Exceptions", format!("{}/exceptions", project_href(pid))),
         ("webhooks", "Webhooks", format!("{}/webhooks", project_href(pid))),
+        ("exports", "Exports", format!("{}/exports", project_href(pid))),
     ];
     html! {
         nav.sub aria-label="Project" {

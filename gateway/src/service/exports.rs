@@ -257,6 +257,26 @@ pub async fn get(s: &AppState, id: &str) -> Result<ExportRun> {
     s.stores.exports.export_run(id).await?.ok_or_else(|| Error::not_found("export run", id))
 }
 
+/// A project's newest runs, newest first, at most `limit` (404 if there is
+/// no such project).
+pub async fn runs(s: &AppState, project: &meter::ProjectId, limit: usize) -> Result<Vec<ExportRun>> {
+    if s.stores.tenants.project(project).await?.is_none() {
+        return Err(Error::not_found("project", project.as_str()));
+    }
+    Ok(s.stores.exports.export_runs(project, limit).await?)
+}
+
+/// The file of a run, if it is one this server wrote and holds: a run that
+/// did not fail, whose file lies under the server's export directory (a
+/// run of `tollgate export` wrote elsewhere, on its own host).
+pub fn server_file(s: &AppState, run: &ExportRun) -> Option<PathBuf> {
+    if run.status == RunStatus::Failed {
+        return None;
+    }
+    let path = Path::new(run.file.as_deref()?);
+    path.starts_with(&s.settings.exports.dir).then(|| path.to_path_buf())
+}
+
 /// How many customers of a charge period a run reads (and holds) at once,
 /// unless told otherwise.
 pub const SLICE: usize = 2048;
