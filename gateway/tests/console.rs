@@ -505,7 +505,7 @@ async fn a_key_is_shown_only_under_its_own_project() {
 async fn fold(store: &SqliteStore, from: i64, facts: Vec<UsageFact>) {
     let to = from + i64::try_from(facts.len()).expect("few");
     let batch = FoldBatch {
-        consumer: "projector".into(),
+        consumer: "tollgate-projector".into(),
         topic: "tollgate.usage".into(),
         offsets: vec![OffsetMove { partition: 0, from, to }],
         facts,
@@ -909,4 +909,39 @@ async fn export_runs_are_listed_with_a_link_to_their_file() {
     let elsewhere = format!("/console/projects/{}/exports/{run_id}/file", other.id);
     assert_eq!(get(&f.app, &elsewhere, Some(&session)).await.status, StatusCode::NOT_FOUND);
     assert_eq!(get(&f.app, &format!("{base}/exr_nope/file"), Some(&session)).await.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn pipeline_health_shows_the_numbers_metrics_serves() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    assert_eq!(get(&f.app, "/console/health", None).await.status, StatusCode::SEE_OTHER);
+    // Labels no other test records, so the counts are this test's alone.
+    metrics::counter!("tollgate_dead_letters_total", "reason" => "console_test").increment(3);
+    metrics::counter!("tollgate_publish_failures_total", "log" => "console_test").increment(2);
+    fold(&f.store, 0, vec![call(&f, "c1", "2026-08-01T00:30:00Z"), call(&f, "c2", "2026-08-01T00:31:00Z")]).await;
+
+    let page = get(&f.app, "/console/health", Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    let row = |metric: &str, labels: &str| {
+        let start = format!(r#"<tr data-metric="{metric}" data-labels="{labels}">"#);
+        let r = page.body.split_once(&start).unwrap_or_else(|| panic!("{start} in {}", page.body)).1;
+        r.split_once("</tr>").expect("end").0.to_owned()
+    };
+    assert!(
+        row("tollgate_dead_letters_total", "reason=&quot;console_test&quot;").contains(r#"<td class="num">3</td>"#)
+    );
+    assert!(
+        row("tollgate_publish_failures_total", "log=&quot;console_test&quot;").contains(r#"<td class="num">2</td>"#)
+    );
+    // The same number on /metrics.
+    let metrics = get(&f.app, "/metrics", None).await;
+    assert!(metrics.body.contains("tollgate_dead_letters_total{reason=\"console_test\"} 3"), "{}", metrics.body);
+    // The projector's position per partition, from the store.
+    assert!(
+        page.body.contains(r#"<tr data-partition="0"><th scope="row">0</th><td class="num">2</td></tr>"#),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains(r#"id="health-link""#));
 }

@@ -21,6 +21,7 @@
 pub mod exports;
 pub mod feeds;
 pub mod form;
+pub mod health;
 pub mod session;
 pub mod view;
 
@@ -66,6 +67,7 @@ pub fn router() -> Router<AppState> {
         .route("/console/projects/{id}/webhooks", get(feeds::webhooks_page))
         .route("/console/projects/{id}/webhooks/{webhook_id}", get(feeds::webhook_page))
         .route("/console/projects/{id}/webhooks/{webhook_id}/deliveries/{message_id}/resend", post(feeds::resend))
+        .route("/console/health", get(health::health_page))
         .route("/console/projects/{id}/exports", get(exports::exports_page))
         .route("/console/projects/{id}/exports/{run_id}/file", get(exports::export_file))
         .layer(axum::middleware::from_fn(protect))

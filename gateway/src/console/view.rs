@@ -34,6 +34,11 @@ pub fn page(title: &str, csrf: Option<&str>, crumbs: &[(&str, String)], body: Ma
             body {
                 header.top {
                     a.brand href="/console" { "Tollgate console" }
+                    @if csrf.is_some() {
+                        nav.main aria-label="Console" {
+                            a href="/console" { "Projects" } " · " a #health-link href="/console/health" { "Pipeline health" }
+                        }
+                    }
                     @if let Some(csrf) = csrf {
                         form #sign-out method="post" action="/console/sign-out" {
                             input type="hidden" name="csrf" value=(csrf);

@@ -1,0 +1,211 @@
+//! The console's pipeline health page: the numbers `/metrics` serves, read
+//! from the same rendering ([`crate::telemetry::render`]) and grouped for a
+//! person — the projector's fold and lag, dead letters by reason, the
+//! view's reseeds and outages, the log's unacknowledged and queued
+//! publishes — and the projector's folded position per partition, from the
+//! store. What another process records (a projector running apart from this
+//! gateway) is on that process's `/metrics`, not here; the page says so.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use maud::{Markup, html};
+
+use super::session::Session;
+use super::view::page;
+use super::{failure, html};
+use crate::service;
+use crate::state::AppState;
+
+/// One sample of the Prometheus text: its metric name, labels as written, and value as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: String,
+    pub value: String,
+}
+
+/// The samples of a Prometheus text rendering (comments skipped).
+pub fn samples(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.strip_suffix('}').unwrap_or(rest)),
+                None => (series, ""),
+            };
+            Some(Sample { name: name.to_owned(), labels: labels.to_owned(), value: value.to_owned() })
+        })
+        .collect()
+}
+
+/// The sections of the page: a title and the metric names it shows.
+const SECTIONS: [(&str, &str, &[&str]); 4] = [
+    (
+        "projector",
+        "Projector",
+        &[
+            "tollgate_projector_events_total",
+            "tollgate_projector_partitions",
+            "tollgate_projector_store_refusals_total",
+            "tollgate_view_update_failures_total",
+            "tollgate_view_backlog_events",
+        ],
+    ),
+    (
+        "dlq",
+        "Dead letters",
+        &[
+            "tollgate_dead_letters_total",
+            "tollgate_dead_letters_published_total",
+            "tollgate_dead_letter_publish_failures_total",
+        ],
+    ),
+    (
+        "view",
+        "View",
+        &[
+            "tollgate_view_reseeds_total",
+            "tollgate_view_reseed_tail_events_total",
+            "tollgate_view_stale_forgotten_total",
+            "tollgate_view_unavailable_total",
+            "tollgate_config_stale_total",
+        ],
+    ),
+    (
+        "log",
+        "Log outages",
+        &[
+            "tollgate_events_unacknowledged_total",
+            "tollgate_request_events_unacknowledged_total",
+            "tollgate_publish_queue_depth",
+            "tollgate_publish_failures_total",
+            "tollgate_publish_queue_full_total",
+            "tollgate_publish_dropped_total",
+        ],
+    ),
+];
+
+/// The projector's lag histogram: how many batches, and the bucket bound
+/// under which half and 99 % of them fell.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lag {
+    pub count: u64,
+    pub p50: Option<String>,
+    pub p99: Option<String>,
+}
+
+/// The lag histogram's summary, from its buckets.
+pub fn lag(all: &[Sample]) -> Option<Lag> {
+    let count: u64 = all.iter().find(|s| s.name == "tollgate_projector_lag_seconds_count")?.value.parse().ok()?;
+    let buckets: Vec<(String, u64)> = all
+        .iter()
+        .filter(|s| s.name == "tollgate_projector_lag_seconds_bucket")
+        .filter_map(|s| {
+            let le = s.labels.split_once("le=\"")?.1.split_once('"')?.0.to_owned();
+            Some((le, s.value.parse().ok()?))
+        })
+        .collect();
+    // The first bound whose cumulative count reaches the share (of 100, rounded up).
+    let bound = |share: u64| {
+        let need = (count * share).div_ceil(100);
+        buckets.iter().find(|(_, n)| *n >= need).map(|(le, _)| le.clone())
+    };
+    Some(Lag { count, p50: bound(50).filter(|_| count > 0), p99: bound(99).filter(|_| count > 0) })
+}
+
+pub(super) async fn health_page(session: Session, State(s): State<AppState>) -> Response {
+    let text = crate::telemetry::render();
+    let all = samples(&text);
+    let x = &s.settings.exports;
+    match s.stores.ledger.offsets(&x.consumer, &x.topic).await {
+        Ok(offsets) => html(StatusCode::OK, view(&session.csrf, &all, &offsets, &x.consumer, &x.topic)),
+        Err(e) => failure(service::Error::from(e)),
+    }
+}
+
+fn view(csrf: &str, all: &[Sample], offsets: &BTreeMap<i32, i64>, consumer: &str, topic: &str) -> Markup {
+    let lag = lag(all);
+    page(
+        "Pipeline health",
+        Some(csrf),
+        &[],
+        html! {
+            h1 { "Pipeline health" }
+            p { "The numbers " a href="/metrics" { "/metrics" } " serves for this process, since it started. "
+                "A projector or notifier running in another process reports on its own " code { "/metrics" } "." }
+            section #partitions aria-labelledby="partitions-title" {
+                h2 #partitions-title { "Folded position per partition" }
+                @if offsets.is_empty() { p { "The projector " code { (consumer) } " has folded nothing of " code { (topic) } " yet." } } @else {
+                    table {
+                        caption { "The next record of " code { (topic) } " the projector " code { (consumer) } " will fold" }
+                        thead { tr { th scope="col" { "Partition" } th scope="col" class="num" { "Next offset" } } }
+                        tbody { @for (p, o) in offsets { tr data-partition=(p) { th scope="row" { (p) } td.num { (o) } } } }
+                    }
+                }
+            }
+            section #lag aria-labelledby="lag-title" {
+                h2 #lag-title { "Projector lag" }
+                @match &lag {
+                    Some(l) if l.count > 0 => p #lag-summary data-batches=(l.count) {
+                        "Receipt to fold, oldest fact of each batch, over " (l.count) " batches: half within "
+                        (l.p50.as_deref().unwrap_or("?")) " s, 99 % within " (l.p99.as_deref().unwrap_or("?")) " s."
+                    },
+                    _ => p #lag-summary { "No batch folded by this process." },
+                }
+            }
+            @for (id, title, names) in SECTIONS {
+                section id=(id) aria-labelledby=(format!("{id}-title")) {
+                    h2 id=(format!("{id}-title")) { (title) }
+                    @let rows: Vec<&Sample> = all.iter().filter(|s| names.contains(&s.name.as_str())).collect();
+                    @if rows.is_empty() { p { "Nothing recorded." } } @else {
+                        table {
+                            thead { tr { th scope="col" { "Metric" } th scope="col" { "Labels" } th scope="col" class="num" { "Value" } } }
+                            tbody { @for r in rows {
+                                tr data-metric=(r.name) data-labels=(r.labels) {
+                                    th scope="row" { code { (r.name) } } td { code { (r.labels) } } td.num { (r.value) }
+                                }
+                            } }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prometheus_text_is_read_into_samples_and_the_lag_summarised() {
+        let text = "# TYPE tollgate_dead_letters_total counter\n\
+                    tollgate_dead_letters_total{reason=\"malformed\"} 3\n\
+                    tollgate_view_reseeds_total 2\n\
+                    tollgate_projector_lag_seconds_bucket{le=\"0.1\"} 50\n\
+                    tollgate_projector_lag_seconds_bucket{le=\"0.5\"} 98\n\
+                    tollgate_projector_lag_seconds_bucket{le=\"1\"} 100\n\
+                    tollgate_projector_lag_seconds_bucket{le=\"+Inf\"} 100\n\
+                    tollgate_projector_lag_seconds_sum 12.5\n\
+                    tollgate_projector_lag_seconds_count 100\n";
+        let all = samples(text);
+        assert_eq!(
+            all[0],
+            Sample {
+                name: "tollgate_dead_letters_total".into(),
+                labels: "reason=\"malformed\"".into(),
+                value: "3".into()
+            }
+        );
+        assert_eq!(
+            all[1],
+            Sample { name: "tollgate_view_reseeds_total".into(), labels: String::new(), value: "2".into() }
+        );
+        assert_eq!(lag(&all), Some(Lag { count: 100, p50: Some("0.1".into()), p99: Some("1".into()) }));
+        assert_eq!(lag(&samples("")), None);
+    }
+}
