@@ -209,7 +209,15 @@ async fn signing_in_sets_an_http_only_strict_session_cookie_that_is_not_the_toke
 async fn every_console_page_needs_a_session() {
     let f = fixture().await;
     let key_page = format!("/console/projects/{}/keys/{}", f.project, f.key);
-    let pages = ["/console".to_owned(), format!("/console/projects/{}", f.project), key_page.clone()];
+    let qid = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota.id;
+    let project = format!("/console/projects/{}", f.project);
+    let mut pages = vec!["/console".to_owned(), "/console/health".to_owned(), project.clone(), key_page.clone()];
+    for tail in ["quotas", "usage", "audit", "exceptions", "webhooks", "exports"] {
+        pages.push(format!("{project}/{tail}"));
+    }
+    pages.push(format!("{project}/quotas/{qid}"));
+    pages.push(format!("{project}/webhooks/wh_any"));
+    pages.push(format!("{project}/exports/exr_any/file"));
     // None, a forged one, and one signed with another admin token.
     let other = AppState::new(
         Arc::new(f.store.clone()),
@@ -228,11 +236,15 @@ async fn every_console_page_needs_a_session() {
             (format!("/console/projects/{}/keys", f.project), vec![("name", "x")]),
             (format!("{key_page}/grants"), vec![("max_rows", "5")]),
             ("/console/sign-out".to_owned(), vec![]),
+            (format!("{project}/quotas/{qid}/mode"), vec![("mode", "monitor")]),
+            (format!("{project}/webhooks/wh_any/deliveries/msg_any/resend"), vec![]),
         ] {
             assert_eq!(post(&f.app, &uri, cookie, &form).await.status, StatusCode::UNAUTHORIZED, "{uri}");
         }
     }
     assert_eq!(f.store.api_keys(&f.project).await.expect("keys").len(), 1, "no key was made");
+    let quota = quotas::get(&f.state, &qid).await.expect("quota").quota;
+    assert_eq!(quota.spec.mode, meter::Mode::Enforce, "no quota was switched");
 
     // The stylesheet needs none: the sign-in page uses it.
     let css = get(&f.app, "/console/static/console.css", None).await;
