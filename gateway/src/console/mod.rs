@@ -25,6 +25,8 @@ pub mod health;
 pub mod session;
 pub mod view;
 
+use std::collections::HashMap;
+
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
@@ -187,16 +189,15 @@ fn quota_bar(q: &meter::Quota, u: quotas::CurrentUsage, whose: &str) -> Bar {
     }
 }
 
-/// The usage bars of the quotas that count a key's calls.
-async fn bars_of(
+/// The usage bars of the quotas that count a key's calls (see [`quotas::applies_to_key`]).
+async fn bars_of<'a>(
     s: &AppState,
     p: &meter::Project,
-    key: &meter::ApiKey,
-    quotas: &[quotas::Listed],
+    applying: impl IntoIterator<Item = &'a quotas::Listed>,
     at: chrono::DateTime<chrono::Utc>,
 ) -> service::Result<Vec<Bar>> {
     let mut bars = Vec::new();
-    for l in quotas.iter().filter(|l| quotas::applies_to_key(&l.quota, &key.id)) {
+    for l in applying {
         let Some(u) = quotas::current_usage(s, p, &l.quota, l.inert, at).await? else { continue };
         let whose = match (&l.quota.spec.scope, &l.quota.spec.scope_ref) {
             (meter::Scope::Project, _) => "the whole project",
@@ -206,6 +207,35 @@ async fn bars_of(
         bars.push(quota_bar(&l.quota, u, whose));
     }
     Ok(bars)
+}
+
+/// A project's quotas by the keys they count: those on one key under its
+/// id, those on every key (and the project's) for all.
+struct ByKey<'a> {
+    all: Vec<&'a quotas::Listed>,
+    one: HashMap<&'a str, Vec<&'a quotas::Listed>>,
+}
+
+impl<'a> ByKey<'a> {
+    fn of(listed: &'a [quotas::Listed]) -> Self {
+        let mut by = ByKey { all: Vec::new(), one: HashMap::new() };
+        for l in listed {
+            match (l.quota.spec.scope, l.quota.spec.scope_ref.as_deref()) {
+                (meter::Scope::Project, _) | (meter::Scope::ApiKey, None) => by.all.push(l),
+                (meter::Scope::ApiKey, Some(k)) => by.one.entry(k).or_default().push(l),
+                _ => {}
+            }
+        }
+        by
+    }
+
+    /// The quotas counting `key`'s calls, in the project's order.
+    fn of_key(&self, key: &meter::ApiKey) -> Vec<&'a quotas::Listed> {
+        let mut out: Vec<&quotas::Listed> = self.all.clone();
+        out.extend(self.one.get(key.id.as_str()).into_iter().flatten().copied());
+        out.sort_by(|a, b| (a.quota.created_at, &a.quota.id).cmp(&(b.quota.created_at, &b.quota.id)));
+        out
+    }
 }
 
 /// The bars of a key's role quota (calls and rows this period).
@@ -242,11 +272,12 @@ async fn project_page(
         let project = provisioning::project(s, id).await?;
         let keys = provisioning::api_keys(s, id).await?;
         let roles = provisioning::roles(s, id).await?;
-        let quotas = quotas::list(s, id).await?;
+        let quotas = quotas::list_knowing(s, id, &keys).await?;
+        let by_key = ByKey::of(&quotas);
         let at = s.clock.now();
         let mut rows = Vec::with_capacity(keys.len());
         for key in &keys {
-            rows.push(KeyRow { key, bars: bars_of(s, &project, key, &quotas, at).await? });
+            rows.push(KeyRow { key, bars: bars_of(s, &project, by_key.of_key(key), at).await? });
         }
         let summary = ProjectSummary { keys: keys.len(), quotas: quotas.len(), project };
         let issued = issued.map(|i| Issued { key: &i.key, secret: &i.secret });
@@ -305,15 +336,13 @@ async fn key_page(
         if &detail.key.project_id != pid {
             return Err(service::Error::not_found("api key", kid.as_str()));
         }
-        let project = provisioning::project(s, pid).await?;
+        let p = summary(s, pid, s.stores.quotas.quotas(pid).await?.len()).await?;
         let roles = provisioning::roles(s, pid).await?;
-        let quotas = quotas::list(s, pid).await?;
-        let mut bars = bars_of(s, &project, &detail.key, &quotas, s.clock.now()).await?;
+        let applying = quotas::applying_to_key(s, &detail.key).await?;
+        let mut bars = bars_of(s, &p.project, &applying, s.clock.now()).await?;
         bars.extend(role_bars(&detail));
-        let keys = s.stores.tenants.api_keys(pid).await?.len();
-        let summary = ProjectSummary { keys, quotas: quotas.len(), project };
         let current = FormState { fields: view::grant_fields(&detail.key), error: None };
-        Ok(view::key(&session.csrf, &summary, &detail, &bars, &roles, form.unwrap_or(&current)))
+        Ok(view::key(&session.csrf, &p, &detail, &bars, &roles, form.unwrap_or(&current)))
     };
     match render.await {
         Ok(markup) => html(status, markup),
@@ -383,8 +412,9 @@ async fn quotas_view(
     pid: &ProjectId,
     error: Option<&meter::FieldError>,
 ) -> service::Result<Markup> {
-    let listed = quotas::list(s, pid).await?;
-    let p = summary(s, pid, listed.len()).await?;
+    let keys = provisioning::api_keys(s, pid).await?;
+    let listed = quotas::list_knowing(s, pid, &keys).await?;
+    let p = ProjectSummary { project: provisioning::project(s, pid).await?, keys: keys.len(), quotas: listed.len() };
     let at = s.clock.now();
     let mut rows = Vec::with_capacity(listed.len());
     for l in &listed {

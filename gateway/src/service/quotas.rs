@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 use meter::apply::DesiredQuota;
 use meter::{
-    ApiKeyId, Clock, CounterKey, Dimension, Metric, Mode, PortError, Principal, Project, ProjectId, Quota, QuotaId,
-    QuotaPatch, QuotaPlan, QuotaSpec, Scope, Totals, window_at,
+    ApiKey, ApiKeyId, Clock, CounterKey, Dimension, Metric, Mode, PortError, Principal, Project, ProjectId, Quota,
+    QuotaId, QuotaPatch, QuotaPlan, QuotaSpec, Scope, Totals, window_at,
 };
 
 use super::{Error, Result, admin_api, now_micros};
@@ -129,7 +129,30 @@ pub async fn create(s: &AppState, spec: QuotaSpec, by: &Principal) -> Result<Quo
 /// A project's quotas (none if there is no such project).
 pub async fn list(s: &AppState, project: &ProjectId) -> Result<Vec<Listed>> {
     let quotas = s.stores.quotas.quotas(project).await?;
-    let mut live_keys = HashMap::new();
+    mark_inert(s, quotas, HashMap::new()).await
+}
+
+/// [`list`], knowing the project's live keys (as
+/// [`super::provisioning::api_keys`] lists them): a quota on one of them
+/// needs no lookup to tell it is not inert.
+pub async fn list_knowing(s: &AppState, project: &ProjectId, live: &[ApiKey]) -> Result<Vec<Listed>> {
+    let quotas = s.stores.quotas.quotas(project).await?;
+    mark_inert(s, quotas, known_live(project, live)).await
+}
+
+/// The quotas of a live key's project that count its calls whatever agent
+/// or actor makes them ([`applies_to_key`]), none of them inert.
+pub async fn applying_to_key(s: &AppState, key: &ApiKey) -> Result<Vec<Listed>> {
+    let mut quotas = s.stores.quotas.quotas(&key.project_id).await?;
+    quotas.retain(|q| applies_to_key(q, &key.id));
+    mark_inert(s, quotas, known_live(&key.project_id, std::slice::from_ref(key))).await
+}
+
+fn known_live(project: &ProjectId, live: &[ApiKey]) -> HashMap<String, bool> {
+    live.iter().filter(|k| &k.project_id == project).map(|k| (k.id.to_string(), true)).collect()
+}
+
+async fn mark_inert(s: &AppState, quotas: Vec<Quota>, mut live_keys: HashMap<String, bool>) -> Result<Vec<Listed>> {
     let mut out = Vec::with_capacity(quotas.len());
     for quota in quotas {
         let inert = is_inert(s, &quota, &mut live_keys).await?;
