@@ -627,6 +627,11 @@ async fn a_quotas_chart_shows_what_was_folded_over_its_window() {
     assert_eq!(bar_of(&page.body, qid.as_str()), ("60".into(), "ok".into()), "3 of 5 today; c0 was yesterday");
     assert!(page.body.contains(r#"<figure id="chart" data-slices="13">"#), "18:00 to 06:00 UTC: {}", page.body);
     assert!(page.body.contains(r#"role="img" aria-labelledby="chart-title""#));
+    // The 13 hours so far take 13 of the window's 25 (600 / 25 = 24 units each, a gap of one).
+    assert!(page.body.contains(r#"<rect class="slice warn" x="288" y="#), "the 13th slice at 12 × 24: {}", page.body);
+    assert!(page.body.contains(r#"width="23""#));
+    // The limit (5) under a tenth of headroom (a top of 6): 160 - 5 × 160 / 6.
+    assert!(page.body.contains(r#"<line class="limit" x1="0" x2="600" y1="27" y2="27">"#), "{}", page.body);
     let values: Vec<(String, String)> = page
         .body
         .split(r#"data-value=""#)

@@ -455,10 +455,15 @@ async fn quota_page(
     let shown = async {
         let (pid, d) = project_quota(&s, id, quota_id).await?;
         let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
-        let series = quotas::series(&s, &p.project, &d.quota, d.inert, s.clock.now()).await?;
+        let at = s.clock.now();
+        let series = quotas::series(&s, &p.project, &d.quota, d.inert, at).await?;
+        // How many slices the whole window has: the chart's width.
+        let tz = p.project.timezone;
+        let window = meter::window_at(d.quota.spec.window, tz, at);
+        let slots = service::usage::slices(&window, tz, window.resets_at.unwrap_or(at)).len();
         let bar = d.current_usage.clone().map(|u| quota_bar(&d.quota, u, &view::scope_text(&d.quota)));
         let row = view::QuotaRow { quota: &d.quota, inert: d.inert, bar };
-        Ok::<_, service::Error>(view::quota(&session.csrf, &p, &row, &series))
+        Ok::<_, service::Error>(view::quota(&session.csrf, &p, &row, &series, slots))
     };
     match shown.await {
         Ok(markup) => html(StatusCode::OK, markup),

@@ -50,8 +50,8 @@ pub fn page(title: &str, csrf: Option<&str>, crumbs: &[(&str, String)], body: Ma
                     nav.crumbs aria-label="Breadcrumb" {
                         ol {
                             li { a href="/console" { "Projects" } }
-                            @for (name, href) in crumbs {
-                                li { a href=(href) { (name) } }
+                            @for (i, (name, href)) in crumbs.iter().enumerate() {
+                                li { a href=(href) aria-current=[(i + 1 == crumbs.len()).then_some("page")] { (name) } }
                             }
                         }
                     }
@@ -580,7 +580,8 @@ const CHART_H: u64 = 160;
 
 /// A quota's usage over its window as an SVG: one bar per slice, its height
 /// the usage folded up to the slice's end, against a line at the limit.
-pub fn chart(q: &Quota, series: &[(Window, u64)], tz: Tz) -> Markup {
+/// `slots` is how many slices the whole window has (the bars so far take their share of the width).
+pub fn chart(q: &Quota, series: &[(Window, u64)], slots: usize, tz: Tz) -> Markup {
     let limit = q.spec.limit;
     let mut running = 0u64;
     let cumulative: Vec<u64> = series
@@ -590,9 +591,11 @@ pub fn chart(q: &Quota, series: &[(Window, u64)], tz: Tz) -> Markup {
             running
         })
         .collect();
-    let top = cumulative.iter().copied().chain([limit, 1]).max().unwrap_or(1);
+    // A tenth of headroom above the highest of the usage and the limit.
+    let high = cumulative.iter().copied().chain([limit, 1]).max().unwrap_or(1);
+    let top = high.saturating_add(high / 10).saturating_add(1);
     let y = |v: u64| CHART_H - u64::try_from(u128::from(v) * u128::from(CHART_H) / u128::from(top)).unwrap_or(CHART_H);
-    let n = u64::try_from(series.len().max(1)).unwrap_or(1);
+    let n = u64::try_from(series.len().max(slots).max(1)).unwrap_or(1);
     let bw = CHART_W / n;
     let level = |v: u64| Bar { count: v, limit, ..Bar::empty() }.level();
     let (first, last) = (series.first().map(|(w, _)| w.start), series.last().and_then(|(w, _)| w.resets_at));
@@ -641,7 +644,7 @@ fn slice_noun(w: &Window) -> &'static str {
 }
 
 /// `/console/projects/{id}/quotas/{quota_id}`: a quota, its bar, its chart and its mode switch.
-pub fn quota(csrf: &str, p: &ProjectSummary, row: &QuotaRow<'_>, series: &[(Window, u64)]) -> Markup {
+pub fn quota(csrf: &str, p: &ProjectSummary, row: &QuotaRow<'_>, series: &[(Window, u64)], slots: usize) -> Markup {
     let pid = p.project.id.as_str();
     let tz = p.project.timezone;
     let q = row.quota;
@@ -680,7 +683,7 @@ pub fn quota(csrf: &str, p: &ProjectSummary, row: &QuotaRow<'_>, series: &[(Wind
                 @if series.is_empty() {
                     p #no-chart { "No chart for this quota (a one-minute window, storage, or no single counter)." }
                 } @else {
-                    (chart(q, series, tz))
+                    (chart(q, series, slots, tz))
                 }
             }
         },
