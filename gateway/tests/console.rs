@@ -962,3 +962,34 @@ async fn pipeline_health_shows_the_numbers_metrics_serves() {
     );
     assert!(page.body.contains(r#"id="health-link""#));
 }
+
+#[tokio::test]
+async fn the_consoles_heavy_reads_share_the_admin_apis_bounds() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let usage = format!("/console/projects/{}/usage", f.project);
+    // Every one of the admin's concurrent usage reads taken, as four running API reports would.
+    let mut held = Vec::new();
+    for _ in 0..f.state.settings.heavy_concurrency {
+        let claim = meter::PermitClaim {
+            id: gateway::state::new_permit_id(),
+            holder: "heavy:usage:admin_token".into(),
+            cap: f.state.settings.heavy_concurrency,
+            installation_cap: f.state.settings.installation_permits,
+            lease: std::time::Duration::from_secs(60),
+        };
+        match f.state.permits.claim(&claim, f.clock.now()).await.expect("claim") {
+            meter::Claimed::Granted(p) => held.push(p.id),
+            meter::Claimed::Full(_) => panic!("the pool is the admin's alone here"),
+        }
+    }
+    let refused = get(&f.app, &usage, Some(&session)).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", refused.body);
+    assert_eq!(refused.headers["retry-after"], "1");
+    // Other pages are not heavy reads.
+    assert_eq!(get(&f.app, &format!("/console/projects/{}", f.project), Some(&session)).await.status, StatusCode::OK);
+    for id in &held {
+        f.state.permits.release(id, f.clock.now()).await.expect("release");
+    }
+    assert_eq!(get(&f.app, &usage, Some(&session)).await.status, StatusCode::OK);
+}

@@ -15,7 +15,7 @@ use meter::{AuditAction, AuditEntry, FieldError, MessageId, ProjectId, UnpricedE
 use super::form::Fields;
 use super::session::Session;
 use super::view::{self, amount, page, project_href, project_nav, when};
-use super::{failure, forbidden, html, project_id, summary};
+use super::{failure, forbidden, heavy, html, project_id, summary};
 use crate::dto::prices::ExceptionParams;
 use crate::dto::reports::AuditParams;
 use crate::dto::webhooks::DeliveriesParams;
@@ -76,10 +76,13 @@ pub(super) async fn audit_page(
         let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
         Ok::<_, service::Error>(audit_view(&session.csrf, &p, &entries))
     };
-    match shown.await {
-        Ok(markup) => html(StatusCode::OK, markup),
-        Err(e) => failure(e),
-    }
+    heavy(&s, "audit", async {
+        match shown.await {
+            Ok(markup) => html(StatusCode::OK, markup),
+            Err(e) => failure(e),
+        }
+    })
+    .await
 }
 
 fn audit_view(csrf: &str, p: &crate::service::provisioning::ProjectSummary, entries: &Page<AuditEntry>) -> Markup {
@@ -266,10 +269,13 @@ pub(super) async fn webhook_page(
         let log = webhooks::deliveries(&s, &e.id, &q).await?;
         Ok::<_, service::Error>(webhook_view(&session.csrf, &p, &e, &log))
     };
-    match shown.await {
-        Ok(markup) => html(StatusCode::OK, markup),
-        Err(e) => failure(e),
-    }
+    heavy(&s, "deliveries", async {
+        match shown.await {
+            Ok(markup) => html(StatusCode::OK, markup),
+            Err(e) => failure(e),
+        }
+    })
+    .await
 }
 
 fn webhook_view(

@@ -540,8 +540,19 @@ async fn usage_page(
         };
         Ok::<_, service::Error>((status, view::usage(&session.csrf, &p, &form, report.as_ref(), error.as_ref())))
     };
-    match shown.await {
-        Ok((status, markup)) => html(status, markup),
-        Err(e) => failure(e),
-    }
+    heavy(&s, "usage", async {
+        match shown.await {
+            Ok((status, markup)) => html(status, markup),
+            Err(e) => failure(e),
+        }
+    })
+    .await
+}
+
+/// Runs a page that reads one of Tollgate's heavy endpoints (the usage
+/// report, the audit log, the delivery log) within the same bounds as the
+/// API's route, counted against the admin token's principal, whom the
+/// console signs in as (see [`crate::heavy`]).
+async fn heavy(s: &AppState, name: &'static str, page: impl std::future::Future<Output = Response>) -> Response {
+    crate::heavy::bounded(s, crate::heavy::Endpoint::of(s, name), &admin_api().id, page).await
 }
