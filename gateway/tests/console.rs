@@ -190,6 +190,23 @@ async fn signing_in_sets_an_http_only_strict_session_cookie_that_is_not_the_toke
     }
     let session = pair(&cookie);
 
+    // Signed in, the sign-in page sends to the console.
+    let again = get(&f.app, "/console/sign-in", Some(&session)).await;
+    assert_eq!((again.status, again.location()), (StatusCode::SEE_OTHER, Some("/console")));
+    // Behind a proxy that took HTTPS, the cookie is Secure too.
+    let form = get(&f.app, "/console/sign-in", None).await;
+    let nonce = pair(&form.set_cookie("tollgate_console_sign_in").expect("the sign-in cookie"));
+    let req = Request::post("/console/sign-in")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header(COOKIE, &nonce)
+        .header("x-forwarded-proto", "https")
+        .body(Body::from(format!("csrf={}&token={ADMIN}", form.csrf())))
+        .expect("request");
+    let behind = send(&f.app, req).await;
+    let cookie = behind.set_cookie("tollgate_console").expect("the session cookie");
+    assert!(cookie.ends_with("; Secure"), "{cookie}");
+    assert!(!signed.set_cookie("tollgate_console").expect("cookie").contains("Secure"), "not over plain HTTP");
+
     let projects = get(&f.app, "/console", Some(&session)).await;
     assert_eq!(projects.status, StatusCode::OK, "{}", projects.body);
     let row = format!(r#"<tr data-project-id="{}">"#, f.project);

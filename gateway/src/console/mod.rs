@@ -129,10 +129,14 @@ async fn stylesheet() -> Response {
         .into_response()
 }
 
-async fn sign_in_form() -> Response {
+/// The sign-in form (or, signed in already, a 303 to `/console`).
+async fn sign_in_form(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    if session::signed_in(&s, &headers) {
+        return Redirect::to("/console").into_response();
+    }
     let nonce = session::sign_in_nonce();
     let res = html(StatusCode::OK, view::sign_in(&nonce, None));
-    with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600))
+    with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600, session::over_https(&headers)))
 }
 
 /// Signs in with the admin token typed into the form: a session cookie and
@@ -142,24 +146,26 @@ async fn sign_in(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     if !session::sign_in_csrf_ok(&headers, fields.get("csrf")) {
         return forbidden();
     }
+    let secure = session::over_https(&headers);
     if !fields.get("token").is_some_and(|t| same_secret(t, &s.settings.admin_token)) {
         let nonce = session::sign_in_nonce();
         let res = html(StatusCode::UNAUTHORIZED, view::sign_in(&nonce, Some("That is not the admin token.")));
-        return with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600));
+        return with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600, secure));
     }
     let cookie = session::new_session(&s, s.clock.now());
     let res = with_cookie(
         Redirect::to("/console").into_response(),
-        set_cookie(SESSION_COOKIE, &cookie, "/console", SESSION_TTL.num_seconds()),
+        set_cookie(SESSION_COOKIE, &cookie, "/console", SESSION_TTL.num_seconds(), secure),
     );
-    with_cookie(res, set_cookie(SIGN_IN_COOKIE, "", SIGN_IN_PATH, 0))
+    with_cookie(res, set_cookie(SIGN_IN_COOKIE, "", SIGN_IN_PATH, 0, secure))
 }
 
-async fn sign_out(session: Session, State(s): State<AppState>, body: Bytes) -> Response {
+async fn sign_out(session: Session, State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     if !session.csrf_ok(&s, Fields::parse(&body).get("csrf")) {
         return forbidden();
     }
-    with_cookie(Redirect::to(SIGN_IN_PATH).into_response(), set_cookie(SESSION_COOKIE, "", "/console", 0))
+    let cleared = set_cookie(SESSION_COOKIE, "", "/console", 0, session::over_https(&headers));
+    with_cookie(Redirect::to(SIGN_IN_PATH).into_response(), cleared)
 }
 
 async fn projects(session: Session, State(s): State<AppState>) -> Response {

@@ -86,9 +86,30 @@ pub fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .find_map(|(k, v)| (k == name).then_some(v))
 }
 
-/// A `Set-Cookie` value: HttpOnly, SameSite=Strict, on `path`, for `max_age` seconds (0 removes it).
-pub fn set_cookie(name: &str, value: &str, path: &str, max_age: i64) -> Option<HeaderValue> {
-    HeaderValue::from_str(&format!("{name}={value}; HttpOnly; SameSite=Strict; Path={path}; Max-Age={max_age}")).ok()
+/// A `Set-Cookie` value: HttpOnly, SameSite=Strict, on `path`, for
+/// `max_age` seconds (0 removes it), and `Secure` when the request came
+/// over HTTPS (see [`over_https`]).
+pub fn set_cookie(name: &str, value: &str, path: &str, max_age: i64, secure: bool) -> Option<HeaderValue> {
+    let secure = if secure { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!("{name}={value}; HttpOnly; SameSite=Strict; Path={path}; Max-Age={max_age}{secure}"))
+        .ok()
+}
+
+/// Whether the request reached the proxy in front of Tollgate over HTTPS
+/// (`X-Forwarded-Proto: https`, or `Forwarded: …proto=https`): then the
+/// cookies are `Secure`. Tollgate itself serves plain HTTP (`tollgate dev`
+/// on 127.0.0.1), where a `Secure` cookie would not be sent back.
+pub fn over_https(headers: &HeaderMap) -> bool {
+    let has = |name: &str, f: &dyn Fn(&str) -> bool| {
+        headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).any(|v| f(&v.to_ascii_lowercase()))
+    };
+    has("x-forwarded-proto", &|v| v.split(',').next().is_some_and(|p| p.trim() == "https"))
+        || has("forwarded", &|v| v.split([';', ',']).any(|p| p.trim() == "proto=https"))
+}
+
+/// Whether the request carries a valid session.
+pub fn signed_in(s: &AppState, headers: &HeaderMap) -> bool {
+    cookie(headers, SESSION_COOKIE).is_some_and(|v| valid_session(s, v))
 }
 
 /// Adds a `Set-Cookie` header to a response.
@@ -159,6 +180,21 @@ mod tests {
         assert!(!verify("adm", "csrf", "v1.1.ac", &t));
         assert!(!verify("adm", "csrf", "v1.1.ab", "zz"), "not hex");
         assert!(!verify("adm", "csrf", "v1.1.ab", &t[..10]), "a prefix of the tag");
+    }
+
+    #[test]
+    fn cookies_are_secure_behind_https() {
+        let mut h = HeaderMap::new();
+        assert!(!over_https(&h));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        assert!(over_https(&h));
+        let mut h = HeaderMap::new();
+        h.insert("forwarded", HeaderValue::from_static("for=1.2.3.4;Proto=HTTPS;host=x"));
+        assert!(over_https(&h));
+        h.insert("forwarded", HeaderValue::from_static("for=1.2.3.4;proto=http"));
+        assert!(!over_https(&h));
+        let c = set_cookie("a", "b", "/console", 60, true).expect("a header");
+        assert_eq!(c, "a=b; HttpOnly; SameSite=Strict; Path=/console; Max-Age=60; Secure");
     }
 
     #[test]
