@@ -1010,3 +1010,48 @@ async fn the_consoles_heavy_reads_share_the_admin_apis_bounds() {
     }
     assert_eq!(get(&f.app, &usage, Some(&session)).await.status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn breaches_are_the_quota_notifications_the_fold_enqueued() {
+    let f = fixture().await;
+    let session = sign_in(&f.app).await;
+    let base = format!("/console/projects/{}/breaches", f.project);
+    let none = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(none.status, StatusCode::OK);
+    assert!(none.body.contains(r#"id="no-breaches""#));
+    let qid = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota.id;
+    // Five calls against the key's 5 a day: 80 %, then 100 % and over.
+    let calls = (1..=5).map(|i| call(&f, &format!("c{i}"), &format!("2026-08-01T0{i}:00:00Z"))).collect();
+    fold(&f.store, 0, calls).await;
+
+    let page = get(&f.app, &base, Some(&session)).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    let rows: Vec<(String, String)> = page
+        .body
+        .split(r#"<tr data-message-id=""#)
+        .skip(1)
+        .map(|r| {
+            let id = r.split_once('"').expect("id").0.to_owned();
+            let event = r.split_once(r#"data-event=""#).expect("event").1.split_once('"').expect("end").0.to_owned();
+            (id, event)
+        })
+        .collect();
+    let mut events: Vec<&str> = rows.iter().map(|(_, e)| e.as_str()).collect();
+    events.sort_unstable();
+    assert_eq!(events, ["quota.exceeded", "quota.nearly_used", "quota.nearly_used"], "{}", page.body);
+    assert!(page.body.contains(&format!(r#"data-event="quota.exceeded" data-quota-id="{qid}">"#)));
+    assert!(page.body.contains("(80 %, warning)") && page.body.contains("(100 %, critical)"), "{}", page.body);
+    let exceeded = page.body.split_once(r#"data-event="quota.exceeded""#).expect("the breach").1;
+    let exceeded = exceeded.split_once("</tr>").expect("end").0;
+    assert!(
+        exceeded.contains(r#"<td class="num observed">5</td><td class="num limit">5</td><td>enforce</td>"#),
+        "{exceeded}"
+    );
+
+    // Paged by message id, as the API pages the delivery log.
+    let after = get(&f.app, &format!("{base}?after={}", rows[0].0), Some(&session)).await;
+    assert_eq!(after.body.matches("<tr data-message-id=").count(), 2);
+    let bad = get(&f.app, &format!("{base}?after=not%20an%20id"), Some(&session)).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert!(bad.body.contains("after: "));
+}

@@ -330,6 +330,16 @@ pub trait WebhookStore: Send + Sync {
         after: Option<&MessageId>,
         limit: usize,
     ) -> PortResult<Vec<DeliveryLog>>;
+    /// A project's quota notifications (`quota.exceeded` and
+    /// `quota.nearly_used`: its breaches and near breaches, whether or not
+    /// an endpoint took them), in id (time) order after the cursor, at most
+    /// `limit`.
+    async fn quota_notifications(
+        &self,
+        project: &ProjectId,
+        after: Option<&MessageId>,
+        limit: usize,
+    ) -> PortResult<Vec<Notification>>;
     /// Makes a delivery pending again, due at `at`, with a fresh schedule
     /// (also a successful one). False if the endpoint never got that message.
     async fn resend(&self, endpoint: &WebhookId, message: &MessageId, at: DateTime<Utc>) -> PortResult<bool>;

@@ -43,6 +43,7 @@ macro_rules! suite {
             the_delivery_log_pages_by_message_and_resend_and_recover_requeue,
             concurrent_claims_never_share_a_delivery,
             a_fold_enqueues_its_quota_alerts_once_however_often_its_facts_come,
+            a_projects_quota_notifications_page_by_message_whoever_took_them,
         );
     };
 }
@@ -615,4 +616,29 @@ impl PgDb {
         store.migrate().await.expect("migrate");
         Some(PgDb { store: Arc::new(store), _db: db })
     }
+}
+
+/// A project's quota notifications (and only those: not a test or an
+/// export message, not another project's) are listed by message id after
+/// the cursor, whether or not an endpoint wanted them.
+async fn a_projects_quota_notifications_page_by_message_whoever_took_them(s: Arc<dyn Store>) {
+    setup(s.as_ref(), &["proj_1", "proj_2"]).await;
+    let at = utc(T0);
+    for (id, project, kind, window) in [
+        ("msg_3", "proj_1", QUOTA_EXCEEDED, "2026-07-07"),
+        ("msg_1", "proj_1", QUOTA_NEARLY_USED, "2026-07-07"),
+        ("msg_2", "proj_2", QUOTA_EXCEEDED, "2026-07-06"),
+        ("msg_4", "proj_1", meter::webhook::EXPORT_COMPLETED, "2026-07-08"),
+        ("msg_5", "proj_1", QUOTA_EXCEEDED, "2026-07-08"),
+    ] {
+        assert!(s.enqueue(&notification(id, project, kind, window, at), None).await.expect("enqueue"));
+    }
+    let p1 = ProjectId::parse("proj_1").expect("id");
+    let ids = |list: Vec<Notification>| list.into_iter().map(|n| n.id.to_string()).collect::<Vec<_>>();
+    assert_eq!(ids(s.quota_notifications(&p1, None, 10).await.expect("list")), ["msg_1", "msg_3", "msg_5"]);
+    assert_eq!(ids(s.quota_notifications(&p1, None, 2).await.expect("list")), ["msg_1", "msg_3"]);
+    let after = MessageId::parse("msg_3").expect("id");
+    assert_eq!(ids(s.quota_notifications(&p1, Some(&after), 2).await.expect("list")), ["msg_5"]);
+    let listed = s.quota_notifications(&p1, None, 1).await.expect("list").remove(0);
+    assert_eq!((listed.event_type.as_str(), listed.project_id), (QUOTA_NEARLY_USED, p1));
 }

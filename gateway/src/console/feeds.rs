@@ -1,7 +1,8 @@
-//! The console's pages of what the feeds hold: a project's audit trail
-//! (monitor breaches among the admin changes), its unpriced-usage
-//! exceptions, and its webhook endpoints with their delivery log and a
-//! resend button. Each list pages by the API's own cursor (its parameter
+//! The console's pages of what the feeds hold: a project's breaches (the
+//! `quota.exceeded` and `quota.nearly_used` notifications the notifier
+//! enqueued from the fold), its audit trail (monitor breaches among the
+//! admin changes), its unpriced-usage exceptions, and its webhook endpoints
+//! with their delivery log and a resend button. Each list pages by the API's own cursor (its parameter
 //! DTO read and checked, its service call), so a page of the console is a
 //! page of the API: the link to the next one carries the `next` cursor.
 
@@ -118,6 +119,93 @@ fn audit_view(csrf: &str, p: &crate::service::provisioning::ProjectSummary, entr
                 }
             }
             (next_link(&base, entries.next.as_ref()))
+        },
+    )
+}
+
+pub(super) async fn breaches_page(
+    session: Session,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+) -> Response {
+    let pid = match project_id(id) {
+        Ok(p) => p,
+        Err(e) => return failure(e),
+    };
+    // The cursor is a message id, as the delivery log's is.
+    let after = match after(&uri).map(MessageId::parse).transpose() {
+        Ok(a) => a,
+        Err(e) => return refused(&FieldError::new("after", e.to_string())),
+    };
+    let shown = async {
+        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let page = webhooks::breaches(&s, &pid, after.as_ref(), BREACHES).await?;
+        Ok::<_, service::Error>(breaches_view(&session.csrf, &p, &page))
+    };
+    match shown.await {
+        Ok(markup) => html(StatusCode::OK, markup),
+        Err(e) => failure(e),
+    }
+}
+
+/// Breaches of one page.
+const BREACHES: usize = 50;
+
+/// A field of a notification's `data`, as text.
+fn datum(data: &serde_json::Value, field: &str) -> String {
+    match &data[field] {
+        serde_json::Value::Null => String::new(),
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    }
+}
+
+fn breaches_view(
+    csrf: &str,
+    p: &crate::service::provisioning::ProjectSummary,
+    list: &Page<meter::Notification>,
+) -> Markup {
+    let pid = p.project.id.as_str();
+    let tz = p.project.timezone;
+    let base = format!("{}/breaches", project_href(pid));
+    page(
+        &format!("Breaches of {}", p.project.name),
+        Some(csrf),
+        &[(&p.project.name, project_href(pid)), ("Breaches", base.clone())],
+        html! {
+            h1 { "Breaches of " (p.project.name) }
+            (project_nav(pid, "breaches"))
+            p { "Each quota over its limit (" code { "quota.exceeded" } ", enforce and monitor) or near it ("
+                code { "quota.nearly_used" } " at 80 % and 100 %), once per window, oldest first, as the fold found them "
+                "(whether or not a webhook endpoint took them)." }
+            @if list.items.is_empty() { p #no-breaches { "No breaches." } } @else {
+                table #breaches {
+                    thead { tr { th scope="col" { "When" } th scope="col" { "Event" } th scope="col" { "Quota" }
+                        th scope="col" { "Metric" } th scope="col" { "Window" } th scope="col" class="num" { "Observed" }
+                        th scope="col" class="num" { "Limit" } th scope="col" { "Mode" } } }
+                    tbody {
+                        @for n in &list.items {
+                            @let body: serde_json::Value = serde_json::from_str(&n.body).unwrap_or_default();
+                            @let data = &body["data"];
+                            @let quota = datum(data, "quota_id");
+                            tr data-message-id=(n.id) data-event=(n.event_type) data-quota-id=(quota) {
+                                th scope="row" { (when(n.created_at, tz)) }
+                                td { (n.event_type)
+                                    @let t = datum(data, "threshold");
+                                    @if !t.is_empty() { " (" (t) " %, " (datum(data, "severity")) ")" } }
+                                td { a href=(view::quota_href(pid, &quota)) { code { (quota) } } }
+                                td { (datum(data, "metric")) }
+                                td { (datum(data, "window")) " " code { (datum(data, "window_key")) } }
+                                td.num.observed { (datum(data, "observed_value")) }
+                                td.num.limit { (datum(data, "limit")) }
+                                td { (datum(data, "mode")) }
+                            }
+                        }
+                    }
+                }
+            }
+            (next_link(&base, list.next.as_ref()))
         },
     )
 }
@@ -307,7 +395,7 @@ fn webhook_view(
             h2 { "Delivery log" }
             @if log.items.is_empty() { p #no-deliveries { "Nothing delivered yet." } } @else {
                 table #deliveries {
-                    caption { "Newest messages first, each with its attempts" }
+                    caption { "Oldest messages first, each with its attempts" }
                     thead { tr { th scope="col" { "Message" } th scope="col" { "Event" } th scope="col" { "Status" }
                         th scope="col" { "Attempts" } th scope="col" { "Resend" } } }
                     tbody {

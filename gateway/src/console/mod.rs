@@ -64,6 +64,7 @@ pub fn router() -> Router<AppState> {
         .route("/console/projects/{id}/quotas/{quota_id}", get(quota_page))
         .route("/console/projects/{id}/quotas/{quota_id}/mode", post(set_mode))
         .route("/console/projects/{id}/usage", get(usage_page))
+        .route("/console/projects/{id}/breaches", get(feeds::breaches_page))
         .route("/console/projects/{id}/audit", get(feeds::audit_page))
         .route("/console/projects/{id}/exceptions", get(feeds::exceptions_page))
         .route("/console/projects/{id}/webhooks", get(feeds::webhooks_page))

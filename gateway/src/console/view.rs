@@ -462,6 +462,7 @@ pub fn project_nav(pid: &str, current: &str) -> Markup {
         ("keys", "API keys", project_href(pid)),
         ("quotas", "Quotas", format!("{}/quotas", project_href(pid))),
         ("usage", "Usage", format!("{}/usage", project_href(pid))),
+        ("breaches", "Breaches", format!("{}/breaches", project_href(pid))),
         ("audit", "Audit trail", format!("{}/audit", project_href(pid))),
         ("exceptions", "Exceptions", format!("{}/exceptions", project_href(pid))),
         ("webhooks", "Webhooks", format!("{}/webhooks", project_href(pid))),

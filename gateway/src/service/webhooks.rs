@@ -208,6 +208,29 @@ pub async fn deliveries(s: &AppState, id: &WebhookId, q: &DeliveriesQuery) -> Re
     Ok(Page { items, next })
 }
 
+/// A page of a project's quota notifications — its breaches
+/// (`quota.exceeded`) and near breaches (`quota.nearly_used`), as the
+/// notifier enqueued them from the fold — oldest first, whether or not an
+/// endpoint took them (404 if there is no such project).
+pub async fn breaches(
+    s: &AppState,
+    project: &ProjectId,
+    after: Option<&MessageId>,
+    limit: usize,
+) -> Result<Page<Notification>> {
+    if s.stores.tenants.project(project).await?.is_none() {
+        return Err(Error::not_found("project", project.as_str()));
+    }
+    let mut items = s.stores.webhooks.quota_notifications(project, after, limit + 1).await?;
+    let next = if items.len() > limit {
+        items.truncate(limit);
+        items.last().map(|n| n.id.to_string())
+    } else {
+        None
+    };
+    Ok(Page { items, next })
+}
+
 /// Sends a message to an endpoint again (also one that succeeded), now,
 /// with a fresh schedule.
 pub async fn resend(s: &AppState, id: &WebhookId, message: &MessageId) -> Result<()> {

@@ -383,6 +383,24 @@ impl<B: Backend> WebhookStore for SqlStore<B> {
         Ok(Some(disabled))
     }
 
+    #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "quota_notifications"))]
+    async fn quota_notifications(
+        &self,
+        project: &ProjectId,
+        after: Option<&MessageId>,
+        max: usize,
+    ) -> PortResult<Vec<Notification>> {
+        let stmt = Stmt::new(format!(
+            "SELECT {MESSAGE_COLUMNS} FROM notification_messages              WHERE project_id = $1 AND event_type IN ($2, $3) AND (CAST($4 AS TEXT) IS NULL OR id > $4)              ORDER BY id LIMIT $5"
+        ))
+        .text(project.as_str())
+        .text(meter::webhook::QUOTA_EXCEEDED)
+        .text(meter::webhook::QUOTA_NEARLY_USED)
+        .opt_text(after.map(MessageId::as_str))
+        .int(limit(max));
+        each(&self.all(stmt).await?, message::<B>)
+    }
+
     #[tracing::instrument(name = "datastore", level = "debug", skip_all, fields(db = B::SPAN_DB, op = "deliveries"))]
     async fn deliveries(
         &self,
