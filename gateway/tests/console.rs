@@ -229,7 +229,7 @@ async fn every_console_page_needs_a_session() {
     let qid = quotas::list(&f.state, &f.project).await.expect("quotas").remove(0).quota.id;
     let project = format!("/console/projects/{}", f.project);
     let mut pages = vec!["/console".to_owned(), "/console/health".to_owned(), project.clone(), key_page.clone()];
-    for tail in ["quotas", "usage", "audit", "exceptions", "webhooks", "exports"] {
+    for tail in ["quotas", "usage", "breaches", "audit", "exceptions", "webhooks", "exports"] {
         pages.push(format!("{project}/{tail}"));
     }
     pages.push(format!("{project}/quotas/{qid}"));
