@@ -394,66 +394,64 @@ pub fn key(csrf: &str, p: &ProjectSummary, d: &KeyDetail, bars: &[Bar], roles: &
     let tz = p.project.timezone;
     let k = &d.key;
     let opt = |v: Option<u64>| v.map_or_else(|| "—".to_owned(), |v| v.to_string());
-    html! {
-        (page(
-            &k.name,
-            Some(csrf),
-            &[(&p.project.name, project_href(pid)), (&k.name, key_href(pid, k.id.as_str()))],
-            html! {
-                h1 { "API key " (k.name) }
-                dl.facts #key data-key-id=(k.id) {
-                    dt { "ID" } dd { code { (k.id) } }
-                    dt { "Prefix" } dd { code { (k.prefix) } }
-                    dt { "Role" } dd { @if let Some(r) = &k.role_id { code { (r) } } @else { "none" } }
-                    dt { "Created" } dd { (when(k.created_at, tz)) }
-                }
-                section #usage aria-labelledby="usage-title" {
-                    h2 #usage-title { "Usage" }
-                    @if bars.is_empty() { p { "No quota counts this key's calls." } }
-                    @for b in bars { (bar(b, tz)) }
-                }
-                section aria-labelledby="limits-title" {
-                    h2 #limits-title { "Limits" }
-                    table #limits {
-                        caption { "Granted to the key, and in effect (narrowed by its role and the server's)" }
-                        thead { tr { th scope="col" { "Limit" } th scope="col" class="num" { "Granted" }
-                            th scope="col" class="num" { "Effective" } } }
-                        tbody {
-                            tr data-limit="max_concurrent" {
-                                th scope="row" { "Max concurrent calls" }
-                                td.num.granted { (opt(k.grants.max_concurrent.map(u64::from))) }
-                                td.num.effective { (opt(d.effective.max_concurrent.map(u64::from))) }
-                            }
-                            tr data-limit="query_timeout" {
-                                th scope="row" { "Query timeout (s)" }
-                                td.num.granted { (opt(k.grants.query_timeout)) }
-                                td.num.effective { (crate::dto::check::whole_secs(d.bounds.query_timeout)) }
-                            }
-                            tr data-limit="max_rows" {
-                                th scope="row" { "Max rows per page" }
-                                td.num.granted { (opt(k.grants.max_rows)) }
-                                td.num.effective { (d.bounds.max_rows) }
-                            }
-                            tr data-limit="stream_max_rows" {
-                                th scope="row" { "Max rows per stream" }
-                                td.num.granted { (opt(k.grants.max_rows)) }
-                                td.num.effective { (d.bounds.stream_max_rows) }
-                            }
+    page(
+        &k.name,
+        Some(csrf),
+        &[(&p.project.name, project_href(pid)), (&k.name, key_href(pid, k.id.as_str()))],
+        html! {
+            h1 { "API key " (k.name) }
+            dl.facts #key data-key-id=(k.id) {
+                dt { "ID" } dd { code { (k.id) } }
+                dt { "Prefix" } dd { code { (k.prefix) } }
+                dt { "Role" } dd { @if let Some(r) = &k.role_id { code { (r) } } @else { "none" } }
+                dt { "Created" } dd { (when(k.created_at, tz)) }
+            }
+            section #usage aria-labelledby="usage-title" {
+                h2 #usage-title { "Usage" }
+                @if bars.is_empty() { p { "No quota counts this key's calls." } }
+                @for b in bars { (bar(b, tz)) }
+            }
+            section aria-labelledby="limits-title" {
+                h2 #limits-title { "Limits" }
+                table #limits {
+                    caption { "Granted to the key, and in effect (narrowed by its role and the server's)" }
+                    thead { tr { th scope="col" { "Limit" } th scope="col" class="num" { "Granted" }
+                        th scope="col" class="num" { "Effective" } } }
+                    tbody {
+                        tr data-limit="max_concurrent" {
+                            th scope="row" { "Max concurrent calls" }
+                            td.num.granted { (opt(k.grants.max_concurrent.map(u64::from))) }
+                            td.num.effective { (opt(d.effective.max_concurrent.map(u64::from))) }
+                        }
+                        tr data-limit="query_timeout" {
+                            th scope="row" { "Query timeout (s)" }
+                            td.num.granted { (opt(k.grants.query_timeout)) }
+                            td.num.effective { (crate::dto::check::whole_secs(d.bounds.query_timeout)) }
+                        }
+                        tr data-limit="max_rows" {
+                            th scope="row" { "Max rows per page" }
+                            td.num.granted { (opt(k.grants.max_rows)) }
+                            td.num.effective { (d.bounds.max_rows) }
+                        }
+                        tr data-limit="stream_max_rows" {
+                            th scope="row" { "Max rows per stream" }
+                            td.num.granted { (opt(k.grants.max_rows)) }
+                            td.num.effective { (d.bounds.stream_max_rows) }
                         }
                     }
                 }
-                section aria-labelledby="grants-title" {
-                    h2 #grants-title { "Grants" }
-                    form #grants method="post" action=(format!("{}/grants", key_href(pid, k.id.as_str()))) novalidate {
-                        input type="hidden" name="csrf" value=(csrf);
-                        (error_summary(form.error.as_ref(), "grants-error"))
-                        (grant_inputs(form, roles, "grants"))
-                        button type="submit" { "Save grants" }
-                    }
+            }
+            section aria-labelledby="grants-title" {
+                h2 #grants-title { "Grants" }
+                form #grants method="post" action=(format!("{}/grants", key_href(pid, k.id.as_str()))) novalidate {
+                    input type="hidden" name="csrf" value=(csrf);
+                    (error_summary(form.error.as_ref(), "grants-error"))
+                    (grant_inputs(form, roles, "grants"))
+                    button type="submit" { "Save grants" }
                 }
-            },
-        ))
-    }
+            }
+        },
+    )
 }
 
 /// The links between a project's pages; `current` is marked.
