@@ -263,6 +263,10 @@ async fn every_console_page_needs_a_session() {
     let quota = quotas::get(&f.state, &qid).await.expect("quota").quota;
     assert_eq!(quota.spec.mode, meter::Mode::Enforce, "no quota was switched");
 
+    // The root sends a browser to the console (and on to signing in).
+    let root = get(&f.app, "/", None).await;
+    assert_eq!((root.status, root.location()), (StatusCode::SEE_OTHER, Some("/console")));
+
     // The stylesheet needs none: the sign-in page uses it.
     let css = get(&f.app, "/console/static/console.css", None).await;
     assert_eq!(css.status, StatusCode::OK);

@@ -52,6 +52,8 @@ const STYLESHEET: &str = include_str!("console.css");
 /// The console's pages, to merge into the app's router.
 pub fn router() -> Router<AppState> {
     Router::new()
+        // The root sends a browser to the console.
+        .route("/", get(|| async { Redirect::to("/console") }))
         .route("/console", get(projects))
         .route(SIGN_IN_PATH, get(sign_in_form).post(sign_in))
         .route("/console/sign-out", post(sign_out))
