@@ -91,6 +91,12 @@ pub struct ProjectorConfig {
     pub max_batch: usize,
     /// How long one poll waits for the first record.
     pub poll_wait: Duration,
+    /// Once a poll brought fewer than `max_batch` records, how long the step
+    /// keeps reading for more before it folds them: fewer, larger fold
+    /// transactions under a trickle of traffic (on SQLite the fold shares
+    /// the one write lock with the log), at this much added freshness lag.
+    /// Zero folds every poll at once.
+    pub linger: Duration,
     /// Events older than this at their receipt are dead-lettered.
     pub horizon: chrono::Duration,
     /// How far receipt times may run out of order on the log (a gateway's
@@ -143,6 +149,7 @@ impl ProjectorConfig {
             topic: topic.into(),
             max_batch: 5000,
             poll_wait: Duration::from_millis(200),
+            linger: Duration::from_millis(10),
             horizon: meter::usage::DEFAULT_DEDUP_HORIZON,
             receipt_disorder: chrono::Duration::days(7),
             purge_every: chrono::Duration::hours(1),
@@ -398,6 +405,22 @@ impl<R: LogReader> Projector<R> {
         self.share().await?;
         self.publish_dead_letters().await;
         let mut records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
+        if !records.is_empty() && !self.config.linger.is_zero() {
+            let until = tokio::time::Instant::now() + self.config.linger;
+            while records.len() < self.config.max_batch {
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                // A failed read ends the lingering, not the step: the
+                // records in hand are folded, and the next poll meets the
+                // failure again.
+                match self.reader.poll(self.config.max_batch - records.len(), left).await {
+                    Ok(more) if !more.is_empty() => records.extend(more),
+                    _ => break,
+                }
+            }
+        }
         // Sharing: a record of a partition given back, fetched before the
         // move, is the new holder's to fold.
         if self.config.share.is_some() {

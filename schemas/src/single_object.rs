@@ -22,7 +22,7 @@
 
 use std::io::{self, Read};
 
-use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value};
+use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value, write_avro_datum_ref};
 use meter::UsageFact;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -71,7 +71,17 @@ pub fn decode_usage(bytes: &[u8]) -> Result<UsageFact, SchemaError> {
 ///
 /// [`SchemaError::Encode`] if the event does not fit the current schema.
 pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
-    frame(usage_schema_version(), event)
+    // Straight from serde through the schema (no `Value` tree, no schema
+    // resolution per record): this is on every check's path. The usage
+    // schema defines each named type once, in place, so the writer needs no
+    // table of names; enum symbols are written by the Rust variant's index,
+    // which a test holds to the schema's symbol order.
+    let current = usage_schema_version();
+    let mut out = Vec::with_capacity(128);
+    out.extend_from_slice(&MARKER);
+    out.extend_from_slice(&current.fingerprint.to_le_bytes());
+    write_avro_datum_ref(&current.schema, event, &mut out).map_err(|e| SchemaError::Encode(e.to_string()))?;
+    Ok(out)
 }
 
 /// Decodes a single-object usage event of any known schema version, resolved
@@ -84,8 +94,9 @@ pub fn decode_event(bytes: &[u8]) -> Result<UsageEvent, SchemaError> {
     unframe(bytes, find_usage_schema, usage_schema_version(), ("usage schema", "usage event"))
 }
 
-/// Writes `record` with `current`, framed as a single object (usage events
-/// and audit entries alike).
+/// Writes `record` with `current`, framed as a single object, through an
+/// Avro value resolved against the schema (audit entries; usage events take
+/// [`encode_event`]'s direct path, which a test holds to this one).
 pub(crate) fn frame<T: Serialize>(current: &SchemaVersion, record: T) -> Result<Vec<u8>, SchemaError> {
     let value =
         to_value(record).and_then(|v| v.resolve(&current.schema)).map_err(|e| SchemaError::Encode(e.to_string()))?;

@@ -150,7 +150,47 @@ fn token_usage() -> impl Strategy<Value = TokenUsage> {
         })
 }
 
+/// The bytes apache-avro writes for `fact` through a `Value` resolved
+/// against the current schema: the reference the direct encoder must match.
+fn encoded_via_value(fact: &UsageFact) -> Vec<u8> {
+    let current = schemas::usage_schema_version();
+    let value = apache_avro::to_value(schemas::UsageEvent::from(fact))
+        .and_then(|v| v.resolve(&current.schema))
+        .expect("a fact's event fits the schema");
+    let datum = apache_avro::to_avro_datum(&current.schema, value).expect("a resolved value encodes");
+    let mut out = schemas::single_object::MARKER.to_vec();
+    out.extend_from_slice(&current.fingerprint.to_le_bytes());
+    out.extend_from_slice(&datum);
+    out
+}
+
+/// The direct encoder writes enum symbols by the Rust variant's index: the
+/// schema must list them in the same order.
+#[test]
+fn enum_variants_are_in_the_schemas_symbol_order() {
+    let apache_avro::Schema::Record(record) = &schemas::usage_schema_version().schema else {
+        panic!("the usage schema is a record");
+    };
+    let symbols = |field: &str| -> Vec<String> {
+        let f = record.fields.iter().find(|f| f.name == field).expect("field in the schema");
+        match &f.schema {
+            apache_avro::Schema::Enum(e) => e.symbols.clone(),
+            other => panic!("{field} is an enum, not {other:?}"),
+        }
+    };
+    let kinds: Vec<String> = EventKind::ALL.iter().map(|k| k.as_str().to_owned()).collect();
+    assert_eq!(symbols("kind"), kinds);
+    let outcomes: Vec<String> = Outcome::ALL.iter().map(|o| o.as_str().to_owned()).collect();
+    assert_eq!(symbols("outcome"), outcomes);
+}
+
 proptest! {
+    #[test]
+    fn the_direct_encoder_writes_what_the_value_path_writes(fact in fact()) {
+        prop_assume!(i64::try_from(fact.rows).is_ok());
+        prop_assert_eq!(encode_usage(&fact).expect("encodes"), encoded_via_value(&fact));
+    }
+
     #[test]
     fn encode_then_decode_is_identity(fact in fact()) {
         let bytes = encode_usage(&fact).expect("a valid fact encodes");

@@ -194,6 +194,9 @@ impl<T: Transport> Shared<T> {
     ) {
         let mut outcome = Ok(());
         let mut delay = RETRY_MIN;
+        // The ids this job holds in `by_id`, to forget them one by one at
+        // the end rather than by a pass over every queued record.
+        let ids: Vec<String> = records.iter().filter_map(|r| r.id.clone()).collect();
         loop {
             let results = self.transport.send(&records).await;
             let mut results = results.into_iter();
@@ -235,7 +238,11 @@ impl<T: Transport> Shared<T> {
         let _ = answer.send(Some(outcome));
         let this_job = answer.subscribe();
         let mut q = self.queue();
-        q.by_id.retain(|_, a| !a.same_channel(&this_job));
+        for id in &ids {
+            if q.by_id.get(id).is_some_and(|a| a.same_channel(&this_job)) {
+                q.by_id.remove(id);
+            }
+        }
         q.unfinished.remove(&job);
         // Sent under the lock: two jobs finishing at once would otherwise
         // race, and the one that saw the other unfinished could send its

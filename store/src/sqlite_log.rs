@@ -314,8 +314,12 @@ impl Appender {
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|e| PortError::Transient(format!("the SQLite log writer needs a tokio runtime: {e}")))?;
         let (queue, inbox) = mpsc::channel(QUEUE_DEPTH);
-        let writer =
-            Writer { pool: self.pool.clone(), topic: self.topic.clone(), published: Arc::clone(&self.published) };
+        let writer = Writer {
+            gate: crate::sqlite_store::write_gate(&self.pool),
+            pool: self.pool.clone(),
+            topic: self.topic.clone(),
+            published: Arc::clone(&self.published),
+        };
         runtime.spawn(writer.run(inbox));
         *slot = Some(queue.clone());
         Ok(queue)
@@ -385,6 +389,9 @@ async fn submit(queue: &mpsc::Sender<Append>, records: Vec<(Vec<u8>, Vec<u8>)>) 
 
 /// The task that makes every append of one log (and its clones).
 struct Writer {
+    /// This process's turn at the file's write lock, shared with the fold
+    /// ([`crate::sqlite_store::write_gate`]).
+    gate: crate::sql::WriteGate,
     pool: SqlitePool,
     topic: String,
     published: Arc<Notify>,
@@ -428,7 +435,9 @@ impl Writer {
     /// dropped before commit, which rolls it back: nothing of the batch stays.
     async fn commit(&self, batch: &[Append]) -> PortResult<()> {
         // IMMEDIATE takes the write lock up front: offsets are then
-        // handed out in commit order (see the module doc).
+        // handed out in commit order (see the module doc). This process's
+        // turn first, so a fold's commit hands the lock straight over.
+        let _turn = self.gate.lock().await;
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(log_err)?;
         let records: Vec<&(Vec<u8>, Vec<u8>)> = batch.iter().flat_map(|a| &a.records).collect();
         let mut rest = records.as_slice();
@@ -696,7 +705,12 @@ mod tests {
 
     fn writer_of(log: &SqliteLog) -> Writer {
         let a = &log.appender;
-        Writer { pool: a.pool.clone(), topic: a.topic.clone(), published: Arc::clone(&a.published) }
+        Writer {
+            gate: crate::sqlite_store::write_gate(&a.pool),
+            pool: a.pool.clone(),
+            topic: a.topic.clone(),
+            published: Arc::clone(&a.published),
+        }
     }
 
     fn append(keys: &[&str]) -> (Append, oneshot::Receiver<PortResult<()>>) {

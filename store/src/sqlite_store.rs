@@ -23,8 +23,10 @@
 //! - A lock held too long, an I/O error, a full disk or exhausted memory is
 //!   worth retrying.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex as StdMutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Datelike, Utc};
@@ -39,7 +41,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, Transaction};
 
-use crate::sql::{Arg, Backend, Col, Rows, SqlStore, Stmt, corrupt, error};
+use crate::sql::{Arg, Backend, Col, Rows, SqlStore, Stmt, WriteGate, corrupt, error};
 
 /// How long a statement waits for another connection's lock before it fails
 /// (as [`PortError::Transient`]).
@@ -71,6 +73,32 @@ impl SqlStore<Sqlite> {
             .map_err(error::<Sqlite>)?;
         Ok(SqliteStore::from_pool(pool))
     }
+}
+
+/// This process's turn at the write lock of `pool`'s file: one per file,
+/// shared by every pool of this process on it.
+///
+/// SQLite has one writer per file; a connection that finds the lock taken
+/// sleeps in SQLite's busy handler (1, 2, 5, 10… up to 100 ms between
+/// tries) however soon the lock is free again. The log's writer and the
+/// fold take this turn first, so in one process they queue in order and the
+/// next one starts the moment the other commits. Writers in other processes,
+/// and this process's rare writers (configuration, exports), still meet at
+/// SQLite's lock and its busy timeout as before.
+pub fn write_gate(pool: &Pool<Sqlite>) -> WriteGate {
+    type Gates = HashMap<PathBuf, Weak<tokio::sync::Mutex<()>>>;
+    static GATES: OnceLock<StdMutex<Gates>> = OnceLock::new();
+    let name = pool.connect_options().get_filename().to_path_buf();
+    let file = std::fs::canonicalize(&name).unwrap_or(name);
+    // Every update leaves the map consistent before it could panic.
+    let mut gates = GATES.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(gate) = gates.get(&file).and_then(Weak::upgrade) {
+        return gate;
+    }
+    gates.retain(|_, g| g.strong_count() > 0);
+    let gate = WriteGate::default();
+    gates.insert(file, Arc::downgrade(&gate));
+    gate
 }
 
 // SQLite primary result codes (the low byte of an extended code).
@@ -175,6 +203,10 @@ impl Backend for Sqlite {
 
     fn begin(pool: &Pool<Sqlite>) -> impl Future<Output = Result<Transaction<'static, Sqlite>, sqlx::Error>> + Send {
         pool.begin_with("BEGIN IMMEDIATE")
+    }
+
+    fn write_gate(pool: &Pool<Sqlite>) -> Option<WriteGate> {
+        Some(write_gate(pool))
     }
 
     fn begin_snapshot(

@@ -723,6 +723,7 @@ impl<B: Backend> Ledger for SqlStore<B> {
         // early return below changes nothing. (On SQLite the transaction
         // begins IMMEDIATE: a second writer waits for the write lock, up to
         // the busy timeout, then reads the offsets this one wrote.)
+        let _turn = self.write_turn().await;
         let mut tx = B::begin(&self.pool).await.map_err(error::<B>)?;
         fence::<B>(&mut *tx, batch).await?;
         let plan = BatchFold::new(&batch.facts);

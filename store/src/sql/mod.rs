@@ -91,6 +91,12 @@ pub trait Backend:
     ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
     /// Applies this database's migrations (idempotent).
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), MigrateError>> + Send;
+    /// The in-process turn this database's busiest writers take before they
+    /// begin (SQLite: one per file, see [`crate::sqlite_store::write_gate`];
+    /// `None`: the database queues its writers well itself).
+    fn write_gate(_pool: &Pool<Self>) -> Option<WriteGate> {
+        None
+    }
     /// Runs a statement, returning its rows.
     fn fetch<'c>(
         conn: &'c mut Self::Connection,
@@ -121,14 +127,19 @@ where
     }
 }
 
+/// A turn at a database's write lock, taken in this process before asking
+/// the database for it (see [`Backend::write_gate`]).
+pub type WriteGate = std::sync::Arc<tokio::sync::Mutex<()>>;
+
 /// The store over one SQL database; cheap to clone (it is a pool handle).
 pub struct SqlStore<B: Database> {
     pool: Pool<B>,
+    gate: Option<WriteGate>,
 }
 
 impl<B: Database> Clone for SqlStore<B> {
     fn clone(&self) -> Self {
-        SqlStore { pool: self.pool.clone() }
+        SqlStore { pool: self.pool.clone(), gate: self.gate.clone() }
     }
 }
 
@@ -141,7 +152,17 @@ impl<B: Database> std::fmt::Debug for SqlStore<B> {
 impl<B: Backend> SqlStore<B> {
     /// Wraps an existing pool.
     pub fn from_pool(pool: Pool<B>) -> SqlStore<B> {
-        SqlStore { pool }
+        let gate = B::write_gate(&pool);
+        SqlStore { pool, gate }
+    }
+
+    /// Waits for this process's turn at the write lock, where the database
+    /// has one ([`Backend::write_gate`]); held until the guard drops.
+    pub(crate) async fn write_turn(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        match &self.gate {
+            Some(g) => Some(std::sync::Arc::clone(g).lock_owned().await),
+            None => None,
+        }
     }
 
     pub fn pool(&self) -> &Pool<B> {
