@@ -191,35 +191,54 @@ impl Env {
     }
 
     /// Starts a gateway process and waits until it answers.
+    ///
+    /// A port from [`free_port`] is free when picked, not when the child
+    /// binds it: another test's listener (a projector's metrics endpoint
+    /// answers any GET) can take it in between. So the answer must be the
+    /// gateway's own `ok` while the child still runs; a child that exited
+    /// (it could not bind) is started again on another port.
     pub async fn start_gateway(&mut self) -> String {
-        let port = free_port();
-        let child = match self.mode {
-            Mode::Distributed => self
-                .command("serve")
-                .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
-                .env("TOLLGATE_INSTANCE", format!("gw{}", self.gateways.len()))
-                .spawn()
-                .expect("spawn tollgate serve"),
-            Mode::Dev => self
-                .command("dev")
-                .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
-                .env("TOLLGATE_DATA_DIR", &self.data_dir)
-                .env("TOLLGATE_NO_DEMO", "true")
-                .spawn()
-                .expect("spawn tollgate dev"),
-        };
-        self.children.push(("gateway".into(), child));
-        let url = format!("http://127.0.0.1:{port}");
-        for _ in 0..600 {
-            if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await
-                && r.status().is_success()
-            {
-                self.gateways.push(url.clone());
-                return url;
+        for _attempt in 0..3 {
+            let port = free_port();
+            let mut child = match self.mode {
+                Mode::Distributed => self
+                    .command("serve")
+                    .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+                    .env("TOLLGATE_INSTANCE", format!("gw{}", self.gateways.len()))
+                    .spawn()
+                    .expect("spawn tollgate serve"),
+                Mode::Dev => self
+                    .command("dev")
+                    .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+                    .env("TOLLGATE_DATA_DIR", &self.data_dir)
+                    .env("TOLLGATE_NO_DEMO", "true")
+                    .spawn()
+                    .expect("spawn tollgate dev"),
+            };
+            let url = format!("http://127.0.0.1:{port}");
+            let mut exited = false;
+            for _ in 0..600 {
+                if child.try_wait().ok().flatten().is_some() {
+                    exited = true;
+                    break;
+                }
+                if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await
+                    && r.status().is_success()
+                    && r.text().await.is_ok_and(|t| t == "ok")
+                    && child.try_wait().ok().flatten().is_none()
+                {
+                    self.children.push(("gateway".into(), child));
+                    self.gateways.push(url.clone());
+                    return url;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if !exited {
+                self.children.push(("gateway".into(), child));
+                panic!("gateway did not start on {url}");
+            }
         }
-        panic!("gateway did not start on {url}");
+        panic!("gateway exited three times before answering (its ports taken?)");
     }
 
     /// Starts a projector process; returns its index for `kill`.
