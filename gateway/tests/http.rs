@@ -134,3 +134,56 @@ async fn usage_reports_the_local_window_by_model_and_by_actor() {
     assert_eq!(app.clone().oneshot(req).await.expect("response").status(), StatusCode::UNAUTHORIZED);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+async fn send_json(app: &axum::Router, method: &str, uri: &str, body: Value) -> (StatusCode, Value) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("authorization", "Bearer adm")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    send(app, req).await
+}
+
+/// `PUT /v1/api-keys/{id}/grants` replaces what a key is granted, refuses
+/// what key creation refuses (naming the field, changing nothing), and
+/// answers 404 for a key that is not there.
+#[tokio::test]
+async fn a_keys_grants_are_replaced_and_refused_as_on_creation() {
+    let dir = temp_dir("grants");
+    let app = app(&dir).await;
+    let (s, k) = send_json(
+        &app,
+        "POST",
+        "/v1/projects/proj_1/api-keys",
+        json!({"name": "partner", "grants": {"max_rows": 1000, "max_concurrent": 2}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{k}");
+    let kid = k["id"].as_str().expect("key id");
+    let uri = format!("/v1/api-keys/{kid}/grants");
+
+    let (s, d) = send_json(&app, "PUT", &uri, json!({"grants": {"max_concurrent": 4, "query_timeout": 30}})).await;
+    assert_eq!(s, StatusCode::OK, "{d}");
+    assert_eq!(d["grants"], json!({"max_concurrent": 4, "query_timeout": 30}), "replaced, not merged: {d}");
+    assert_eq!(d["effective_limits"]["max_concurrent"], 4, "{d}");
+
+    for (body, field) in [
+        (json!({"grants": {"max_concurrent": 0}}), "grants.max_concurrent"),
+        (json!({"grants": {"max_rows": "many"}}), "grants.max_rows"),
+        (json!({"grants": {"max_row": 5}}), "grants.max_row"),
+        (json!({"name": "renamed"}), "name"),
+        (json!({"role_id": "role_nope"}), "role_id"),
+    ] {
+        let (s, e) = send_json(&app, "PUT", &uri, body.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {e}");
+        assert_eq!(e["error"]["meta"]["field"], field, "{body}: {e}");
+    }
+    let (_, d) = get(&app, &format!("/v1/api-keys/{kid}")).await;
+    assert_eq!(d["grants"], json!({"max_concurrent": 4, "query_timeout": 30}), "refusals changed nothing: {d}");
+
+    let (s, e) = send_json(&app, "PUT", "/v1/api-keys/key_nope/grants", json!({})).await;
+    assert_eq!((s, e["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("NOT_FOUND")));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -300,6 +300,27 @@ async fn every_answer_matches_the_document() {
     assert_eq!((s, d["effective_limits"]["max_rows"].clone()), (StatusCode::OK, json!(500)));
     let (s, _) = call(Method::GET, "/v1/api-keys/{id}", "/v1/api-keys/key_nope", adm, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
+    let grants = "/v1/api-keys/{id}/grants";
+    let (s, g) = call(
+        Method::PUT,
+        grants,
+        &format!("/v1/api-keys/{kid2}/grants"),
+        adm,
+        Some(json!({"role_id": rid, "grants": {"max_rows": 800, "max_concurrent": 3}})),
+    )
+    .await;
+    assert_eq!((s, g["effective_limits"]["max_rows"].clone()), (StatusCode::OK, json!(500)));
+    let (s, _) = call(
+        Method::PUT,
+        grants,
+        &format!("/v1/api-keys/{kid2}/grants"),
+        adm,
+        Some(json!({"grants": {"max_rows": 0}})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = call(Method::PUT, grants, "/v1/api-keys/key_nope/grants", adm, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
 
     let q = json!({"project_id": pid, "scope": "api_key", "scope_ref": kid, "metric": "calls", "window": "day", "limit": 1});
     let (s, quota) = call(Method::POST, "/v1/quotas", "/v1/quotas", adm, Some(q.clone())).await;

@@ -9,9 +9,8 @@ use axum::response::{IntoResponse, Response};
 use maud::html;
 use meter::export::ExportRun;
 
-use super::session::Session;
 use super::view::{page, project_href, project_nav, when};
-use super::{failure, html, project_id, summary};
+use super::{InProject, failure, html, summary};
 use crate::service::{self, exports};
 use crate::state::AppState;
 
@@ -22,11 +21,10 @@ fn file_href(pid: &str, run: &str) -> String {
     format!("{}/exports/{run}/file", project_href(pid))
 }
 
-pub(super) async fn exports_page(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
+pub(super) async fn exports_page(InProject { session, id: pid }: InProject, State(s): State<AppState>) -> Response {
     let shown = async {
-        let pid = project_id(id)?;
         let runs = exports::runs(&s, &pid, RUNS).await?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let tz = p.project.timezone;
         let pid = pid.as_str();
         Ok::<_, service::Error>(page(
@@ -74,12 +72,11 @@ pub(super) async fn exports_page(session: Session, State(s): State<AppState>, Pa
 
 /// A run's file, streamed; 404 unless the run is the project's and its file is one this server holds.
 pub(super) async fn export_file(
-    _: Session,
+    InProject { id: pid, .. }: InProject,
     State(s): State<AppState>,
-    Path((id, run_id)): Path<(String, String)>,
+    Path((_, run_id)): Path<(String, String)>,
 ) -> Response {
     let found = async {
-        let pid = project_id(id)?;
         let run: ExportRun = exports::get(&s, &run_id).await?;
         let missing = || service::Error::not_found("export file", run_id.clone());
         if run.spec.project_id != pid {

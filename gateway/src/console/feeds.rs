@@ -6,7 +6,6 @@
 //! DTO read and checked, its service call), so a page of the console is a
 //! page of the API: the link to the next one carries the `next` cursor.
 
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -14,9 +13,8 @@ use maud::{Markup, html};
 use meter::{AuditAction, AuditEntry, FieldError, MessageId, ProjectId, UnpricedException, WebhookId};
 
 use super::form::Fields;
-use super::session::Session;
 use super::view::{self, amount, page, project_href, project_nav, when};
-use super::{failure, forbidden, heavy, html, project_id, summary};
+use super::{InProject, Posted, failure, heavy, html, summary};
 use crate::dto::prices::ExceptionParams;
 use crate::dto::reports::AuditParams;
 use crate::dto::webhooks::DeliveriesParams;
@@ -52,15 +50,10 @@ fn refused(e: &FieldError) -> Response {
 }
 
 pub(super) async fn audit_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path(id): Path<String>,
     uri: Uri,
 ) -> Response {
-    let pid = match project_id(id) {
-        Ok(p) => p,
-        Err(e) => return failure(e),
-    };
     let params = AuditParams {
         scope: None,
         project_id: Some(pid.to_string()),
@@ -74,7 +67,7 @@ pub(super) async fn audit_page(
     };
     let shown = async {
         let entries = audit::page(&s, &q).await?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         Ok::<_, service::Error>(audit_view(&session.csrf, &p, &entries))
     };
     heavy(&s, "audit", async {
@@ -124,22 +117,17 @@ fn audit_view(csrf: &str, p: &crate::service::provisioning::ProjectSummary, entr
 }
 
 pub(super) async fn breaches_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path(id): Path<String>,
     uri: Uri,
 ) -> Response {
-    let pid = match project_id(id) {
-        Ok(p) => p,
-        Err(e) => return failure(e),
-    };
     // The cursor is a message id, as the delivery log's is.
     let after = match after(&uri).map(MessageId::parse).transpose() {
         Ok(a) => a,
         Err(e) => return refused(&FieldError::new("after", e.to_string())),
     };
     let shown = async {
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let page = webhooks::breaches(&s, &pid, after.as_ref(), BREACHES).await?;
         Ok::<_, service::Error>(breaches_view(&session.csrf, &p, &page))
     };
@@ -211,15 +199,10 @@ fn breaches_view(
 }
 
 pub(super) async fn exceptions_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path(id): Path<String>,
     uri: Uri,
 ) -> Response {
-    let pid = match project_id(id) {
-        Ok(p) => p,
-        Err(e) => return failure(e),
-    };
     let params =
         ExceptionParams { project_id: Some(pid.to_string()), after: after(&uri), limit: Some(PAGE.to_owned()) };
     let q = match ExceptionsQuery::try_from(params) {
@@ -227,7 +210,7 @@ pub(super) async fn exceptions_page(
         Err(e) => return refused(&e),
     };
     let shown = async {
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let list = pricing::exceptions(&s, &q).await?;
         Ok::<_, service::Error>(exceptions_view(&session.csrf, &p, &list))
     };
@@ -280,10 +263,9 @@ fn exceptions_view(
     )
 }
 
-pub(super) async fn webhooks_page(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
+pub(super) async fn webhooks_page(InProject { session, id: pid }: InProject, State(s): State<AppState>) -> Response {
     let shown = async {
-        let pid = project_id(id)?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let endpoints = webhooks::list(&s, &pid).await?;
         let pid = pid.as_str();
         let base = format!("{}/webhooks", project_href(pid));
@@ -341,9 +323,9 @@ async fn endpoint_of(s: &AppState, pid: &ProjectId, raw: String) -> service::Res
 }
 
 pub(super) async fn webhook_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path((id, webhook_id)): Path<(String, String)>,
+    Path((_, webhook_id)): Path<(String, String)>,
     uri: Uri,
 ) -> Response {
     let q = match DeliveriesQuery::try_from(DeliveriesParams { after: after(&uri), limit: None }) {
@@ -351,9 +333,8 @@ pub(super) async fn webhook_page(
         Err(e) => return refused(&e),
     };
     let shown = async {
-        let pid = project_id(id)?;
         let e = endpoint_of(&s, &pid, webhook_id).await?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let log = webhooks::deliveries(&s, &e.id, &q).await?;
         Ok::<_, service::Error>(webhook_view(&session.csrf, &p, &e, &log))
     };
@@ -433,16 +414,12 @@ fn webhook_view(
 
 /// The resend button: `POST /v1/webhooks/{id}/deliveries/{message_id}/resend`'s call; a 303 back.
 pub(super) async fn resend(
-    session: Session,
+    InProject { id: pid, .. }: InProject,
     State(s): State<AppState>,
-    Path((id, webhook_id, message_id)): Path<(String, String, String)>,
-    body: Bytes,
+    Path((_, webhook_id, message_id)): Path<(String, String, String)>,
+    Posted(_): Posted,
 ) -> Response {
-    if !session.csrf_ok(&s, Fields::parse(&body).get("csrf")) {
-        return forbidden();
-    }
     let done = async {
-        let pid = project_id(id)?;
         let e = endpoint_of(&s, &pid, webhook_id).await?;
         let mid = crate::dto::path_id("message", message_id, MessageId::parse)?;
         webhooks::resend(&s, &e.id, &mid).await?;

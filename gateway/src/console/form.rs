@@ -6,13 +6,13 @@
 
 use std::collections::BTreeMap;
 
-use meter::{FieldError, Grants, RoleId};
+use meter::FieldError;
 use serde_json::{Map, Value};
 
 use crate::dto::from_value;
 use crate::dto::quotas::QuotaPatchBody;
 use crate::dto::reports::UsageParams;
-use crate::dto::tenants::{ApiKeyBody, GrantsBody};
+use crate::dto::tenants::{ApiKeyBody, KeyGrantsBody};
 use crate::service::provisioning::{KeyGrants, NewApiKey};
 use crate::service::quotas::Edit;
 use crate::service::usage::UsageQuery;
@@ -37,6 +37,17 @@ impl Fields {
     /// A field as typed, or "" when absent.
     pub fn value(&self, name: &str) -> &str {
         self.get(name).unwrap_or("")
+    }
+
+    /// Refuses a field the form does not have (`csrf` aside), as the API
+    /// refuses a body's unknown field: a form that names one was not made by
+    /// this page, and reading only the fields it knows would change less
+    /// than whoever sent it meant.
+    pub fn only(&self, known: &[&str]) -> Result<(), FieldError> {
+        match self.0.keys().find(|k| k.as_str() != "csrf" && !known.contains(&k.as_str())) {
+            Some(k) => Err(FieldError::new(k.clone(), "is not a known field")),
+            None => Ok(()),
+        }
     }
 
     /// The field, trimmed, if not empty.
@@ -74,27 +85,23 @@ impl Fields {
 
     /// The new-key form (name, role, grants), validated as the API's body.
     pub fn new_key(&self) -> Result<NewApiKey, FieldError> {
+        self.only(&["name", "role_id", GRANT_FIELDS[0], GRANT_FIELDS[1], GRANT_FIELDS[2]])?;
         NewApiKey::try_from(from_value::<ApiKeyBody>(Value::Object(self.key_body(true)))?)
     }
 
-    /// The grant form (role, grants), validated as the API validates the
-    /// same fields of a new key; an empty role is none.
+    /// The grant form (role, grants), read as `PUT /v1/api-keys/{id}/grants`
+    /// reads its body; an empty role is none.
     pub fn key_grants(&self) -> Result<KeyGrants, FieldError> {
-        let grants = match self.key_body(false).remove("grants") {
-            None => Grants::default(),
-            Some(g) => Grants::try_from(from_value::<GrantsBody>(g).map_err(|e| e.under("grants."))?)
-                .map_err(|e| e.under("grants."))?,
-        };
-        let role_id = self
-            .present("role_id")
-            .map(|r| RoleId::parse(r.to_owned()).map_err(|e| FieldError::new("role_id", e.to_string())));
-        Ok(KeyGrants { role_id: role_id.transpose()?, grants })
+        self.only(&["role_id", GRANT_FIELDS[0], GRANT_FIELDS[1], GRANT_FIELDS[2]])?;
+        KeyGrants::try_from(from_value::<KeyGrantsBody>(Value::Object(self.key_body(false)))?)
     }
 }
 
 impl Fields {
     /// The mode switch (`mode`), read as `PATCH /v1/quotas/{id}` reads its body.
+    /// The form may say which page to go back to (`from`).
     pub fn quota_mode(&self) -> Result<Edit, FieldError> {
+        self.only(&["mode", "from"])?;
         let body = self.object(&["mode"], false);
         if body.is_empty() {
             return Err(FieldError::new("mode", "is required"));
@@ -105,6 +112,7 @@ impl Fields {
     /// The usage page's choices for `project`, read as `GET /v1/usage`
     /// reads its parameters (an empty one is left out).
     pub fn usage_query(&self, project: &meter::ProjectId) -> Result<UsageQuery, FieldError> {
+        self.only(&["group_by", "window", "at"])?;
         let opt = |name: &str| self.present(name).map(str::to_owned);
         UsageQuery::try_from(UsageParams {
             project_id: Some(project.to_string()),
@@ -123,6 +131,7 @@ pub fn input_of(field: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meter::Grants;
 
     fn fields(body: &str) -> Fields {
         Fields::parse(body.as_bytes())
@@ -146,6 +155,7 @@ mod tests {
             ("grants.max_concurrent".into(), "must be between 1 and 1000".into())
         );
         assert_eq!(refused("name=a&role_id=no%20spaces").0, "role_id");
+        assert_eq!(refused("name=a&max_row=5"), ("max_row".into(), "is not a known field".into()));
     }
 
     #[test]
@@ -155,5 +165,14 @@ mod tests {
         let e = fields("max_concurrent=0").key_grants().expect_err("refused");
         assert_eq!((e.field.as_str(), input_of(&e.field)), ("grants.max_concurrent", "max_concurrent"));
         assert_eq!(fields("").key_grants().expect("nothing granted"), KeyGrants::default());
+        assert_eq!(fields("name=renamed").key_grants().expect_err("not a grant field").field, "name");
+    }
+
+    #[test]
+    fn the_mode_and_usage_forms_refuse_fields_they_do_not_have() {
+        assert!(fields("csrf=x&mode=monitor&from=quotas").quota_mode().is_ok());
+        assert_eq!(fields("mode=monitor&limit=5").quota_mode().expect_err("refused").field, "limit");
+        let p = meter::ProjectId::parse("proj_a".to_owned()).expect("an id");
+        assert_eq!(fields("group_by=key&project_id=other").usage_query(&p).expect_err("refused").field, "project_id");
     }
 }

@@ -29,8 +29,9 @@ use std::collections::HashMap;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, REFERRER_POLICY, X_FRAME_OPTIONS};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
@@ -163,10 +164,7 @@ async fn sign_in(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     with_cookie(res, set_cookie(SIGN_IN_COOKIE, "", SIGN_IN_PATH, 0, secure))
 }
 
-async fn sign_out(session: Session, State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    if !session.csrf_ok(&s, Fields::parse(&body).get("csrf")) {
-        return forbidden();
-    }
+async fn sign_out(headers: HeaderMap, Posted(_): Posted) -> Response {
     let cleared = set_cookie(SESSION_COOKIE, "", "/console", 0, session::over_https(&headers));
     with_cookie(Redirect::to(SIGN_IN_PATH).into_response(), cleared)
 }
@@ -181,6 +179,47 @@ async fn projects(session: Session, State(s): State<AppState>) -> Response {
 /// A project id from a path: one that cannot be an id names nothing (404).
 fn project_id(raw: String) -> service::Result<ProjectId> {
     crate::dto::path_id("project", raw, ProjectId::parse)
+}
+
+/// A signed-in request for a page under `/console/projects/{id}`: the
+/// session (without one, as [`Session`] answers) and the path's project id
+/// (one that cannot be an id names nothing: 404).
+pub(crate) struct InProject {
+    session: Session,
+    id: ProjectId,
+}
+
+impl FromRequestParts<AppState> for InProject {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, s: &AppState) -> Result<Self, Response> {
+        let session = Session::from_request_parts(parts, s).await?;
+        let Path(params) =
+            Path::<HashMap<String, String>>::from_request_parts(parts, s).await.map_err(IntoResponse::into_response)?;
+        let id = project_id(params.get("id").cloned().unwrap_or_default()).map_err(failure)?;
+        Ok(InProject { session, id })
+    }
+}
+
+/// A console form's fields, posted with the session's CSRF token. Without
+/// a session, as [`Session`] answers; with the token missing or wrong, 403
+/// and nothing read or changed.
+pub(crate) struct Posted(Fields);
+
+impl FromRequest<AppState> for Posted {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, s: &AppState) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let session = Session::from_request_parts(&mut parts, s).await?;
+        let body =
+            Bytes::from_request(Request::from_parts(parts, body), s).await.map_err(IntoResponse::into_response)?;
+        let fields = Fields::parse(&body);
+        if !session.csrf_ok(s, fields.get("csrf")) {
+            return Err(forbidden());
+        }
+        Ok(Posted(fields))
+    }
 }
 
 /// A quota's usage bar, from its current usage.
@@ -298,24 +337,17 @@ async fn project_page(
     }
 }
 
-async fn project(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
-    match project_id(id) {
-        Ok(id) => project_page(&s, &session, &id, &FormState::default(), None, StatusCode::OK).await,
-        Err(e) => failure(e),
-    }
+async fn project(p: InProject, State(s): State<AppState>) -> Response {
+    project_page(&s, &p.session, &p.id, &FormState::default(), None, StatusCode::OK).await
 }
 
 /// The new-key form: `POST /v1/projects/{id}/api-keys`'s body and call. The
 /// page that answers shows the secret this once (it is never in a URL).
-async fn create_key(session: Session, State(s): State<AppState>, Path(id): Path<String>, body: Bytes) -> Response {
-    let fields = Fields::parse(&body);
-    if !session.csrf_ok(&s, fields.get("csrf")) {
-        return forbidden();
-    }
-    let id = match project_id(id) {
-        Ok(id) => id,
-        Err(e) => return failure(e),
-    };
+async fn create_key(
+    InProject { session, id }: InProject,
+    State(s): State<AppState>,
+    Posted(fields): Posted,
+) -> Response {
     let refused = |e| FormState { fields: fields.clone(), error: Some(e) };
     let new = match fields.new_key() {
         Ok(new) => new,
@@ -345,7 +377,7 @@ async fn key_page(
         if &detail.key.project_id != pid {
             return Err(service::Error::not_found("api key", kid.as_str()));
         }
-        let p = summary(s, pid, s.stores.quotas.quotas(pid).await?.len()).await?;
+        let p = summary(s, pid).await?;
         let roles = provisioning::roles(s, pid).await?;
         let applying = quotas::applying_to_key(s, &detail.key).await?;
         let mut bars = bars_of(s, &p.project, &applying, s.clock.now()).await?;
@@ -359,14 +391,14 @@ async fn key_page(
     }
 }
 
-/// The ids of a key's path (either one malformed names nothing: 404).
-fn key_ids(id: String, key_id: String) -> service::Result<(ProjectId, ApiKeyId)> {
-    Ok((project_id(id)?, crate::dto::path_id("api key", key_id, ApiKeyId::parse)?))
+/// The key id of a key's path (one malformed names nothing: 404).
+fn key_id(raw: String) -> service::Result<ApiKeyId> {
+    crate::dto::path_id("api key", raw, ApiKeyId::parse)
 }
 
-async fn key(session: Session, State(s): State<AppState>, Path((id, key_id)): Path<(String, String)>) -> Response {
-    match key_ids(id, key_id) {
-        Ok((pid, kid)) => key_page(&s, &session, &pid, &kid, None, StatusCode::OK).await,
+async fn key(p: InProject, State(s): State<AppState>, Path((_, key_id)): Path<(String, String)>) -> Response {
+    match self::key_id(key_id) {
+        Ok(kid) => key_page(&s, &p.session, &p.id, &kid, None, StatusCode::OK).await,
         Err(e) => failure(e),
     }
 }
@@ -374,17 +406,13 @@ async fn key(session: Session, State(s): State<AppState>, Path((id, key_id)): Pa
 /// The grant form: the key's grants and role, validated as the API
 /// validates them; a 303 back to the key, or the form again with the refusal.
 async fn set_grants(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path((id, key_id)): Path<(String, String)>,
-    body: Bytes,
+    Path((_, key_id)): Path<(String, String)>,
+    Posted(fields): Posted,
 ) -> Response {
-    let fields = Fields::parse(&body);
-    if !session.csrf_ok(&s, fields.get("csrf")) {
-        return forbidden();
-    }
-    let (pid, kid) = match key_ids(id, key_id) {
-        Ok(ids) => ids,
+    let kid = match self::key_id(key_id) {
+        Ok(kid) => kid,
         Err(e) => return failure(e),
     };
     let refused = |e| FormState { fields: fields.clone(), error: Some(e) };
@@ -408,9 +436,10 @@ async fn set_grants(
 }
 
 /// A project with its counts, for a page's header.
-async fn summary(s: &AppState, pid: &ProjectId, quotas: usize) -> service::Result<ProjectSummary> {
+async fn summary(s: &AppState, pid: &ProjectId) -> service::Result<ProjectSummary> {
     let project = provisioning::project(s, pid).await?;
     let keys = s.stores.tenants.api_keys(pid).await?.len();
+    let quotas = s.stores.quotas.quotas(pid).await?.len();
     Ok(ProjectSummary { project, keys, quotas })
 }
 
@@ -434,36 +463,31 @@ async fn quotas_view(
     Ok(view::quotas(&session.csrf, &p, &rows, error))
 }
 
-async fn quotas_page(session: Session, State(s): State<AppState>, Path(id): Path<String>) -> Response {
-    let shown = async {
-        let pid = project_id(id)?;
-        quotas_view(&s, &session, &pid, None).await
-    };
-    match shown.await {
+async fn quotas_page(p: InProject, State(s): State<AppState>) -> Response {
+    match quotas_view(&s, &p.session, &p.id, None).await {
         Ok(markup) => html(StatusCode::OK, markup),
         Err(e) => failure(e),
     }
 }
 
-/// The ids of a quota's path, the quota one of that project's (404 otherwise).
-async fn project_quota(s: &AppState, id: String, quota_id: String) -> service::Result<(ProjectId, quotas::Detail)> {
-    let pid = project_id(id)?;
+/// The quota of a quota's path, one of that project's (404 otherwise).
+async fn project_quota(s: &AppState, pid: &ProjectId, quota_id: String) -> service::Result<quotas::Detail> {
     let qid = crate::dto::path_id("quota", quota_id, meter::QuotaId::parse)?;
     let detail = quotas::get(s, &qid).await?;
-    if detail.quota.spec.project_id != pid {
+    if &detail.quota.spec.project_id != pid {
         return Err(service::Error::not_found("quota", qid.as_str()));
     }
-    Ok((pid, detail))
+    Ok(detail)
 }
 
 async fn quota_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path((id, quota_id)): Path<(String, String)>,
+    Path((_, quota_id)): Path<(String, String)>,
 ) -> Response {
     let shown = async {
-        let (pid, d) = project_quota(&s, id, quota_id).await?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let d = project_quota(&s, &pid, quota_id).await?;
+        let p = summary(&s, &pid).await?;
         let at = s.clock.now();
         let series = quotas::series(&s, &p.project, &d.quota, d.inert, at).await?;
         // How many slices the whole window has: the chart's width.
@@ -483,16 +507,12 @@ async fn quota_page(
 /// The mode switch: `PATCH /v1/quotas/{id}`'s body (`{"mode"}`) and call;
 /// a 303 back to the page it was on, or the quotas page again with the refusal.
 async fn set_mode(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path((id, quota_id)): Path<(String, String)>,
-    body: Bytes,
+    Path((_, quota_id)): Path<(String, String)>,
+    Posted(fields): Posted,
 ) -> Response {
-    let fields = Fields::parse(&body);
-    if !session.csrf_ok(&s, fields.get("csrf")) {
-        return forbidden();
-    }
-    let (pid, d) = match project_quota(&s, id, quota_id).await {
+    let d = match project_quota(&s, &pid, quota_id).await {
         Ok(found) => found,
         Err(e) => return failure(e),
     };
@@ -524,15 +544,13 @@ async fn mode_refused(s: &AppState, session: &Session, pid: &ProjectId, e: &mete
 /// The usage page: `GET /v1/usage`'s parameters (read and checked by its
 /// DTO) and report. With no parameters: by model, this month.
 async fn usage_page(
-    session: Session,
+    InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    Path(id): Path<String>,
     uri: axum::http::Uri,
 ) -> Response {
     let fields = Fields::parse(uri.query().unwrap_or("").as_bytes());
     let shown = async {
-        let pid = project_id(id)?;
-        let p = summary(&s, &pid, s.stores.quotas.quotas(&pid).await?.len()).await?;
+        let p = summary(&s, &pid).await?;
         let form = view::UsageForm {
             group_by: fields.get("group_by").unwrap_or("model"),
             window: fields.get("window").unwrap_or("calendar_month"),

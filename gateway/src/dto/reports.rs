@@ -255,7 +255,7 @@ pub struct AuditEntryView {
     /// The project, or `null` for an installation-wide entry (`scope=installation`).
     pub project_id: Option<String>,
     /// `quotas:CreateQuota`, `quotas:UpdateQuota`, `quotas:DeleteQuota`, `quotas:MonitorBreach`,
-    /// `keys:CreateApiKey`, `keys:UpdateApiKey` (grants changed in the console), `keys:DeleteApiKey`,
+    /// `keys:CreateApiKey`, `keys:UpdateApiKey` (grants changed: `PUT /v1/api-keys/{id}/grants`, the console), `keys:DeleteApiKey`,
     /// `roles:CreateRole`, `webhooks:CreateEndpoint`,
     /// `webhooks:UpdateEndpoint`, `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`,
     /// `events:CorrectEvent`, `webhook.endpoint_disabled`; installation-wide: `prices:PutPrices`.

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::{Count, Flag, Object, Text, name, required};
-use crate::service::provisioning::{IssuedKey, KeyDetail, NewApiKey, NewProject, NewRole};
+use crate::service::provisioning::{IssuedKey, KeyDetail, KeyGrants, NewApiKey, NewProject, NewRole};
 
 /// `POST /v1/projects`.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -157,11 +157,33 @@ impl TryFrom<ApiKeyBody> for NewApiKey {
     type Error = FieldError;
     fn try_from(b: ApiKeyBody) -> Result<NewApiKey, FieldError> {
         let name = name(b.name)?;
+        let KeyGrants { role_id, grants } = KeyGrantsBody { grants: b.grants, role_id: b.role_id }.try_into()?;
+        Ok(NewApiKey { name, role_id, grants })
+    }
+}
+
+/// `PUT /v1/api-keys/{id}/grants`: what the key is granted from now on,
+/// replacing what it had (a limit left out is no grant of that limit; no
+/// `role_id`, no role).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"role_id": "role_0197a3c5", "grants": {"max_concurrent": 4, "max_rows": 500}}))]
+pub struct KeyGrantsBody {
+    #[schema(value_type = Option<GrantsBody>)]
+    pub grants: Option<Object<GrantsBody>>,
+    /// A role of the key's project.
+    #[schema(value_type = Option<String>)]
+    pub role_id: Option<Text>,
+}
+
+impl TryFrom<KeyGrantsBody> for KeyGrants {
+    type Error = FieldError;
+    fn try_from(b: KeyGrantsBody) -> Result<KeyGrants, FieldError> {
         let role_id = b
             .role_id
             .map(|Text(r)| RoleId::parse(r).map_err(|e| FieldError::new("role_id", e.to_string())))
             .transpose()?;
-        Ok(NewApiKey { name, role_id, grants: grants(b.grants)? })
+        Ok(KeyGrants { role_id, grants: grants(b.grants)? })
     }
 }
 

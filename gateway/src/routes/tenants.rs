@@ -7,11 +7,13 @@ use meter::{ApiKeyId, ProjectId, RoleId};
 
 use crate::auth::AdminAuth;
 use crate::dto::errors::ErrorBody;
-use crate::dto::tenants::{ApiKeyBody, IssuedKeyView, KeyDetailView, ProjectBody, ProjectView, RoleBody, RoleView};
+use crate::dto::tenants::{
+    ApiKeyBody, IssuedKeyView, KeyDetailView, KeyGrantsBody, ProjectBody, ProjectView, RoleBody, RoleView,
+};
 use crate::dto::{Body, path_id};
 use crate::error::ApiResult;
 use crate::service::admin_api;
-use crate::service::provisioning::{self, NewApiKey, NewProject, NewRole};
+use crate::service::provisioning::{self, KeyGrants, NewApiKey, NewProject, NewRole};
 use crate::state::AppState;
 
 #[utoipa::path(post, path = "/v1/projects", tag = "admin", security(("admin_token" = [])),
@@ -81,6 +83,29 @@ pub async fn get_api_key(
 ) -> ApiResult<Json<KeyDetailView>> {
     let id = path_id("api key", id, ApiKeyId::parse)?;
     Ok(Json(KeyDetailView::from(&provisioning::api_key(&s, &id).await?)))
+}
+
+#[utoipa::path(put, path = "/v1/api-keys/{id}/grants", tag = "admin", security(("admin_token" = [])),
+    params(("id" = String, Path, description = "The key")),
+    request_body = KeyGrantsBody,
+    responses(
+        (status = 200, description = "The key as it is now, with its effective limits; audited as keys:UpdateApiKey", body = KeyDetailView),
+        (status = 400, description = "INVALID_REQUEST naming the field (a role of another project is `role_id`)", body = ErrorBody,
+         example = json!({"error": {"code": "INVALID_REQUEST", "message": "grants.max_concurrent: must be between 1 and 1000", "meta": {"field": "grants.max_concurrent"}}})),
+        (status = 404, description = "NOT_FOUND (never existed, or deleted)", body = ErrorBody,
+         example = json!({"error": {"code": "NOT_FOUND", "message": "api key key_nope does not exist", "meta": {}}})),
+    ))]
+/// Replaces a key's grants and role. The gateway that answers runs its next
+/// check under them at once; another gateway within its configuration TTL.
+pub async fn put_grants(
+    _: AdminAuth,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Body(body): Body<KeyGrantsBody>,
+) -> ApiResult<Json<KeyDetailView>> {
+    let id = path_id("api key", id, ApiKeyId::parse)?;
+    let change = KeyGrants::try_from(body)?;
+    Ok(Json(KeyDetailView::from(&provisioning::set_grants(&s, &id, change, &admin_api()).await?)))
 }
 
 #[utoipa::path(delete, path = "/v1/api-keys/{id}", tag = "admin", security(("admin_token" = [])),
