@@ -32,6 +32,7 @@
 //! | `tollgate_layer_record_failures_total`, `tollgate_layer_bad_rows_total` | | the tower Layer's settles that failed, rows counts it could not read |
 //! | `tollgate_projector_events_total` | `result` = folded, duplicate, dead_lettered | what the fold did (its rate is the fold rate) |
 //! | `tollgate_projector_lag_seconds` | | receipt-to-fold time of the oldest fact of each batch |
+//! | `tollgate_projector_partition_lag_offsets` | `consumer`, `partition` | how far the log's end is past the projector's position, per partition it holds, sampled every 5 s (records on Kafka; an upper bound on the embedded log, whose topics share one offset sequence) |
 //! | `tollgate_projector_store_refusals_total` | | batches the store refused for good (then bisected) |
 //! | `tollgate_view_update_failures_total` | | view updates after a fold that failed |
 //! | `tollgate_dead_letters_total` | `reason` = malformed, invalid, out_of_range, store | dead letters by cause |

@@ -463,13 +463,14 @@ async fn a_bad_grant_is_refused_with_its_message_and_changes_nothing() {
         (vec![("query_timeout", "0")], "query_timeout", "grants.query_timeout: must be greater than 0"),
         (vec![("max_rows", "-4")], "max_rows", "grants.max_rows: must be a whole number ≥ 0"),
         (vec![("role_id", foreign_role.id.as_str())], "role_id", "role_id: no role"),
+        (vec![("name", "renamed")], "name", "name: is not a known field"),
     ] {
         let mut form = form.clone();
         form.push(("csrf", &csrf));
         let a = post(&f.app, &grants, Some(&session), &form).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{form:?}");
         assert!(a.body.contains(message), "{message} in {}", a.body);
-        if field != "role_id" {
+        if field != "role_id" && field != "name" {
             let invalid = format!(r#"id="f-{field}" name="{field}" type="text" value="{}""#, form[0].1);
             assert!(a.body.contains(&invalid), "{invalid} in {}", a.body);
             assert!(a.body.contains(&format!(r#"id="f-{field}-error""#)));
@@ -582,6 +583,9 @@ async fn the_quotas_page_switches_a_quota_between_enforce_and_monitor() {
     let a = post(&f.app, &switch, Some(&session), &[("csrf", &csrf), ("mode", "asleep")]).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     assert!(a.body.contains("mode: must be enforce or monitor"), "{}", a.body);
+    let a = post(&f.app, &switch, Some(&session), &[("csrf", &csrf), ("mode", "monitor"), ("limit", "1")]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.body.contains("limit: is not a known field"), "{}", a.body);
     assert_eq!(mode().await, meter::Mode::Enforce);
     assert_eq!(f.store.unpublished_audit(100).await.expect("outbox").len(), outbox, "nothing audited");
 
@@ -760,6 +764,7 @@ async fn the_usage_page_shows_the_apis_report_with_priced_and_unpriced_apart() {
         ("window=current", "window: must be day or calendar_month"),
         ("at=yesterday", "at: must be an RFC 3339 timestamp"),
         ("group_by=colour", "group_by: must be one of model, actor, agent, api_key"),
+        ("group_by=model&project_id=proj_other", "project_id: is not a known field"),
     ] {
         let a = get(&f.app, &format!("{usage}?{query}"), Some(&session)).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
@@ -958,6 +963,13 @@ async fn pipeline_health_shows_the_numbers_metrics_serves() {
     metrics::counter!("tollgate_dead_letters_total", "reason" => "console_test").increment(3);
     metrics::counter!("tollgate_publish_failures_total", "log" => "console_test").increment(2);
     fold(&f.store, 0, vec![call(&f, "c1", "2026-08-01T00:30:00Z"), call(&f, "c2", "2026-08-01T00:31:00Z")]).await;
+    // The page before a projector of this process sampled its lag: none shown, and why.
+    let page = get(&f.app, "/console/health", Some(&session)).await;
+    assert!(page.body.contains(r#"<td class="num lag">—</td>"#), "{}", page.body);
+    assert!(page.body.contains("No projector in this process samples the lag"), "{}", page.body);
+    // As a projector of this process records it (the store's consumer, partition 0).
+    let consumer = f.state.settings.exports.consumer.clone();
+    metrics::gauge!("tollgate_projector_partition_lag_offsets", "consumer" => consumer, "partition" => "0").set(7.0);
 
     let page = get(&f.app, "/console/health", Some(&session)).await;
     assert_eq!(page.status, StatusCode::OK, "{}", page.body);
@@ -977,7 +989,9 @@ async fn pipeline_health_shows_the_numbers_metrics_serves() {
     assert!(metrics.body.contains("tollgate_dead_letters_total{reason=\"console_test\"} 3"), "{}", metrics.body);
     // The projector's position per partition, from the store.
     assert!(
-        page.body.contains(r#"<tr data-partition="0"><th scope="row">0</th><td class="num">2</td></tr>"#),
+        page.body.contains(
+            r#"<tr data-partition="0"><th scope="row">0</th><td class="num">2</td><td class="num lag">7</td></tr>"#
+        ),
         "{}",
         page.body
     );

@@ -251,7 +251,14 @@ pub struct Projector<R: LogReader> {
     partitions: Vec<i32>,
     /// Sharing: when the next heartbeat is due.
     next_heartbeat: Option<tokio::time::Instant>,
+    /// When the lag per partition is sampled next (at once at start).
+    next_lag_sample: Option<tokio::time::Instant>,
 }
+
+/// How often a projector samples how far each of its partitions' ends is
+/// past its position: reading the ends costs a metadata request and one
+/// watermark request per partition on Kafka.
+const LAG_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
 impl<R: LogReader> Projector<R> {
     pub fn new(
@@ -279,6 +286,7 @@ impl<R: LogReader> Projector<R> {
             backlog: BTreeMap::new(),
             partitions: Vec::new(),
             next_heartbeat: None,
+            next_lag_sample: None,
         }
     }
 
@@ -305,8 +313,49 @@ impl<R: LogReader> Projector<R> {
         let positions = seek_partitions(&mut self.reader, store, &c.consumer, &c.topic, partitions).await?;
         info!(consumer = %self.config.consumer, ?positions, "projector positioned");
         metrics::gauge!("tollgate_projector_partitions").set(positions.len() as f64);
+        // A partition given back is another projector's to report.
+        for p in self.positions.keys().filter(|p| !positions.contains_key(p)) {
+            self.lag_gauge(*p).set(0.0);
+        }
         self.positions = positions;
+        self.next_lag_sample = None;
         Ok(())
+    }
+
+    fn lag_gauge(&self, partition: i32) -> metrics::Gauge {
+        metrics::gauge!(
+            "tollgate_projector_partition_lag_offsets",
+            "consumer" => self.config.consumer.clone(),
+            "partition" => partition.to_string()
+        )
+    }
+
+    /// Samples, at most every [`LAG_SAMPLE_EVERY`], how far the log's end
+    /// of each partition this projector holds is past its position
+    /// (`tollgate_projector_partition_lag_offsets`: records on Kafka, whose
+    /// offsets are contiguous; an upper bound on the embedded log, whose
+    /// topics share one sequence of offsets). A log that cannot tell its
+    /// ends leaves the gauge unset.
+    async fn sample_lag(&mut self) {
+        let now = tokio::time::Instant::now();
+        if self.next_lag_sample.is_some_and(|due| now < due) {
+            return;
+        }
+        self.next_lag_sample = Some(now + LAG_SAMPLE_EVERY);
+        // A log that does not answer soon is sampled next time: the
+        // fold does not wait for a gauge.
+        match tokio::time::timeout(Duration::from_secs(1), self.reader.ends())
+            .await
+            .unwrap_or_else(|_| Err(PortError::Transient("no answer within 1 s".into())))
+        {
+            Ok(ends) => {
+                for (p, at) in &self.positions {
+                    let behind = ends.get(p).map_or(0, |end| end.saturating_sub(*at).max(0));
+                    self.lag_gauge(*p).set(behind as f64);
+                }
+            }
+            Err(e) => debug!(error = %e, "the log's ends are unknown: lag not sampled"),
+        }
     }
 
     /// Sharing: renews this projector's membership and takes its share of
@@ -404,6 +453,7 @@ impl<R: LogReader> Projector<R> {
     pub async fn step(&mut self) -> PortResult<StepReport> {
         self.share().await?;
         self.publish_dead_letters().await;
+        self.sample_lag().await;
         let mut records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
         if !records.is_empty() && !self.config.linger.is_zero() {
             let until = tokio::time::Instant::now() + self.config.linger;

@@ -3,6 +3,7 @@
 
 mod alerts;
 mod audit;
+mod console_browser;
 mod corrections;
 mod estimates;
 mod explain;
@@ -936,6 +937,18 @@ async fn metrics(mode: Mode) {
     env.eventually(10, "the fold counted in the projector's metrics", || {
         let body = text(proj_url.clone());
         async move { sample(&body.await, "tollgate_projector_events_total{result=\"folded\"}") >= 1.0 }
+    })
+    .await;
+    // Its lag per partition, sampled from the log's ends: every partition
+    // it holds, caught up once the fold is (the requests' events too).
+    env.eventually(20, "every partition's lag sampled at 0", || {
+        let body = text(proj_url.clone());
+        async move {
+            let body = body.await;
+            let lags: Vec<&str> =
+                body.lines().filter(|l| l.starts_with("tollgate_projector_partition_lag_offsets{")).collect();
+            !lags.is_empty() && lags.iter().all(|l| l.ends_with(" 0"))
+        }
     })
     .await;
 }

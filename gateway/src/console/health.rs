@@ -89,6 +89,21 @@ const SECTIONS: [(&str, &str, &[&str]); 4] = [
     ),
 ];
 
+/// A label's value in a sample's labels as written (`a="1",b="2"`).
+pub fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| kv.strip_prefix(name)?.strip_prefix("=\"")?.strip_suffix('"'))
+}
+
+/// The sampled lag of each partition the projector `consumer` of this
+/// process holds, from `tollgate_projector_partition_lag_offsets`.
+pub fn partition_lag(all: &[Sample], consumer: &str) -> BTreeMap<i32, String> {
+    all.iter()
+        .filter(|s| s.name == "tollgate_projector_partition_lag_offsets")
+        .filter(|s| label(&s.labels, "consumer") == Some(consumer))
+        .filter_map(|s| Some((label(&s.labels, "partition")?.parse().ok()?, s.value.clone())))
+        .collect()
+}
+
 /// The projector's lag histogram: how many batches, and the bucket bound
 /// under which half and 99 % of them fell.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,6 +144,7 @@ pub(super) async fn health_page(session: Session, State(s): State<AppState>) -> 
 
 fn view(csrf: &str, all: &[Sample], offsets: &BTreeMap<i32, i64>, consumer: &str, topic: &str) -> Markup {
     let lag = lag(all);
+    let behind = partition_lag(all, consumer);
     page(
         "Pipeline health",
         Some(csrf),
@@ -138,13 +154,17 @@ fn view(csrf: &str, all: &[Sample], offsets: &BTreeMap<i32, i64>, consumer: &str
             p { "The numbers " a href="/metrics" { "/metrics" } " serves for this process, since it started. "
                 "A projector or notifier running in another process reports on its own " code { "/metrics" } "." }
             section #partitions aria-labelledby="partitions-title" {
-                h2 #partitions-title { "Folded position per partition" }
+                h2 #partitions-title { "Position and lag per partition" }
                 @if offsets.is_empty() { p { "The projector " code { (consumer) } " has folded nothing of " code { (topic) } " yet." } } @else {
                     table {
-                        caption { "The next record of " code { (topic) } " the projector " code { (consumer) } " will fold" }
-                        thead { tr { th scope="col" { "Partition" } th scope="col" class="num" { "Next offset" } } }
-                        tbody { @for (p, o) in offsets { tr data-partition=(p) { th scope="row" { (p) } td.num { (o) } } } }
+                        caption { "The next record of " code { (topic) } " the projector " code { (consumer) } " will fold, and how far the log's end is past it" }
+                        thead { tr { th scope="col" { "Partition" } th scope="col" class="num" { "Next offset" }
+                            th scope="col" class="num" { "Behind the end (offsets)" } } }
+                        tbody { @for (p, o) in offsets { tr data-partition=(p) { th scope="row" { (p) } td.num { (o) }
+                            td.num.lag { @match behind.get(p) { Some(v) => (v), None => "—" } } } } }
                     }
+                    @if behind.is_empty() { p.note { "No projector in this process samples the lag; each projector reports "
+                        code { "tollgate_projector_partition_lag_offsets" } " on its own " code { "/metrics" } "." } }
                 }
             }
             section #lag aria-labelledby="lag-title" {
@@ -207,5 +227,12 @@ mod tests {
         );
         assert_eq!(lag(&all), Some(Lag { count: 100, p50: Some("0.1".into()), p99: Some("1".into()) }));
         assert_eq!(lag(&samples("")), None);
+        let lags = samples(
+            "tollgate_projector_partition_lag_offsets{consumer=\"projector\",partition=\"0\"} 12\n\
+             tollgate_projector_partition_lag_offsets{consumer=\"projector\",partition=\"3\"} 0\n\
+             tollgate_projector_partition_lag_offsets{consumer=\"replay-7\",partition=\"0\"} 99\n",
+        );
+        assert_eq!(partition_lag(&lags, "projector"), BTreeMap::from([(0, "12".to_owned()), (3, "0".to_owned())]));
+        assert_eq!(label("consumer=\"a\",partition=\"10\"", "partition"), Some("10"));
     }
 }
