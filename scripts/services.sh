@@ -355,6 +355,15 @@ ensure_services() {
     start_tansu "$@"
 }
 
+# Debian's chromium and its WebDriver (/usr/bin/chromium, /usr/bin/chromedriver),
+# for the console's browser test.
+ensure_browser() {
+    if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+        return 0
+    fi
+    apt_install chromium chromium-driver
+}
+
 # The TOLLGATE_TEST_* variables the tests and the benchmark read.
 export_test_env() {
     export TOLLGATE_TEST_KAFKA="${TOLLGATE_TEST_KAFKA:-127.0.0.1:$KAFKA_PORT}"
