@@ -114,14 +114,7 @@ async fn audit_trail(mode: Mode) {
     assert_eq!(s, 202, "{b}");
     // An endpoint disabled by delivery: it answers 410 to a test fire.
     let receiver = Receiver::start(vec![410]).await;
-    let (s, w) = env
-        .admin_post(
-            &format!("/v1/projects/{pid}/webhooks"),
-            json!({"url": receiver.url("/hook"), "event_types": ["*"]}),
-        )
-        .await;
-    assert_eq!(s, 201, "{w}");
-    let wh = w["id"].as_str().expect("webhook id").to_owned();
+    let (wh, _) = env.webhook(&pid, &receiver.url("/hook")).await;
     let (s, p) =
         env.admin_req(reqwest::Method::PATCH, &format!("/v1/webhooks/{wh}"), Some(json!({"description": "ops"}))).await;
     assert_eq!(s, 200, "{p}");

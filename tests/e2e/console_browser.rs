@@ -164,14 +164,7 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     assert_eq!(s, 201, "{p}");
     let pid = p["id"].as_str().expect("project id").to_owned();
     let receiver = Receiver::start(vec![]).await;
-    let (s, w) = env
-        .admin_post(
-            &format!("/v1/projects/{pid}/webhooks"),
-            json!({"url": receiver.url("/hook"), "event_types": ["*"]}),
-        )
-        .await;
-    assert_eq!(s, 201, "{w}");
-    let wh = w["id"].as_str().expect("webhook id").to_owned();
+    let (wh, _) = env.webhook(&pid, &receiver.url("/hook")).await;
 
     let b = driver.browser().await;
 

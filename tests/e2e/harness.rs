@@ -375,6 +375,14 @@ impl Env {
         (pid, k["id"].as_str().expect("key id").to_owned(), k["secret"].as_str().expect("secret").to_owned())
     }
 
+    /// Subscribes `url` to every event of `project`: (endpoint id, signing secret).
+    pub async fn webhook(&self, project: &str, url: &str) -> (String, String) {
+        let (s, w) =
+            self.admin_post(&format!("/v1/projects/{project}/webhooks"), json!({"url": url, "event_types": ["*"]})).await;
+        assert_eq!(s, 201, "subscribe {url}: {w}");
+        (w["id"].as_str().expect("webhook id").to_owned(), w["secret"].as_str().expect("secret").to_owned())
+    }
+
     pub async fn quota(&self, body: Value) -> String {
         let (s, q) = self.admin_post("/v1/quotas", body).await;
         assert_eq!(s, 201, "create quota: {q}");

@@ -16,11 +16,7 @@ async fn subscribe(env: &Env, url: &str) -> (String, String, String) {
     let (s, p) = env.admin_post("/v1/projects", json!({"name": "hooks"})).await;
     assert_eq!(s, 201, "{p}");
     let project = p["id"].as_str().expect("project id").to_owned();
-    let (s, w) =
-        env.admin_post(&format!("/v1/projects/{project}/webhooks"), json!({"url": url, "event_types": ["*"]})).await;
-    assert_eq!(s, 201, "{w}");
-    let id = w["id"].as_str().expect("webhook id").to_owned();
-    let secret = w["secret"].as_str().expect("secret").to_owned();
+    let (id, secret) = env.webhook(&project, url).await;
     (project, id, secret)
 }
 
