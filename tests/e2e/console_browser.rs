@@ -8,12 +8,15 @@
 //! webhook delivery with its button; the screenshot of the key page is the
 //! one the README shows. Without the session cookie every page sends the
 //! browser to the sign-in page (a GET) or answers 401 (a POST), and a form
-//! posted without its CSRF token is refused with 403.
+//! posted without its CSRF token is refused with 403. A second test runs
+//! `tollgate dev` as the README does and follows its banner: the console
+//! link, the admin token, the demo key's bar moving with a check.
 //!
 //! `scripts/test` installs `chromium` and `chromium-driver` with apt when
 //! missing; without them the test is skipped (a failure under
 //! `TOLLGATE_REQUIRE_SERVICES`, as a missing service is).
 
+use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -325,5 +328,113 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(receiver.received().iter().filter(|r| r.id == message).count(), 2, "no third delivery");
 
+    b.close().await.expect("close the browser");
+}
+
+/// A `tollgate dev` of this test's own, started as the README says (no
+/// token given: it makes its own, with the demo project), its stdout read
+/// for the banner; killed when dropped.
+struct Dev {
+    child: Child,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What `tollgate dev`'s banner says.
+#[derive(Default)]
+struct Banner {
+    console: String,
+    admin: String,
+    gateway: String,
+    secret: String,
+}
+
+/// Reads `tollgate dev`'s banner from its stdout.
+fn dev_banner(child: &mut Child) -> Banner {
+    let out = child.stdout.take().expect("stdout piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut b = Banner::default();
+    while [&b.console, &b.admin, &b.gateway, &b.secret].iter().any(|v| v.is_empty()) {
+        let line = rx.recv_timeout(Duration::from_secs(60)).expect("the banner within a minute");
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["console", url, ..] => b.console = (*url).to_owned(),
+            ["admin", "token", token] => b.admin = (*token).to_owned(),
+            ["gateway", "token", token] => b.gateway = (*token).to_owned(),
+            ["demo", "key", _, "(secret", secret, ..] => b.secret = secret.trim_end_matches(';').to_owned(),
+            _ => {}
+        }
+    }
+    b
+}
+
+/// `tollgate dev` as a newcomer runs it: the banner's console link, signed
+/// in with the banner's admin token, shows the demo project; its key's bar
+/// moves with a check made with the banner's demo secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_in_a_browser_from_the_tollgate_dev_banner() {
+    let Some(driver) = Driver::start().await else { return };
+    let dir = std::env::temp_dir().join(format!("tg-e2e-console-dev-{}", testkit::unique_id()));
+    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("dev")
+        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("TOLLGATE_DATA_DIR", &dir)
+        .env_remove("TOLLGATE_ADMIN_TOKEN")
+        .env_remove("TOLLGATE_GATEWAY_TOKEN")
+        .env_remove("TOLLGATE_NO_DEMO")
+        .env("TOLLGATE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn tollgate dev");
+    let mut dev = Dev { child, dir };
+    let Banner { console, admin, gateway, secret } = dev_banner(&mut dev.child);
+    assert!(console.ends_with("/console"), "{console}");
+    let base = console.trim_end_matches("/console").to_owned();
+    let http = reqwest::Client::new();
+    for _ in 0..100 {
+        if http.get(format!("{base}/healthz")).send().await.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let b = driver.browser().await;
+    b.goto(&console).await.expect("goto the console");
+    assert_eq!(path(&b).await, "/console/sign-in");
+    type_into(&b, "#token", &admin).await;
+    find(&b, "#sign-in button[type=submit]").await.click().await.expect("sign in");
+    let demo = find(&b, "a[href^=\"/console/projects/\"]").await;
+    demo.click().await.expect("open the demo project");
+    let usage = find(&b, "#keys .usage").await;
+    let quota = attr(&usage, "data-quota-id").await;
+    let before: u64 = attr(&usage, "data-count").await.parse().expect("a count");
+
+    // The banner's demo key, checked with the banner's gateway token.
+    let r = http
+        .post(format!("{base}/v1/check"))
+        .bearer_auth(&gateway)
+        .json(&json!({"api_key": secret}))
+        .send()
+        .await
+        .expect("check");
+    assert_eq!(r.status().as_u16(), 200, "{:?}", r.text().await);
+    b.refresh().await.expect("reload");
+    let after = find(&b, &format!("#keys .usage[data-quota-id=\"{quota}\"]")).await;
+    assert_eq!(attr(&after, "data-count").await, (before + 1).to_string());
     b.close().await.expect("close the browser");
 }
