@@ -5,10 +5,12 @@
 //! reach 80 % and then 100 % as checks run through the API (the rendered
 //! width of the bar's fill against its track, its colour class and its
 //! label), flips the quota to monitor with its switch and resends a
-//! webhook delivery with its button; the screenshot of the key page is the
-//! one the README shows. Without the session cookie every page sends the
-//! browser to the sign-in page (a GET) or answers 401 (a POST), and a form
-//! posted without its CSRF token is refused with 403. A second test runs
+//! webhook delivery with its button, finding every form control labelled,
+//! every table with header cells and every bar's value in text on the way;
+//! the screenshot of the key page is the one the README shows. Without the
+//! session cookie every page sends the browser to the sign-in page (a GET)
+//! or answers 401 (a POST), and a form posted without its CSRF token is
+//! refused with 403. A second test runs
 //! `tollgate dev` as the README does and follows its banner: the console
 //! link, the admin token, the demo key's bar moving with a check.
 //!
@@ -116,6 +118,31 @@ async fn attr(e: &fantoccini::elements::Element, name: &str) -> String {
     e.attr(name).await.expect("attribute").unwrap_or_default()
 }
 
+/// What the page in the browser lacks for a screen reader: form controls
+/// without a label, tables without header cells, images of data (the
+/// bars) not hidden from it while their value is in text.
+async fn unlabelled(b: &Client) -> Vec<String> {
+    let found = b
+        .execute(
+            "const out = [];
+             for (const c of document.querySelectorAll('input:not([type=hidden]), select, textarea')) {
+               if (c.labels.length === 0 && !c.getAttribute('aria-label')) out.push('control ' + (c.id || c.name));
+             }
+             for (const t of document.querySelectorAll('table')) {
+               if (t.querySelectorAll('th').length === 0) out.push('table ' + t.id);
+             }
+             for (const s of document.querySelectorAll('svg.bar')) {
+               if (s.getAttribute('aria-hidden') !== 'true') out.push('bar not hidden');
+               if (!s.closest('.usage').querySelector('.pct')) out.push('bar without its value in text');
+             }
+             return out;",
+            vec![],
+        )
+        .await
+        .expect("inspect the page");
+    serde_json::from_value(found).expect("a list")
+}
+
 /// One check admitted and settled through the API.
 async fn call(env: &Env, pid: &str, kid: &str, secret: &str, n: usize) {
     let r = check(&env.http, env.gw(), secret, json!({})).await;
@@ -197,6 +224,7 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     type_into(&b, "#f-max_rows", "500").await;
     find(&b, "#new-key button[type=submit]").await.click().await.expect("create");
     let secret_el = find(&b, "#secret").await;
+    assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the project page");
     let secret = secret_el.text().await.expect("the secret");
     let kid = attr(&secret_el, "data-key-id").await;
     let (s, k) = env.admin_get(&format!("/v1/api-keys/{kid}")).await;
@@ -215,6 +243,7 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     let (pct, level, label, ratio, warn_colour) = bar(&b, &qid).await;
     assert_eq!((pct.as_str(), level.as_str(), label.as_str()), ("80", "warn", "80 %"));
     assert!((ratio - 0.8).abs() < 0.01, "the fill is 80 % of the track: {ratio}");
+    assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the key page");
     let limits = find(&b, "#limits tr[data-limit=\"max_concurrent\"] td.granted").await;
     assert_eq!(limits.text().await.expect("text"), "4");
 
@@ -243,6 +272,7 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
 
     // The quota to monitor with its switch.
     b.goto(&format!("{gw}/console/projects/{pid}/quotas")).await.expect("goto quotas");
+    assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the quotas page");
     find(&b, &format!("#mode-{qid} button")).await.click().await.expect("switch");
     let row = find(&b, &format!("#quotas tr[data-quota-id=\"{qid}\"]")).await;
     assert_eq!(attr(&row, "data-mode").await, "monitor");
@@ -255,8 +285,12 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     let message = t["message_id"].as_str().expect("message id").to_owned();
     env.eventually(20, "the test message delivered", || async { receiver.received().iter().any(|r| r.id == message) })
         .await;
+    b.goto(&format!("{gw}/console/projects/{pid}/usage?group_by=api_key")).await.expect("goto usage");
+    find(&b, "#usage-form").await;
+    assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the usage page");
     let hook_page = format!("{gw}/console/projects/{pid}/webhooks/{wh}");
     b.goto(&hook_page).await.expect("goto the webhook");
+    assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the webhook page");
     find(&b, &format!("#resend-{message} button")).await.click().await.expect("resend");
     assert_eq!(path(&b).await, format!("/console/projects/{pid}/webhooks/{wh}"));
     env.eventually(20, "the message delivered again", || async {
