@@ -237,24 +237,31 @@ fn quota_bar(q: &meter::Quota, u: quotas::CurrentUsage, whose: &str) -> Bar {
     }
 }
 
-/// The usage bars of the quotas that count a key's calls (see [`quotas::applies_to_key`]).
+/// The usage bar of each of `listed` that has one, keyed by quota id: each
+/// quota's counter read once per page, since a quota on the project or on
+/// all keys together shows the same bar on every key's row.
 async fn bars_of<'a>(
     s: &AppState,
     p: &meter::Project,
-    applying: impl IntoIterator<Item = &'a quotas::Listed>,
+    listed: impl IntoIterator<Item = &'a quotas::Listed>,
     at: chrono::DateTime<chrono::Utc>,
-) -> service::Result<Vec<Bar>> {
-    let mut bars = Vec::new();
-    for l in applying {
+) -> service::Result<HashMap<&'a meter::QuotaId, Bar>> {
+    let mut bars = HashMap::new();
+    for l in listed {
         let Some(u) = quotas::current_usage(s, p, &l.quota, l.inert, at).await? else { continue };
         let whose = match (&l.quota.spec.scope, &l.quota.spec.scope_ref) {
             (meter::Scope::Project, _) => "the whole project",
             (_, None) => "all keys together",
             _ => "this key",
         };
-        bars.push(quota_bar(&l.quota, u, whose));
+        bars.insert(&l.quota.id, quota_bar(&l.quota, u, whose));
     }
     Ok(bars)
+}
+
+/// The bars of `applying`, in its order.
+fn bars_in(applying: &[&quotas::Listed], bars: &HashMap<&meter::QuotaId, Bar>) -> Vec<Bar> {
+    applying.iter().filter_map(|l| bars.get(&l.quota.id).cloned()).collect()
 }
 
 /// A project's quotas by the keys they count: those on one key under its
@@ -322,11 +329,9 @@ async fn project_page(
         let roles = provisioning::roles(s, id).await?;
         let quotas = quotas::list_knowing(s, id, &keys).await?;
         let by_key = ByKey::of(&quotas);
-        let at = s.clock.now();
-        let mut rows = Vec::with_capacity(keys.len());
-        for key in &keys {
-            rows.push(KeyRow { key, bars: bars_of(s, &project, by_key.of_key(key), at).await? });
-        }
+        let bars = bars_of(s, &project, &quotas, s.clock.now()).await?;
+        let rows: Vec<KeyRow<'_>> =
+            keys.iter().map(|key| KeyRow { key, bars: bars_in(&by_key.of_key(key), &bars) }).collect();
         let summary = ProjectSummary { keys: keys.len(), quotas: quotas.len(), project };
         let issued = issued.map(|i| Issued { key: &i.key, secret: &i.secret });
         Ok::<_, service::Error>(view::project(&session.csrf, &summary, &rows, &roles, form, issued))
@@ -380,7 +385,8 @@ async fn key_page(
         let p = summary(s, pid).await?;
         let roles = provisioning::roles(s, pid).await?;
         let applying = quotas::applying_to_key(s, &detail.key).await?;
-        let mut bars = bars_of(s, &p.project, &applying, s.clock.now()).await?;
+        let read = bars_of(s, &p.project, &applying, s.clock.now()).await?;
+        let mut bars = bars_in(&applying.iter().collect::<Vec<_>>(), &read);
         bars.extend(role_bars(&detail));
         let current = FormState { fields: view::grant_fields(&detail.key), error: None };
         Ok(view::key(&session.csrf, &p, &detail, &bars, &roles, form.unwrap_or(&current)))
