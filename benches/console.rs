@@ -2,8 +2,9 @@
 //!
 //! Each backend gets one project with 1,000 keys (made through
 //! `POST /v1/projects/{id}/api-keys`), a calls-per-day quota on the whole
-//! project, one on every key, and one on each of 20 keys, 10 checks on
-//! each of the first 100 keys (so the bars have something to show), a
+//! project, one on all keys together, and one on each of 20 keys, 5
+//! folded events per key (what the usage page groups), 10 checks on each
+//! of the first 100 keys (so the bars have something to show), a
 //! webhook endpoint, and a signed-in console session. Every console page
 //! is then rendered through `gateway::app(..)` in this process (`oneshot`,
 //! no sockets: the time is the server's alone, from request to the last
@@ -42,6 +43,8 @@ const OWN_QUOTAS: usize = 20;
 /// Keys with checks on them, and checks on each.
 const BUSY_KEYS: usize = 100;
 const CHECKS: usize = 10;
+/// Events folded for each key.
+const FOLDED: usize = 5;
 /// Measured renders of each page (after 3 to warm up).
 const RENDERS: usize = 20;
 
@@ -69,8 +72,54 @@ async fn api(app: &axum::Router, token: &str, uri: &str, body: Value) -> AnyResu
     Ok(serde_json::from_slice(&body)?)
 }
 
+/// Folds `FOLDED` call events for each key (a token use on every tenth),
+/// spread over the day so far, as the projector would.
+async fn fold_usage(ledger: &dyn meter::Ledger, pid: &str, keys: &[(String, String)]) -> AnyResult<()> {
+    let project = meter::ProjectId::parse(pid.to_owned())?;
+    let now = chrono::Utc::now();
+    let mut facts = Vec::new();
+    for (i, (kid, _)) in keys.iter().enumerate() {
+        for n in 0..FOLDED {
+            let at = now - chrono::Duration::minutes(((i * FOLDED + n) % 600) as i64);
+            let mut f = meter::UsageFact {
+                api_key_id: Some(meter::ApiKeyId::parse(kid.clone())?),
+                rows: 10,
+                outcome: meter::Outcome::Success,
+                ..meter::UsageFact::new(
+                    meter::EventId::parse(format!("f-{i}-{n}"))?,
+                    project.clone(),
+                    meter::EventKind::Call,
+                    at,
+                )
+            };
+            if n == 0 && i % 10 == 0 {
+                f.kind = meter::EventKind::Tokens;
+                f.tokens = vec![meter::TokenUsage {
+                    provider: "openai".into(),
+                    model: "gpt-4o".into(),
+                    input: 1000,
+                    output: 100,
+                    ..meter::TokenUsage::default()
+                }];
+            }
+            facts.push(f);
+        }
+    }
+    for (n, chunk) in facts.chunks(500).enumerate() {
+        let batch = meter::FoldBatch {
+            consumer: "projector".into(),
+            topic: "tollgate.usage".into(),
+            offsets: vec![meter::OffsetMove { partition: 0, from: (n * 500) as i64, to: ((n + 1) * 500) as i64 }],
+            facts: chunk.to_vec(),
+            ..meter::FoldBatch::default()
+        };
+        ledger.fold_batch(&batch).await?;
+    }
+    Ok(())
+}
+
 /// The project, its keys, quotas, usage and webhook; the console pages to render.
-async fn populate(app: &axum::Router) -> AnyResult<Vec<(&'static str, String)>> {
+async fn populate(app: &axum::Router, ledger: &dyn meter::Ledger) -> AnyResult<Vec<(&'static str, String)>> {
     let p = api(app, ADMIN, "/v1/projects", json!({"name": "thousand keys", "timezone": "Europe/Paris"})).await?;
     let pid = p["id"].as_str().ok_or("project id")?.to_owned();
     let mut keys = Vec::with_capacity(KEYS);
@@ -84,8 +133,9 @@ async fn populate(app: &axum::Router) -> AnyResult<Vec<(&'static str, String)>> 
     let quota_id = q["id"].as_str().ok_or("quota id")?.to_owned();
     api(app, ADMIN, "/v1/quotas", quota("api_key", None, 10_000)).await?;
     for (kid, _) in keys.iter().take(OWN_QUOTAS) {
-        api(app, ADMIN, "/v1/quotas", quota("api_key", Some(kid), 12)).await?;
+        api(app, ADMIN, "/v1/quotas", quota("api_key", Some(kid), 18)).await?;
     }
+    fold_usage(ledger, &pid, &keys).await?;
     for (_, secret) in keys.iter().take(BUSY_KEYS) {
         for _ in 0..CHECKS {
             api(app, GATEWAY, "/v1/check", json!({"api_key": secret})).await?;
@@ -107,7 +157,7 @@ async fn populate(app: &axum::Router) -> AnyResult<Vec<(&'static str, String)>> 
         ("key", format!("{base}/keys/{kid}")),
         ("quotas", format!("{base}/quotas")),
         ("quota (chart)", format!("{base}/quotas/{quota_id}")),
-        ("usage by key", format!("{base}/usage?group_by=key")),
+        ("usage by key", format!("{base}/usage?group_by=api_key")),
         ("breaches", format!("{base}/breaches")),
         ("audit trail", format!("{base}/audit")),
         ("exceptions", format!("{base}/exceptions")),
@@ -126,8 +176,9 @@ async fn measure(state: AppState) -> AnyResult<Rows> {
         "tollgate_console={}",
         gateway::console::session::new_session(&state, meter::Clock::now(&*state.clock))
     );
+    let ledger = state.stores.ledger.clone();
     let app = gateway::app(state);
-    let pages = populate(&app).await?;
+    let pages = populate(&app, &*ledger).await?;
     let mut rows = Vec::new();
     for (name, uri) in pages {
         let mut ms = Vec::with_capacity(RENDERS);
@@ -196,7 +247,7 @@ async fn run() -> AnyResult<()> {
          `cargo bench --bench console`: server time of each page through `gateway::app` in-process \
          (request to the last byte of the body, no sockets), median and slowest of {RENDERS} renders after 3 \
          to warm up; {KEYS} keys, {} calls-per-day quotas ({OWN_QUOTAS} on single keys), {CHECKS} checks on each of \
-         {BUSY_KEYS} keys. Load average before {load_before}, after {load_after}.\n",
+         {BUSY_KEYS} keys, {FOLDED} events folded for each key (a tenth of the keys with a token use). Load average before {load_before}, after {load_after}.\n",
         OWN_QUOTAS + 2
     );
     for (name, rows) in &sections {
