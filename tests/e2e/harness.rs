@@ -377,8 +377,9 @@ impl Env {
 
     /// Subscribes `url` to every event of `project`: (endpoint id, signing secret).
     pub async fn webhook(&self, project: &str, url: &str) -> (String, String) {
-        let (s, w) =
-            self.admin_post(&format!("/v1/projects/{project}/webhooks"), json!({"url": url, "event_types": ["*"]})).await;
+        let (s, w) = self
+            .admin_post(&format!("/v1/projects/{project}/webhooks"), json!({"url": url, "event_types": ["*"]}))
+            .await;
         assert_eq!(s, 201, "subscribe {url}: {w}");
         (w["id"].as_str().expect("webhook id").to_owned(), w["secret"].as_str().expect("secret").to_owned())
     }
