@@ -109,6 +109,14 @@ impl SeedingView {
         self.source.is_some()
     }
 
+    /// Where the usage topic ends now, per partition, if this deployment
+    /// reads its log back (`None` otherwise, or when the log does not answer
+    /// within `wait`).
+    pub async fn log_ends(&self, wait: std::time::Duration) -> Option<std::collections::BTreeMap<i32, i64>> {
+        let source = self.source.as_ref()?;
+        tokio::time::timeout(wait, source.tail.ends()).await.ok()?.ok()
+    }
+
     /// Seeds a project (see the module doc), unless another task of this
     /// process seeded it while this one waited for its turn.
     async fn seed_project(&self, project: &ProjectId, at: DateTime<Utc>) -> PortResult<()> {

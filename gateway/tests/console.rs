@@ -16,7 +16,7 @@ use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Star
 use gateway::service::{quotas, webhooks};
 use gateway::{AppState, Settings};
 use meter::{
-    ApiKeyId, AuditBatch, AuditStore, Clock, Component, EventId, EventKind, EventTypes, FoldBatch, Grants, Ledger,
+    ApiKeyId, AuditBatch, AuditStore, Clock, Component, EventId, EventKind, EventTypes, FoldBatch, Grants, Ledger, Log,
     ManualClock, Metric, OffsetMove, Price, PriceKey, PriceStore, Principal, ProjectId, TenantStore, TokenUsage,
     UnpricedException, UsageFact, Usd, WindowKind,
 };
@@ -966,7 +966,7 @@ async fn pipeline_health_shows_the_numbers_metrics_serves() {
     // The page before a projector of this process sampled its lag: none shown, and why.
     let page = get(&f.app, "/console/health", Some(&session)).await;
     assert!(page.body.contains(r#"<td class="num lag">—</td>"#), "{}", page.body);
-    assert!(page.body.contains("No projector in this process samples the lag"), "{}", page.body);
+    assert!(page.body.contains("no projector in this process samples the lag"), "{}", page.body);
     // As a projector of this process records it (the store's consumer, partition 0).
     let consumer = f.state.settings.exports.consumer.clone();
     metrics::gauge!("tollgate_projector_partition_lag_offsets", "consumer" => consumer, "partition" => "0").set(7.0);
@@ -996,6 +996,25 @@ async fn pipeline_health_shows_the_numbers_metrics_serves() {
         page.body
     );
     assert!(page.body.contains(r#"id="health-link""#));
+
+    // A deployment that reads its log back: the lag is the log's end now
+    // against the stored offset, whatever a gauge says.
+    let log = SqliteLog::new(f.store.pool().clone(), "tollgate.");
+    log.publish(&[call(&f, "c3", "2026-08-01T00:32:00Z"), call(&f, "c4", "2026-08-01T00:33:00Z")])
+        .await
+        .expect("published");
+    let end = meter::LogTail::ends(&log).await.expect("the log's end")[&0];
+    let tail = gateway::seeding::TailSource {
+        tail: Arc::new(log),
+        consumer: f.state.settings.exports.consumer.clone(),
+        topic: f.state.settings.exports.topic.clone(),
+        flush_timeout: std::time::Duration::from_secs(1),
+        lease_horizon: std::time::Duration::from_secs(60),
+    };
+    let app = gateway::app(f.state.clone().with_log_tail(tail));
+    let page = get(&app, "/console/health", Some(&session)).await;
+    let row = format!(r#"<td class="num">2</td><td class="num lag">{}</td>"#, end - 2);
+    assert!(end > 2 && page.body.contains(&row), "{row} in {}", page.body);
 }
 
 #[tokio::test]

@@ -730,6 +730,13 @@ pub trait LogTail: Send + Sync {
         from: &BTreeMap<i32, i64>,
         since: DateTime<Utc>,
     ) -> PortResult<Vec<LogRecord>>;
+    /// Where the usage topic ends now (the next offset to be written), per
+    /// partition: against the projector's stored offsets, how far its fold
+    /// is behind. A log that cannot tell answers
+    /// [`PortError::Permanent`](crate::PortError::Permanent).
+    async fn ends(&self) -> PortResult<BTreeMap<i32, i64>> {
+        Err(crate::PortError::Permanent("this log cannot tell where it ends".into()))
+    }
 }
 
 /// One record read from the log.

@@ -707,31 +707,50 @@ impl LogTail for KafkaTail {
         let (topic, key, from) = (self.config.usage_topic(), project.as_str().as_bytes().to_vec(), from.clone());
         // librdkafka's metadata, watermark and poll calls block.
         tokio::task::spawn_blocking(move || {
-            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
-            if slot.is_none() {
-                let consumer: BaseConsumer = config
-                    .client()
-                    .set("group.id", "tollgate-view-seed")
-                    .set("enable.auto.commit", "false")
-                    .set("enable.auto.offset.store", "false")
-                    .set("auto.offset.reset", "earliest")
-                    .set("enable.partition.eof", "false")
-                    .set("fetch.wait.max.ms", "20")
-                    .create()
-                    .map_err(kafka_err)?;
-                *slot = Some(consumer);
-            }
-            let Some(consumer) = slot.as_ref() else {
-                return Err(PortError::Transient("no tail consumer".into()));
-            };
-            let out = tail_of(consumer, &topic, &key, &from, since);
-            // Leave no assignment behind: the next tail assigns afresh.
-            let _ = consumer.unassign();
-            out
+            with_tail_consumer(&config, &slot, |consumer| {
+                let out = tail_of(consumer, &topic, &key, &from, since);
+                // Leave no assignment behind: the next tail assigns afresh.
+                let _ = consumer.unassign();
+                out
+            })
         })
         .instrument(info_span!("datastore", op = "kafka.tail"))
         .await
         .map_err(|e| PortError::Transient(format!("reading the log tail: {e}")))?
+    }
+
+    async fn ends(&self) -> PortResult<BTreeMap<i32, i64>> {
+        let (config, slot, topic) = (self.config.clone(), Arc::clone(&self.consumer), self.config.usage_topic());
+        tokio::task::spawn_blocking(move || with_tail_consumer(&config, &slot, |consumer| ends(consumer, &topic)))
+            .instrument(info_span!("datastore", op = "kafka.ends"))
+            .await
+            .map_err(|e| PortError::Transient(format!("reading the usage topic's end: {e}")))?
+    }
+}
+
+/// Runs `f` on the tail's consumer, made on first use and kept; calls take turns.
+fn with_tail_consumer<T>(
+    config: &KafkaConfig,
+    slot: &Mutex<Option<BaseConsumer>>,
+    f: impl FnOnce(&BaseConsumer) -> PortResult<T>,
+) -> PortResult<T> {
+    let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+    if slot.is_none() {
+        let consumer: BaseConsumer = config
+            .client()
+            .set("group.id", "tollgate-view-seed")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            .set("fetch.wait.max.ms", "20")
+            .create()
+            .map_err(kafka_err)?;
+        *slot = Some(consumer);
+    }
+    match slot.as_ref() {
+        Some(consumer) => f(consumer),
+        None => Err(PortError::Transient("no tail consumer".into())),
     }
 }
 

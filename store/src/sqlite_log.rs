@@ -456,9 +456,27 @@ impl Writer {
     }
 }
 
+/// Where `topic` ends: offsets are row ids, not contiguous, so the end is
+/// past the last one.
+async fn topic_end(pool: &SqlitePool, topic: &str) -> PortResult<BTreeMap<i32, i64>> {
+    let next: i64 = sqlx::query_scalar(
+        r#"SELECT COALESCE(MAX("offset"), -1) + 1 FROM log_records WHERE topic = ?1 AND "partition" = ?2"#,
+    )
+    .bind(topic)
+    .bind(PARTITION)
+    .fetch_one(pool)
+    .await
+    .map_err(log_err)?;
+    Ok(BTreeMap::from([(PARTITION, next)]))
+}
+
 /// A project's tail of the embedded log, for a reseed of the view.
 #[async_trait]
 impl LogTail for SqliteLog {
+    async fn ends(&self) -> PortResult<BTreeMap<i32, i64>> {
+        topic_end(&self.appender.pool, &self.appender.topic).await
+    }
+
     async fn tail(
         &self,
         project: &ProjectId,
@@ -541,16 +559,7 @@ impl LogReader for SqliteLogReader {
     }
 
     async fn ends(&mut self) -> PortResult<BTreeMap<i32, i64>> {
-        // Offsets are row ids, not contiguous: the end is past the last one.
-        let next: i64 = sqlx::query_scalar(
-            r#"SELECT COALESCE(MAX("offset"), -1) + 1 FROM log_records WHERE topic = ?1 AND "partition" = ?2"#,
-        )
-        .bind(&self.topic)
-        .bind(PARTITION)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(log_err)?;
-        Ok(BTreeMap::from([(PARTITION, next)]))
+        topic_end(&self.pool, &self.topic).await
     }
 
     async fn seek(&mut self, positions: &BTreeMap<i32, i64>) -> PortResult<()> {

@@ -331,6 +331,21 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
         let r = http.get(format!("{gw}{page}")).header("cookie", &session).send().await.expect("get");
         assert_eq!(r.status().as_u16(), 200, "{page} with the cookie");
     }
+    // The health page of a gateway over Kafka: every partition's lag read
+    // from the log's ends against the projector's stored offsets, caught up
+    // once the projector has folded everything.
+    env.eventually(20, "every partition caught up on the health page", || async {
+        let page = http.get(format!("{gw}/console/health")).header("cookie", &session).send().await;
+        let Ok(page) = page else { return false };
+        let body = page.text().await.unwrap_or_default();
+        let lags: Vec<&str> = body
+            .split(r#"<td class="num lag">"#)
+            .skip(1)
+            .filter_map(|rest| rest.split_once("</td>").map(|(v, _)| v))
+            .collect();
+        !lags.is_empty() && lags.iter().all(|v| *v == "0")
+    })
+    .await;
     let posts = [
         (format!("/console/projects/{pid}/keys"), "name=sneaky".to_owned()),
         (format!("/console/projects/{pid}/keys/{kid}/grants"), "max_concurrent=1".to_owned()),

@@ -3,7 +3,9 @@
 //! person — the projector's fold and lag, dead letters by reason, the
 //! view's reseeds and outages, the log's unacknowledged and queued
 //! publishes — and the projector's folded position per partition, from the
-//! store. What another process records (a projector running apart from this
+//! store, with how far the log's end is past it (the log's ends read now
+//! when this process reads its log back, else a projector of this process's
+//! sampled gauge). What another process records (a projector running apart from this
 //! gateway) is on that process's `/metrics`, not here; the page says so.
 
 use std::collections::BTreeMap;
@@ -132,19 +134,43 @@ pub fn lag(all: &[Sample]) -> Option<Lag> {
     Some(Lag { count, p50: bound(50).filter(|_| count > 0), p99: bound(99).filter(|_| count > 0) })
 }
 
+/// How long the page waits for the log to say where it ends.
+const ENDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 pub(super) async fn health_page(session: Session, State(s): State<AppState>) -> Response {
     let text = crate::telemetry::render();
     let all = samples(&text);
     let x = &s.settings.exports;
-    match s.stores.ledger.offsets(&x.consumer, &x.topic).await {
-        Ok(offsets) => html(StatusCode::OK, view(&session.csrf, &all, &offsets, &x.consumer, &x.topic)),
-        Err(e) => failure(service::Error::from(e)),
-    }
+    let offsets = match s.stores.ledger.offsets(&x.consumer, &x.topic).await {
+        Ok(offsets) => offsets,
+        Err(e) => return failure(service::Error::from(e)),
+    };
+    // How far the fold is behind: the log's ends now against the stored
+    // offsets, when this process reads its log back; else what a projector
+    // of this process last sampled.
+    let behind = match s.view.log_ends(ENDS_WAIT).await {
+        Some(ends) => behind_ends(&ends, &offsets),
+        None => partition_lag(&all, &x.consumer),
+    };
+    html(StatusCode::OK, view(&session.csrf, &all, &offsets, &behind, &x.consumer, &x.topic))
 }
 
-fn view(csrf: &str, all: &[Sample], offsets: &BTreeMap<i32, i64>, consumer: &str, topic: &str) -> Markup {
+/// Per partition, how far the log's end is past the stored offset.
+pub fn behind_ends(ends: &BTreeMap<i32, i64>, offsets: &BTreeMap<i32, i64>) -> BTreeMap<i32, String> {
+    ends.iter()
+        .map(|(p, end)| (*p, end.saturating_sub(offsets.get(p).copied().unwrap_or(0)).max(0).to_string()))
+        .collect()
+}
+
+fn view(
+    csrf: &str,
+    all: &[Sample],
+    offsets: &BTreeMap<i32, i64>,
+    behind: &BTreeMap<i32, String>,
+    consumer: &str,
+    topic: &str,
+) -> Markup {
     let lag = lag(all);
-    let behind = partition_lag(all, consumer);
     page(
         "Pipeline health",
         Some(csrf),
@@ -163,8 +189,9 @@ fn view(csrf: &str, all: &[Sample], offsets: &BTreeMap<i32, i64>, consumer: &str
                         tbody { @for (p, o) in offsets { tr data-partition=(p) { th scope="row" { (p) } td.num { (o) }
                             td.num.lag { @match behind.get(p) { Some(v) => (v), None => "—" } } } } }
                     }
-                    @if behind.is_empty() { p.note { "No projector in this process samples the lag; each projector reports "
-                        code { "tollgate_projector_partition_lag_offsets" } " on its own " code { "/metrics" } "." } }
+                    @if behind.is_empty() { p.note { "The log did not say where it ends, and no projector in this process "
+                        "samples the lag; each projector reports " code { "tollgate_projector_partition_lag_offsets" }
+                        " on its own " code { "/metrics" } "." } }
                 }
             }
             section #lag aria-labelledby="lag-title" {
@@ -234,5 +261,12 @@ mod tests {
         );
         assert_eq!(partition_lag(&lags, "projector"), BTreeMap::from([(0, "12".to_owned()), (3, "0".to_owned())]));
         assert_eq!(label("consumer=\"a\",partition=\"10\"", "partition"), Some("10"));
+        let ends = BTreeMap::from([(0, 10), (1, 4), (2, 5)]);
+        let offsets = BTreeMap::from([(0, 7), (1, 4)]);
+        assert_eq!(
+            behind_ends(&ends, &offsets),
+            BTreeMap::from([(0, "3".to_owned()), (1, "0".to_owned()), (2, "5".to_owned())]),
+            "a partition never folded is behind by its whole length"
+        );
     }
 }
