@@ -56,25 +56,36 @@ impl Driver {
             eprintln!("skipped the browser test: {why}");
             return None;
         }
-        let port = free_port();
-        let child = Command::new(CHROMEDRIVER)
-            .arg(format!("--port={port}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn chromedriver");
-        let driver = Driver { child, url: format!("http://127.0.0.1:{port}") };
+        // A driver that exited (its port taken between `free_port` and its
+        // bind: another test's listener may answer there) is started again
+        // on another port.
         let http = reqwest::Client::new();
-        for _ in 0..100 {
-            if let Ok(r) = http.get(format!("{}/status", driver.url)).send().await
-                && r.status().is_success()
-            {
-                return Some(driver);
+        for _attempt in 0..3 {
+            let port = free_port();
+            let child = Command::new(CHROMEDRIVER)
+                .arg(format!("--port={port}"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn chromedriver");
+            let mut driver = Driver { child, url: format!("http://127.0.0.1:{port}") };
+            for _ in 0..100 {
+                if driver.child.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                // Its own answer (WebDriver's status names `ready`), while it still runs.
+                if let Ok(r) = http.get(format!("{}/status", driver.url)).send().await
+                    && r.status().is_success()
+                    && r.text().await.is_ok_and(|t| t.contains("\"ready\""))
+                    && driver.child.try_wait().ok().flatten().is_none()
+                {
+                    return Some(driver);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("chromedriver did not answer on {}", driver.url);
+        panic!("chromedriver did not start (three attempts)");
     }
 
     /// A headless browser session (root needs `--no-sandbox`).
@@ -106,6 +117,29 @@ async fn find(b: &Client, css: &str) -> fantoccini::elements::Element {
         Ok(e) => e,
         Err(e) => panic!("{css} on {}: {e}", path(b).await),
     }
+}
+
+/// Clicks what `css` finds (a form's button, a link) and waits until the
+/// browser shows the page it leads to: a new document, loaded. (The click
+/// can return before the navigation it starts; what the next `find` meets
+/// could be the old page's.)
+async fn click_to(b: &Client, css: &str) {
+    b.execute("document.documentElement.setAttribute('data-left', '1')", vec![]).await.expect("mark the page");
+    find(b, css).await.click().await.unwrap_or_else(|e| panic!("click {css}: {e}"));
+    for _ in 0..100 {
+        // During the navigation a script may find no document to run in: not yet.
+        let arrived = b
+            .execute(
+                "return document.readyState === 'complete' && !document.documentElement.hasAttribute('data-left')",
+                vec![],
+            )
+            .await;
+        if arrived.ok().and_then(|v| v.as_bool()) == Some(true) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{css}: no new page within 10 s");
 }
 
 async fn type_into(b: &Client, css: &str, text: &str) {
@@ -202,27 +236,26 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     b.goto(&format!("{gw}/console/projects/{pid}")).await.expect("goto");
     assert_eq!(path(&b).await, "/console/sign-in");
     type_into(&b, "#token", "not the token").await;
-    find(&b, "#sign-in button[type=submit]").await.click().await.expect("submit");
+    click_to(&b, "#sign-in button[type=submit]").await;
     assert!(find(&b, "#sign-in-error").await.text().await.expect("text").contains("not the admin token"));
     type_into(&b, "#token", ADMIN).await;
-    find(&b, "#sign-in button[type=submit]").await.click().await.expect("submit");
-    let link = find(&b, &format!("a[href=\"/console/projects/{pid}\"]")).await;
+    click_to(&b, "#sign-in button[type=submit]").await;
     assert_eq!(path(&b).await, "/console");
-    link.click().await.expect("open the project");
+    click_to(&b, &format!("a[href=\"/console/projects/{pid}\"]")).await;
     assert_eq!(path(&b).await, format!("/console/projects/{pid}"));
 
     // A key with grants, through the form; a bad value first (refused,
     // nothing made), then good ones.
     type_into(&b, "#f-name", "browser").await;
     type_into(&b, "#f-max_concurrent", "0").await;
-    find(&b, "#new-key button[type=submit]").await.click().await.expect("create");
+    click_to(&b, "#new-key button[type=submit]").await;
     let refusal = find(&b, "#new-key-error").await;
     assert_eq!(attr(&refusal, "data-field").await, "grants.max_concurrent");
     assert_eq!(attr(&find(&b, "#f-max_concurrent").await, "aria-invalid").await, "true");
     find(&b, "#no-keys").await;
     type_into(&b, "#f-max_concurrent", "4").await;
     type_into(&b, "#f-max_rows", "500").await;
-    find(&b, "#new-key button[type=submit]").await.click().await.expect("create");
+    click_to(&b, "#new-key button[type=submit]").await;
     let secret_el = find(&b, "#secret").await;
     assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the project page");
     let secret = secret_el.text().await.expect("the secret");
@@ -266,14 +299,14 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
 
     // The grant form on the key page: a changed grant shows as granted.
     type_into(&b, "#f-max_concurrent", "6").await;
-    find(&b, "#grants button[type=submit]").await.click().await.expect("save grants");
+    click_to(&b, "#grants button[type=submit]").await;
     let granted = find(&b, "#limits tr[data-limit=\"max_concurrent\"] td.granted").await;
     assert_eq!(granted.text().await.expect("text"), "6");
 
     // The quota to monitor with its switch.
     b.goto(&format!("{gw}/console/projects/{pid}/quotas")).await.expect("goto quotas");
     assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the quotas page");
-    find(&b, &format!("#mode-{qid} button")).await.click().await.expect("switch");
+    click_to(&b, &format!("#mode-{qid} button")).await;
     let row = find(&b, &format!("#quotas tr[data-quota-id=\"{qid}\"]")).await;
     assert_eq!(attr(&row, "data-mode").await, "monitor");
     let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
@@ -291,7 +324,7 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     let hook_page = format!("{gw}/console/projects/{pid}/webhooks/{wh}");
     b.goto(&hook_page).await.expect("goto the webhook");
     assert_eq!(unlabelled(&b).await, Vec::<String>::new(), "the webhook page");
-    find(&b, &format!("#resend-{message} button")).await.click().await.expect("resend");
+    click_to(&b, &format!("#resend-{message} button")).await;
     assert_eq!(path(&b).await, format!("/console/projects/{pid}/webhooks/{wh}"));
     env.eventually(20, "the message delivered again", || async {
         receiver.received().iter().filter(|r| r.id == message).count() >= 2
@@ -380,9 +413,8 @@ async fn console_in_a_browser_signs_in_grants_shows_bars_switches_modes_and_rese
     b.close().await.expect("close the browser");
 }
 
-/// A `tollgate dev` of this test's own, started as the README says (no
-/// token given: it makes its own, with the demo project), its stdout read
-/// for the banner; killed when dropped.
+/// A `tollgate dev` of this test's own; killed, and its data directory
+/// removed, when dropped.
 struct Dev {
     child: Child,
     dir: std::path::PathBuf,
@@ -405,8 +437,40 @@ struct Banner {
     secret: String,
 }
 
-/// Reads `tollgate dev`'s banner from its stdout.
-fn dev_banner(child: &mut Child) -> Banner {
+impl Dev {
+    /// Starts `tollgate dev` on a free port, as the README does (no token
+    /// given: it makes its own, with the demo project), and reads its
+    /// banner. A child that exits before its banner (its port taken between
+    /// `free_port` and its bind) is started again on another, up to three times.
+    fn start(dir: &std::path::Path) -> (Dev, Banner) {
+        for _ in 0..3 {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+                .arg("dev")
+                .env("TOLLGATE_LISTEN", format!("127.0.0.1:{}", free_port()))
+                .env("TOLLGATE_DATA_DIR", dir)
+                .env_remove("TOLLGATE_ADMIN_TOKEN")
+                .env_remove("TOLLGATE_GATEWAY_TOKEN")
+                .env_remove("TOLLGATE_NO_DEMO")
+                .env("TOLLGATE_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn tollgate dev");
+            match dev_banner(&mut child) {
+                Some(banner) => return (Dev { child, dir: dir.to_owned() }, banner),
+                None => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+        }
+        panic!("tollgate dev exited three times before its banner (its ports taken?)");
+    }
+}
+
+/// Reads `tollgate dev`'s banner from its stdout; `None` if it exited first.
+fn dev_banner(child: &mut Child) -> Option<Banner> {
     let out = child.stdout.take().expect("stdout piped");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -418,7 +482,11 @@ fn dev_banner(child: &mut Child) -> Banner {
     });
     let mut b = Banner::default();
     while [&b.console, &b.admin, &b.gateway, &b.secret].iter().any(|v| v.is_empty()) {
-        let line = rx.recv_timeout(Duration::from_secs(60)).expect("the banner within a minute");
+        let line = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no banner within a minute"),
+        };
         match line.split_whitespace().collect::<Vec<_>>().as_slice() {
             ["console", url, ..] => b.console = (*url).to_owned(),
             ["admin", "token", token] => b.admin = (*token).to_owned(),
@@ -427,7 +495,7 @@ fn dev_banner(child: &mut Child) -> Banner {
             _ => {}
         }
     }
-    b
+    Some(b)
 }
 
 /// `tollgate dev` as a newcomer runs it: the banner's console link, signed
@@ -437,21 +505,7 @@ fn dev_banner(child: &mut Child) -> Banner {
 async fn console_in_a_browser_from_the_tollgate_dev_banner() {
     let Some(driver) = Driver::start().await else { return };
     let dir = std::env::temp_dir().join(format!("tg-e2e-console-dev-{}", testkit::unique_id()));
-    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .arg("dev")
-        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{}", free_port()))
-        .env("TOLLGATE_DATA_DIR", &dir)
-        .env_remove("TOLLGATE_ADMIN_TOKEN")
-        .env_remove("TOLLGATE_GATEWAY_TOKEN")
-        .env_remove("TOLLGATE_NO_DEMO")
-        .env("TOLLGATE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn tollgate dev");
-    let mut dev = Dev { child, dir };
-    let Banner { console, admin, gateway, secret } = dev_banner(&mut dev.child);
+    let (_dev, Banner { console, admin, gateway, secret }) = Dev::start(&dir);
     assert!(console.ends_with("/console"), "{console}");
     let base = console.trim_end_matches("/console").to_owned();
     let http = reqwest::Client::new();
@@ -466,9 +520,8 @@ async fn console_in_a_browser_from_the_tollgate_dev_banner() {
     b.goto(&console).await.expect("goto the console");
     assert_eq!(path(&b).await, "/console/sign-in");
     type_into(&b, "#token", &admin).await;
-    find(&b, "#sign-in button[type=submit]").await.click().await.expect("sign in");
-    let demo = find(&b, "a[href^=\"/console/projects/\"]").await;
-    demo.click().await.expect("open the demo project");
+    click_to(&b, "#sign-in button[type=submit]").await;
+    click_to(&b, "a[href^=\"/console/projects/\"]").await;
     let usage = find(&b, "#keys .usage").await;
     let quota = attr(&usage, "data-quota-id").await;
     let before: u64 = attr(&usage, "data-count").await.parse().expect("a count");
