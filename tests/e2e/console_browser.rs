@@ -19,6 +19,7 @@
 //! `TOLLGATE_REQUIRE_SERVICES`, as a missing service is).
 
 use std::io::BufRead;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -39,7 +40,11 @@ struct Driver {
 }
 
 impl Drop for Driver {
+    /// Ends the driver and every browser it started (its process group), so
+    /// a test that fails mid-session leaves no chromium behind.
     fn drop(&mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -64,6 +69,8 @@ impl Driver {
             let port = free_port();
             let child = Command::new(CHROMEDRIVER)
                 .arg(format!("--port={port}"))
+                // A group of its own, which its browsers join: see `Drop`.
+                .process_group(0)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
