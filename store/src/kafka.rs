@@ -146,6 +146,20 @@ impl KafkaConfig {
         c
     }
 
+    /// A reader under `group` that positions itself: offsets are never
+    /// committed or stored by Kafka (the store keeps them), a partition with
+    /// no position starts at its beginning, and a fetch waits at most 20 ms.
+    fn reader_client(&self, group: &str) -> ClientConfig {
+        let mut c = self.client();
+        c.set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            .set("fetch.wait.max.ms", "20");
+        c
+    }
+
     /// Creates the usage, audit and dead-letter topics if they are missing,
     /// each with its explicit retention (`retention.ms`; the broker's
     /// default, often 7 days, would leave a replay nothing older). Only
@@ -547,16 +561,7 @@ impl KafkaReader {
     }
 
     fn on_topic(config: &KafkaConfig, group: &str, topic: &str) -> PortResult<Self> {
-        let consumer: StreamConsumer = config
-            .client()
-            .set("group.id", group)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("enable.partition.eof", "false")
-            .set("fetch.wait.max.ms", "20")
-            .create()
-            .map_err(kafka_err)?;
+        let consumer: StreamConsumer = config.reader_client(group).create().map_err(kafka_err)?;
         let dlq_reader: BaseConsumer = config
             .client()
             .set("group.id", format!("{group}-dlq"))
@@ -736,16 +741,7 @@ fn with_tail_consumer<T>(
 ) -> PortResult<T> {
     let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
     if slot.is_none() {
-        let consumer: BaseConsumer = config
-            .client()
-            .set("group.id", "tollgate-view-seed")
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("enable.partition.eof", "false")
-            .set("fetch.wait.max.ms", "20")
-            .create()
-            .map_err(kafka_err)?;
+        let consumer: BaseConsumer = config.reader_client("tollgate-view-seed").create().map_err(kafka_err)?;
         *slot = Some(consumer);
     }
     match slot.as_ref() {
