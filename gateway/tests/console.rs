@@ -182,6 +182,12 @@ async fn signing_in_sets_an_http_only_strict_session_cookie_that_is_not_the_toke
     let forged = post(&f.app, "/console/sign-in", None, &[("csrf", &form.csrf()), ("token", ADMIN)]).await;
     assert_eq!((forged.status, forged.set_cookie("tollgate_console")), (StatusCode::FORBIDDEN, None));
 
+    let odd =
+        post(&f.app, "/console/sign-in", Some(&nonce), &[("csrf", &form.csrf()), ("token", ADMIN), ("remember", "1")])
+            .await;
+    assert_eq!((odd.status, odd.set_cookie("tollgate_console")), (StatusCode::BAD_REQUEST, None));
+    assert!(odd.body.contains("remember: is not a known field"), "{}", odd.body);
+
     let signed = post(&f.app, "/console/sign-in", Some(&nonce), &[("csrf", &form.csrf()), ("token", ADMIN)]).await;
     assert_eq!((signed.status, signed.location()), (StatusCode::SEE_OTHER, Some("/console")));
     let cookie = signed.set_cookie("tollgate_console").expect("the session cookie");
@@ -310,6 +316,10 @@ async fn a_post_without_the_csrf_token_is_refused_and_changes_nothing() {
     assert_eq!(key.grants, Grants::default(), "no grant was changed");
     assert_eq!(f.store.unpublished_audit(100).await.expect("outbox").len(), 2, "only the fixture's key and quota");
     assert_eq!(get(&f.app, "/console", Some(&session)).await.status, StatusCode::OK, "still signed in");
+
+    // A field the sign-out form does not have: refused, still signed in.
+    let odd = post(&f.app, "/console/sign-out", Some(&session), &[("csrf", &csrf), ("everywhere", "1")]).await;
+    assert_eq!((odd.status, odd.set_cookie("tollgate_console")), (StatusCode::BAD_REQUEST, None));
 
     // With it, signing out ends the session.
     let out = post(&f.app, "/console/sign-out", Some(&session), &[("csrf", &csrf)]).await;
@@ -792,6 +802,9 @@ async fn the_audit_trail_pages_by_the_apis_cursor() {
     f.store.fold_audit(&batch).await.expect("fold the audit");
     let base = format!("/console/projects/{}/audit", f.project);
 
+    let odd = get(&f.app, &format!("{base}?after=&limit=5"), Some(&session)).await;
+    assert_eq!(odd.status, StatusCode::BAD_REQUEST, "a parameter the page does not have");
+    assert!(odd.body.contains("limit: is not a known field"), "{}", odd.body);
     let first = get(&f.app, &base, Some(&session)).await;
     assert_eq!(first.status, StatusCode::OK, "{}", first.body);
     assert_eq!(first.body.matches("<tr data-audit-id=").count(), 50);
@@ -885,6 +898,9 @@ async fn a_delivery_is_resent_from_the_webhook_page() {
     let before = next_attempt().await;
     f.clock.advance(chrono::Duration::hours(1));
     assert_eq!(post(&f.app, &resend, Some(&session), &[]).await.status, StatusCode::FORBIDDEN);
+    let a = post(&f.app, &resend, Some(&session), &[("csrf", &page.csrf()), ("message_id", "msg_other")]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.body.contains("message_id: is not a known field"), "{}", a.body);
     assert_eq!(next_attempt().await, before, "not resent");
     let a = post(&f.app, &resend, Some(&session), &[("csrf", &page.csrf())]).await;
     assert_eq!((a.status, a.location()), (StatusCode::SEE_OTHER, Some(page_uri.as_str())));

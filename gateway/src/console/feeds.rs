@@ -6,15 +6,16 @@
 //! DTO read and checked, its service call), so a page of the console is a
 //! page of the API: the link to the next one carries the `next` cursor.
 
-use axum::extract::{Path, State};
-use axum::http::{StatusCode, Uri};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::{Markup, html};
 use meter::{AuditAction, AuditEntry, FieldError, MessageId, ProjectId, UnpricedException, WebhookId};
 
 use super::form::Fields;
 use super::view::{self, amount, page, project_href, project_nav, when};
-use super::{InProject, Posted, failure, heavy, html, summary};
+use super::{InProject, Posted, failure, heavy, html, refused, summary};
 use crate::dto::prices::ExceptionParams;
 use crate::dto::reports::AuditParams;
 use crate::dto::webhooks::DeliveriesParams;
@@ -27,9 +28,18 @@ use crate::state::AppState;
 /// Entries of one page of the console's audit trail and exceptions.
 const PAGE: &str = "50";
 
-/// A query string's `after`, if given and not empty.
-fn after(uri: &Uri) -> Option<String> {
-    Fields::parse(uri.query().unwrap_or("").as_bytes()).get("after").filter(|a| !a.is_empty()).map(str::to_owned)
+/// A list page's query: its `after` cursor, if given and not empty. A
+/// parameter the page does not have is refused (400, naming it).
+pub(super) struct Paged(Option<String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Paged {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        let fields = Fields::parse(parts.uri.query().unwrap_or("").as_bytes());
+        fields.only(&["after"]).map_err(|e| refused(&e))?;
+        Ok(Paged(fields.get("after").filter(|a| !a.is_empty()).map(str::to_owned)))
+    }
 }
 
 /// The link to the next page, if there is one.
@@ -44,23 +54,13 @@ fn next_link(base: &str, next: Option<&String>) -> Markup {
     }
 }
 
-/// A refusal of a list's parameters, as the API gives it (400).
-fn refused(e: &FieldError) -> Response {
-    html(StatusCode::BAD_REQUEST, view::message_page("Bad request", &format!("{}: {}", e.field, e.message), false))
-}
-
 pub(super) async fn audit_page(
     InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    uri: Uri,
+    Paged(after): Paged,
 ) -> Response {
-    let params = AuditParams {
-        scope: None,
-        project_id: Some(pid.to_string()),
-        after: after(&uri),
-        limit: Some(PAGE.to_owned()),
-        page: None,
-    };
+    let params =
+        AuditParams { scope: None, project_id: Some(pid.to_string()), after, limit: Some(PAGE.to_owned()), page: None };
     let q = match AuditQuery::try_from(params) {
         Ok(q) => q,
         Err(e) => return refused(&e),
@@ -119,10 +119,10 @@ fn audit_view(csrf: &str, p: &crate::service::provisioning::ProjectSummary, entr
 pub(super) async fn breaches_page(
     InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    uri: Uri,
+    Paged(after): Paged,
 ) -> Response {
     // The cursor is a message id, as the delivery log's is.
-    let after = match after(&uri).map(MessageId::parse).transpose() {
+    let after = match after.map(MessageId::parse).transpose() {
         Ok(a) => a,
         Err(e) => return refused(&FieldError::new("after", e.to_string())),
     };
@@ -201,10 +201,9 @@ fn breaches_view(
 pub(super) async fn exceptions_page(
     InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
-    uri: Uri,
+    Paged(after): Paged,
 ) -> Response {
-    let params =
-        ExceptionParams { project_id: Some(pid.to_string()), after: after(&uri), limit: Some(PAGE.to_owned()) };
+    let params = ExceptionParams { project_id: Some(pid.to_string()), after, limit: Some(PAGE.to_owned()) };
     let q = match ExceptionsQuery::try_from(params) {
         Ok(q) => q,
         Err(e) => return refused(&e),
@@ -326,9 +325,9 @@ pub(super) async fn webhook_page(
     InProject { session, id: pid }: InProject,
     State(s): State<AppState>,
     Path((_, webhook_id)): Path<(String, String)>,
-    uri: Uri,
+    Paged(after): Paged,
 ) -> Response {
-    let q = match DeliveriesQuery::try_from(DeliveriesParams { after: after(&uri), limit: None }) {
+    let q = match DeliveriesQuery::try_from(DeliveriesParams { after, limit: None }) {
         Ok(q) => q,
         Err(e) => return refused(&e),
     };
@@ -417,8 +416,11 @@ pub(super) async fn resend(
     InProject { id: pid, .. }: InProject,
     State(s): State<AppState>,
     Path((_, webhook_id, message_id)): Path<(String, String, String)>,
-    Posted(_): Posted,
+    Posted(fields): Posted,
 ) -> Response {
+    if let Err(e) = fields.only(&[]) {
+        return refused(&e);
+    }
     let done = async {
         let e = endpoint_of(&s, &pid, webhook_id).await?;
         let mid = crate::dto::path_id("message", message_id, MessageId::parse)?;

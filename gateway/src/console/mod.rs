@@ -110,6 +110,12 @@ fn failure(e: service::Error) -> Response {
     html(e.status, view::message_page(title, &e.message, false))
 }
 
+/// A refusal of a form's field or a page's parameter, as the API gives it
+/// (400, naming the field), on a page of its own.
+pub(crate) fn refused(e: &meter::FieldError) -> Response {
+    html(StatusCode::BAD_REQUEST, view::message_page("Bad request", &format!("{}: {}", e.field, e.message), false))
+}
+
 /// A POST whose CSRF token is missing or wrong: refused, nothing read or changed.
 fn forbidden() -> Response {
     html(
@@ -151,6 +157,11 @@ async fn sign_in(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         return forbidden();
     }
     let secure = session::over_https(&headers);
+    if let Err(e) = fields.only(&["token"]) {
+        let nonce = session::sign_in_nonce();
+        let res = html(StatusCode::BAD_REQUEST, view::sign_in(&nonce, Some(&format!("{}: {}", e.field, e.message))));
+        return with_cookie(res, set_cookie(SIGN_IN_COOKIE, &nonce, SIGN_IN_PATH, 3600, secure));
+    }
     if !fields.get("token").is_some_and(|t| same_secret(t, &s.settings.admin_token)) {
         let nonce = session::sign_in_nonce();
         let res = html(StatusCode::UNAUTHORIZED, view::sign_in(&nonce, Some("That is not the admin token.")));
@@ -164,7 +175,10 @@ async fn sign_in(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     with_cookie(res, set_cookie(SIGN_IN_COOKIE, "", SIGN_IN_PATH, 0, secure))
 }
 
-async fn sign_out(headers: HeaderMap, Posted(_): Posted) -> Response {
+async fn sign_out(headers: HeaderMap, Posted(fields): Posted) -> Response {
+    if let Err(e) = fields.only(&[]) {
+        return refused(&e);
+    }
     let cleared = set_cookie(SESSION_COOKIE, "", "/console", 0, session::over_https(&headers));
     with_cookie(Redirect::to(SIGN_IN_PATH).into_response(), cleared)
 }
