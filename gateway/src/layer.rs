@@ -53,9 +53,9 @@
 //!
 //! If recording fails, the service's response is still sent (the call has
 //! happened; refusing it now would help nobody), with a warning and
-//! `tollgate_layer_record_failures_total`. Recording runs in its own task, so
-//! a client that disconnects mid-way cannot leave a settle without its
-//! publish. If the service's future is dropped or panics before it answers,
+//! `tollgate_layer_record_failures_total`. Recording runs as far as it goes
+//! at once and the rest in a task of its own, so a client that disconnects
+//! mid-way cannot leave a settle without its publish. If the service's future is dropped or panics before it answers,
 //! the reservation is released at once instead of waiting for its lease.
 //!
 //! The layer works with whatever ports the [`AppState`] holds: the embedded
@@ -388,20 +388,31 @@ pub const HAS_MORE: HeaderName = HeaderName::from_static("x-has-more");
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowStream;
 
-/// Records a call's fact in a task of its own, so that settle and publish
-/// cannot be cut apart by the client going away (a settle without its
-/// publish would leave a pending delta that no fold ever drops); the task
-/// logs and counts a failure. `None` outside a runtime (nothing to run it).
+/// Records a call's fact so that settle and publish cannot be cut apart by
+/// the client going away (a settle without its publish would leave a pending
+/// delta that no fold ever drops): the recording runs here as far as it
+/// goes without waiting, and whatever of it has to wait goes on in a task of
+/// its own, which logs and counts a failure. So a view and a log that answer
+/// at once (the memory view, a log that only queues) cost no task. The task
+/// to wait for, if one was needed; `None` outside a runtime (nothing to run
+/// it, nothing recorded).
 fn record_call(state: &AppState, fact: UsageFact, status: u16) -> Option<tokio::task::JoinHandle<()>> {
     let rt = tokio::runtime::Handle::try_current().ok()?;
     let s = state.clone();
-    Some(rt.spawn(async move {
+    let mut job: BoxFuture<()> = Box::pin(async move {
         if let Err(e) = recording::record(&s, std::slice::from_ref(&fact)).await {
             let e = ApiError::from(e);
             warn!(error = %format!("{}: {}", e.code, e.message), status, "layer: call not recorded");
             metrics::counter!("tollgate_layer_record_failures_total").increment(1);
         }
-    }))
+    });
+    // Polled once here with a waker that does nothing: if it has to wait,
+    // the task polls it again at once with its own.
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match job.as_mut().poll(&mut cx) {
+        Poll::Ready(()) => None,
+        Poll::Pending => Some(rt.spawn(job)),
+    }
 }
 
 /// A stream's settle, made once: when its body ends, fails or is dropped.
@@ -749,5 +760,88 @@ impl Drop for ReleaseGuard {
                 warn!(error = %e, %project, "layer: reservation not released; its lease will free it");
             }
         });
+    }
+}
+
+#[cfg(all(test, feature = "embedded"))]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use axum::Router;
+    use axum::routing::get;
+    use meter::{Log, Metric, PortError, PortResult, Principal, WindowKind};
+    use store::{MemoryView, SqliteStore};
+    use tokio::sync::Semaphore;
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::Settings;
+    use crate::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
+    use crate::state::SystemClock;
+
+    /// A log whose publishes each wait for a permit of `gate`, then keep
+    /// their facts.
+    struct GatedLog {
+        gate: Semaphore,
+        taken: Mutex<Vec<UsageFact>>,
+    }
+
+    #[async_trait]
+    impl Log for GatedLog {
+        async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
+            let _permit = self.gate.acquire().await.map_err(|e| PortError::Transient(e.to_string()))?;
+            self.taken.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(facts);
+            Ok(())
+        }
+    }
+
+    /// A caller that goes away while its call is being recorded (the log
+    /// is slow to acknowledge) leaves no settle without its publish: the
+    /// recording goes on without it, and the call's event reaches the log.
+    #[tokio::test]
+    async fn a_call_is_recorded_when_its_caller_goes_away_mid_way() {
+        let dir = std::env::temp_dir().join(format!("tollgate-layer-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
+        store.migrate().await.expect("migrate");
+        let log = Arc::new(GatedLog { gate: Semaphore::new(0), taken: Mutex::default() });
+        let state = AppState::new(
+            Arc::new(store),
+            Arc::new(MemoryView::new()),
+            log.clone(),
+            Arc::new(SystemClock),
+            Settings::new("adm", "gw"),
+        );
+        let starter = Starter {
+            project: NewProject { name: "p".into(), timezone: chrono_tz::Tz::UTC },
+            key: NewApiKey { name: "k".into(), ..NewApiKey::default() },
+            quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 10 }),
+        };
+        let made = provisioning::provision(&state, starter, &Principal::new("admin", "test")).await.expect("provision");
+        let app = Router::new().route("/x", get(|| async { "ok" })).layer(TollgateLayer::new(state.clone()));
+        let req = Request::get("/x")
+            .header("authorization", format!("Bearer {}", made.secret))
+            .body(Body::empty())
+            .expect("request");
+
+        // The service answers; the recording waits for the log; the caller gives up.
+        let call = app.oneshot(req);
+        assert!(tokio::time::timeout(Duration::from_millis(300), call).await.is_err(), "answered before the log");
+        assert!(log.taken.lock().expect("lock").is_empty(), "nothing was acknowledged yet");
+
+        log.gate.add_permits(16);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let kinds: Vec<EventKind> = log.taken.lock().expect("lock").iter().map(|f| f.kind).collect();
+            if kinds.contains(&EventKind::Call) {
+                assert!(kinds.contains(&EventKind::Request), "the check's request event too: {kinds:?}");
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the call's event never reached the log: {kinds:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -23,7 +23,8 @@
 //! | `tollgate_view_update_failures_total`, `tollgate_view_backlog_events`, `tollgate_view_backlog_dropped_total` | | the projector's view updates that failed, the folded events whose pending deltas still wait to be dropped, and those given up (backlog full) |
 //! | `tollgate_config_stale_total` | | lookups answered from the configuration cache while the store was down |
 //! | `tollgate_events_accepted_total` | | events acknowledged on `/v1/events` |
-//! | `tollgate_events_unacknowledged_total`, `tollgate_request_events_unacknowledged_total` | | settles and request events the log did not acknowledge in time (kept queued) |
+//! | `tollgate_events_unacknowledged_total` | | settles the log did not acknowledge in time (kept queued) |
+//! | `tollgate_request_events_unacknowledged_total` | | request events the log's queue could not take (full: lost from the log) |
 //! | `tollgate_unpriced_rows_deferred_total` | | unpriced rows left to the fold because the store was down |
 //! | `tollgate_publish_queue_depth` | `log` = kafka, sqlite | records awaiting the log (gauge) |
 //! | `tollgate_publish_failures_total` | `log` | records whose publish attempt failed and were queued again |

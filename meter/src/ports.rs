@@ -685,6 +685,19 @@ pub trait Log: Send + Sync {
     /// Publishes facts; see the trait for what each answer means.
     async fn publish(&self, facts: &[UsageFact]) -> PortResult<()>;
 
+    /// Hands `facts` to the log without waiting for their acknowledgement,
+    /// if this log can: `Some(Ok(()))` once they are queued (they are then
+    /// published, and retried until acknowledged, exactly as the facts of a
+    /// [`Log::publish`] that answered "not yet"); `Some(Err(_))` when nothing
+    /// was queued (a full queue, no runtime to retry on, a fact that cannot
+    /// be encoded). `None`, the default: this log queues nothing by itself,
+    /// and a caller that will not wait awaits [`Log::publish`] in a task of
+    /// its own. What a check does with its request event.
+    fn queue(&self, facts: &[UsageFact]) -> Option<PortResult<()>> {
+        let _ = facts;
+        None
+    }
+
     /// Waits until every fact this process handed to [`Log::publish`] before
     /// this call is acknowledged (or dropped as permanently unpublishable),
     /// at most `timeout`: [`PortError::Transient`](crate::PortError::Transient) if some are still queued

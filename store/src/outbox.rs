@@ -102,6 +102,20 @@ pub struct OutRecord {
     pub id: Option<String>,
 }
 
+/// The records of usage facts: each Avro encoded ([`schemas::encode_usage`]),
+/// keyed by its project, its id the project and the event id; a fact that
+/// cannot be encoded is [`PortError::Permanent`].
+pub fn usage_records(facts: &[meter::UsageFact]) -> PortResult<Vec<OutRecord>> {
+    facts
+        .iter()
+        .map(|f| {
+            let payload = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
+            let key = f.project_id.as_str().as_bytes().to_vec();
+            Ok(OutRecord { key, payload, id: Some(format!("{}/{}", f.project_id, f.id)) })
+        })
+        .collect()
+}
+
 /// One attempt at putting records on a log.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
@@ -326,6 +340,16 @@ impl<T: Transport> Outbox<T> {
                 }
             })),
         }
+    }
+
+    /// Queues `records` (see the module doc) without waiting for them: `Ok`
+    /// once they are queued, an error when nothing was (a full queue, no
+    /// runtime to retry on).
+    pub fn queue(&self, records: Vec<OutRecord>) -> PortResult<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        self.enqueue(records).map(drop)
     }
 
     /// Starts a job for the records not queued yet; the answers to wait for.

@@ -343,13 +343,12 @@ impl Transport for Appender {
 #[async_trait]
 impl Log for SqliteLog {
     async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
-        let mut records = Vec::with_capacity(facts.len());
-        for f in facts {
-            let payload = schemas::encode_usage(f).map_err(|e| PortError::Permanent(e.to_string()))?;
-            let key = f.project_id.as_str().as_bytes().to_vec();
-            records.push(OutRecord { key, payload, id: Some(format!("{}/{}", f.project_id, f.id)) });
-        }
+        let records = crate::outbox::usage_records(facts)?;
         self.outbox.publish(records).await
+    }
+
+    fn queue(&self, facts: &[UsageFact]) -> Option<PortResult<()>> {
+        Some(crate::outbox::usage_records(facts).and_then(|records| self.outbox.queue(records)))
     }
 
     async fn flush(&self, timeout: Duration) -> PortResult<()> {

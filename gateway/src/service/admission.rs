@@ -680,12 +680,6 @@ fn logged_request(
     }
 }
 
-/// Publishes the check's request event in the background. It is never
-/// taken back: if the log does not acknowledge it, it stays in the log's
-/// retry queue (and its request stays counted in the view); only a full
-/// queue loses it from the log, counted in
-/// `tollgate_request_events_unacknowledged_total`, and then its pending
-/// count over-counts until the window ends.
 /// Who a request event is of.
 struct Asker {
     project: ProjectId,
@@ -696,6 +690,14 @@ struct Asker {
     actor: Option<String>,
 }
 
+/// Publishes the check's request event in the background: handed to the
+/// log's queue ([`meter::Log::queue`]), or published in a task of its own
+/// by a log without one. It is never taken back: if the log does not
+/// acknowledge it, it stays in the log's retry queue (and its request stays
+/// counted in the view); only a full queue loses it from the log, counted
+/// in `tollgate_request_events_unacknowledged_total` (with a log without a
+/// queue, also a publish that was not acknowledged in time), and then its
+/// pending count over-counts until the window ends.
 fn publish_request(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedRequest, now: DateTime<Utc>) {
     let fact = UsageFact {
         api_key_id: asker.key,
@@ -712,11 +714,21 @@ fn publish_request(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedReques
         breaches: logged.breaches,
         ..UsageFact::new(hold.request_event.clone(), asker.project, EventKind::Request, now)
     };
-    let log = s.log.clone();
-    tokio::spawn(async move {
-        if let Err(e) = log.publish(std::slice::from_ref(&fact)).await {
-            warn!(error = %e, "request event not acknowledged yet (queued unless the queue was full)");
-            metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
+    let unacknowledged = |e: PortError| {
+        warn!(error = %e, "request event not acknowledged yet (queued unless the queue was full)");
+        metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
+    };
+    // Handed to the log's queue where it has one (no task of our own).
+    match s.log.queue(std::slice::from_ref(&fact)) {
+        Some(Ok(())) => {}
+        Some(Err(e)) => unacknowledged(e),
+        None => {
+            let log = s.log.clone();
+            tokio::spawn(async move {
+                if let Err(e) = log.publish(std::slice::from_ref(&fact)).await {
+                    unacknowledged(e);
+                }
+            });
         }
-    });
+    }
 }
