@@ -6,8 +6,8 @@
 //!
 //! - baseline: an axum `POST /hello` returning small JSON on `127.0.0.1:0`;
 //! - the Layer: the same app under `TollgateLayer`, over
-//!   [`gateway::embedded::Embedded`] (the SQLite store and log in one file in
-//!   a fresh temporary directory, the in-memory view, the projector as a
+//!   [`gateway::embedded::Embedded`] (the SQLite store and log in two files
+//!   in a fresh temporary directory, the in-memory view, the projector as a
 //!   task), with a project, an API key and an enforce `calls`/`day` quota
 //!   with a huge limit on that key, so every call is checked, reserved and
 //!   settled (and its request and call events published);
@@ -16,8 +16,9 @@
 //!   prefix of its own that is deleted afterwards); skipped when Redis does
 //!   not answer;
 //! - diagnostics, to see where the time goes: the same Layer with the SQLite
-//!   file at `synchronous = NORMAL` instead of `FULL`; with the SQLite log
-//!   but no projector; and with a no-op log and no projector (the layer's own
+//!   files at `synchronous = NORMAL` instead of `FULL`; with the log's tables
+//!   in the store's file (as the embedded log was before it had a file of
+//!   its own); with the SQLite log but no projector; and with a no-op log and no projector (the layer's own
 //!   cost: identify, check, reserve and settle in the memory view).
 //!
 //! The same HTTP client (reqwest), body and headers drive every variant:
@@ -177,9 +178,13 @@ enum Backend {
     /// `Embedded::open_with_view` with this view (Redis).
     View(Arc<dyn View>),
     /// Diagnostic: as `Embedded::open`, built by hand the same way, but the
-    /// SQLite file with `synchronous = NORMAL` (no fsync per commit in WAL
+    /// SQLite files with `synchronous = NORMAL` (no fsync per commit in WAL
     /// mode) instead of `FULL`: what durability costs.
     SyncNormal,
+    /// Diagnostic: as `Embedded::open` was before the log had a file of its
+    /// own: the log's tables in the store's file, so the log's group commit
+    /// and the fold take turns at one write lock.
+    OneFile,
     /// Diagnostic: as `Embedded::open` (`synchronous = FULL`) but without
     /// the projector: what its folds, writing to the same file, cost.
     NoProjector,
@@ -227,6 +232,14 @@ async fn sqlite_pool(path: &Path, synchronous: SqliteSynchronous) -> AnyResult<S
         .await?)
 }
 
+/// The file the log of `backend` over the data file `path` is in.
+fn log_file(path: &Path, backend: &Backend) -> PathBuf {
+    match backend {
+        Backend::OneFile => path.to_owned(),
+        _ => gateway::embedded::log_path(path),
+    }
+}
+
 /// Starts `backend` on the SQLite file at `path`.
 async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> {
     let mut settings = Settings::new(random_token(32), random_token(32));
@@ -241,11 +254,19 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
             let e = Embedded::open_with_view(path, settings, clock, view).await?;
             (e.state.clone(), Running::Embedded(Box::new(e)))
         }
-        Backend::SyncNormal => {
-            // What `Embedded::open_with_view` does, on a pool of our own.
-            let store = SqliteStore::from_pool(sqlite_pool(path, SqliteSynchronous::Normal).await?);
+        Backend::SyncNormal | Backend::OneFile => {
+            // What `Embedded::open_with_view` does, on pools of our own.
+            let synchronous = match backend {
+                Backend::OneFile => SqliteSynchronous::Full,
+                _ => SqliteSynchronous::Normal,
+            };
+            let store = SqliteStore::from_pool(sqlite_pool(path, synchronous).await?);
             store.migrate().await?;
-            let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+            let log_pool = match backend {
+                Backend::OneFile => store.pool().clone(),
+                _ => sqlite_pool(&log_file(path, &backend), synchronous).await?,
+            };
+            let log = SqliteLog::new(log_pool, "tollgate.");
             log.ensure_schema().await?;
             let reader = log.reader();
             let topic = log.usage_topic().to_owned();
@@ -262,8 +283,7 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
         Backend::NoProjector => {
             let store = SqliteStore::open(path).await?;
             store.migrate().await?;
-            let log = SqliteLog::new(store.pool().clone(), "tollgate.");
-            log.ensure_schema().await?;
+            let log = gateway::embedded::open_log(path).await?;
             let view: Arc<dyn View> = Arc::new(MemoryView::new());
             (AppState::new(Arc::new(store), view, Arc::new(log), clock, settings), Running::Nothing)
         }
@@ -279,6 +299,7 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
 /// A Tollgate on `backend` in `path`, the hello-world app under its layer,
 /// and the measurements of it (and the admission headers of a probe).
 async fn layered(http: &reqwest::Client, path: &Path, backend: Backend, body: &Value) -> AnyResult<(Variant, String)> {
+    let log_path = log_file(path, &backend);
     let (state, running) = start(path, backend).await?;
     let secret = project_with_quota(&state, "bench-in-process").await?;
     let url = format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?);
@@ -287,7 +308,7 @@ async fn layered(http: &reqwest::Client, path: &Path, backend: Backend, body: &V
     v.answered += 1; // the probe
     // Let the background request-event publishes drain, then stop the projector.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    v.log_records = log_records(path).await;
+    v.log_records = log_records(&log_path).await;
     running.stop().await;
     Ok((v, headers))
 }
@@ -346,6 +367,7 @@ struct Results {
     layer_headers: String,
     redis: Result<Variant, String>,
     sync_normal: Variant,
+    one_file: Variant,
     no_projector: Variant,
     null_log: Variant,
 }
@@ -451,6 +473,9 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite with synchronous = NORMAL");
     let (sync_normal, _) = layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body).await?;
 
+    eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, the log in the store's file");
+    let (one_file, _) = layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body).await?;
+
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite log, no projector");
     let (no_projector, _) = layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body).await?;
 
@@ -467,6 +492,7 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
         layer_headers,
         redis,
         sync_normal,
+        one_file,
         no_projector,
         null_log,
     })
@@ -510,6 +536,7 @@ fn log_note(v: &Variant) -> String {
 const LAYER: &str = "Layer, embedded (memory view)";
 const REDIS: &str = "Layer, Redis view (diagnostic)";
 const NORMAL: &str = "Layer, memory view, SQLite `synchronous = NORMAL` (diagnostic)";
+const ONE_FILE: &str = "Layer, memory view, the log in the store's file (as before; diagnostic)";
 const NO_PROJECTOR: &str = "Layer, memory view, SQLite log, no projector (diagnostic)";
 const NULL_LOG: &str = "Layer, memory view, no-op log, no projector (diagnostic)";
 
@@ -529,6 +556,7 @@ fn report(r: &Results) -> String {
         variants.push((REDIS, v));
     }
     variants.push((NORMAL, &r.sync_normal));
+    variants.push((ONE_FILE, &r.one_file));
     variants.push((NO_PROJECTOR, &r.no_projector));
     variants.push((NULL_LOG, &r.null_log));
 
@@ -549,6 +577,7 @@ fn report(r: &Results) -> String {
         Err(why) => s.push_str(&format!("| {REDIS} | skipped: {why} | | |\n")),
     }
     s.push_str(&ratio_rows(NORMAL, &r.sync_normal, &r.hello));
+    s.push_str(&ratio_rows(ONE_FILE, &r.one_file, &r.hello));
     s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello));
     s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello));
 
@@ -558,6 +587,7 @@ fn report(r: &Results) -> String {
         s.push_str(&format!("{REDIS}: {}.\n", log_note(v)));
     }
     s.push_str(&format!("{NORMAL}: {}.\n", log_note(&r.sync_normal)));
+    s.push_str(&format!("{ONE_FILE}: {}.\n", log_note(&r.one_file)));
     s.push_str(&format!("{NO_PROJECTOR}: {}.\n", log_note(&r.no_projector)));
     s
 }

@@ -1,6 +1,7 @@
 //! `tollgate dev`: gateway, projector (with the audit relay and folder) and
-//! notifier in one process, with no external service. The log and the store live in one SQLite file under the data
-//! directory, the view in memory; the fold, the verdict and the API are the
+//! notifier in one process, with no external service. The store and the log
+//! live in two SQLite files under the data directory (`tollgate.db` and
+//! `tollgate-log.db`), the view in memory; the fold, the verdict and the API are the
 //! same code as the distributed deployment. State survives a restart: the
 //! view is re-seeded from the store and the projector resumes from its
 //! stored offsets.

@@ -27,7 +27,7 @@ use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use meter::export::{CustomerKind, ExportRun, ExportSpec, Format, Grace, RunStatus};
 use meter::{Clock, ExportStore, Principal, ProjectId, TenantStore, WindowKind};
 use store::sql::Backend;
-use store::{KafkaReader, PgStore, SqlStore, SqliteLog, SqliteStore};
+use store::{KafkaReader, PgStore, SqlStore, SqliteStore};
 
 use crate::Backends;
 
@@ -123,7 +123,9 @@ pub async fn run(args: ExportArgs) -> anyhow::Result<i32> {
             }
             let live = SqliteStore::open(&path).await.with_context(|| format!("opening {}", path.display()))?;
             live.migrate().await.context("migrating the embedded store")?;
-            let log = SqliteLog::new(live.pool().clone(), "tollgate.");
+            let log = gateway::embedded::open_log(&path)
+                .await
+                .with_context(|| format!("opening the log beside {}", path.display()))?;
             let topic = log.usage_topic().to_owned();
             let verify = async |target: &std::collections::BTreeMap<i32, i64>| {
                 let shadow_path = dir.join("tollgate-verify.db");

@@ -41,7 +41,7 @@ enum Command {
     /// Apply the PostgreSQL migrations and exit.
     Migrate(DbArgs),
     /// Run everything in one process with no external service: an embedded
-    /// log and store in one SQLite file, and the in-memory view.
+    /// store and log in SQLite files, and the in-memory view.
     Dev(dev::DevArgs),
     /// Run the notifier: deliver the webhook outbox (PostgreSQL) to the
     /// subscribed endpoints. Any number may run at once.

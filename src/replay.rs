@@ -55,7 +55,7 @@ use projector::replay::Bounded;
 use projector::{Projector, ProjectorConfig};
 use store::sql::Backend;
 use store::sql::shadow::{AUDIT_TABLES, Cut, Difference, Swap, diff, diff_in};
-use store::{KafkaReader, MemoryView, PgStore, RedisView, SqlStore, SqliteLog, SqliteStore};
+use store::{KafkaReader, MemoryView, PgStore, RedisView, SqlStore, SqliteStore};
 use tracing::warn;
 
 use crate::Backends;
@@ -160,7 +160,9 @@ async fn embedded(args: &ReplayArgs, dir: &std::path::Path) -> anyhow::Result<Ou
     let shadow = SqliteStore::create_shadow_file(&shadow_path)
         .await
         .with_context(|| format!("creating {}", shadow_path.display()))?;
-    let log = SqliteLog::new(live.pool().clone(), "tollgate.");
+    let log = gateway::embedded::open_log(&path)
+        .await
+        .with_context(|| format!("opening the log beside {}", path.display()))?;
     let topic = log.usage_topic().to_owned();
     let reader = log.reader();
     let audit = AuditSide {

@@ -2,7 +2,7 @@
 //! backend: the distributed ones (PostgreSQL, Redis and a Kafka-protocol
 //! broker on 127.0.0.1, with a fresh database, Redis prefix and topic prefix
 //! per test) and the embedded ones (`gateway::embedded::Embedded`: SQLite log
-//! and store in a fresh file, the in-memory view, the projector as a task).
+//! and store in two fresh files, the in-memory view, the projector as a task).
 //! It lives in the root package, which builds every backend: `gateway`'s
 //! own tests need only the embedded ones. A distributed test is skipped,
 //! with its reason, when a service does not answer (`testkit`), unless
@@ -775,4 +775,112 @@ async fn a_call_asking_to_be_explained_is_explained_distributed() {
 #[tokio::test]
 async fn a_call_asking_to_be_explained_is_explained_embedded() {
     a_call_asking_to_be_explained_is(Backend::Embedded).await;
+}
+
+/// A `tollgate dev` data file from before the log had a file of its own
+/// (the log's tables in the store's file, a projector's offsets stored
+/// against them): opened by `Embedded`, its log moves beside it with its
+/// offsets, so the projector neither folds a record again nor skips a new
+/// one, and the quota stays exact across the move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_data_file_keeps_its_log_and_offsets_when_the_log_moves() {
+    use projector::{Projector, ProjectorConfig};
+    use store::{MemoryView, SqliteLog, SqliteStore};
+
+    let id = testkit::unique_id();
+    let dir = std::env::temp_dir().join(format!("tg-layer-upgrade-{id}"));
+    std::fs::create_dir_all(&dir).expect("data dir");
+    let path = dir.join("tollgate.db");
+    let settings = || {
+        let mut s = Settings::new("admin-token-layer", "gateway-token-layer");
+        s.instance = format!("layer-{id}");
+        s
+    };
+    let app = |state: &AppState| {
+        Router::new().route("/nothing", get(|| async { "ok" })).layer(TollgateLayer::new(state.clone()))
+    };
+    let call = async |app: &Router, secret: &str| {
+        let req = Request::get("/nothing").header("authorization", format!("Bearer {secret}"));
+        app.clone().oneshot(req.body(Body::empty()).expect("request")).await.expect("infallible").status()
+    };
+    let durable_calls = async |state: &AppState, project: &Project, key: &ApiKey| {
+        let now = Utc::now();
+        let w = window_at(WindowKind::Day, project.timezone, now);
+        let counter =
+            CounterKey { dimension: Dimension::ApiKey(key.id.clone()), window: WindowKind::Day, window_key: w.key };
+        state.view.usage(&project.id, &counter, now).await.expect("usage").map_or(0, |u| u.durable.calls)
+    };
+    let folded = async |state: &AppState, project: &Project, key: &ApiKey, n: u64| {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while durable_calls(state, project, key).await != n {
+            assert!(tokio::time::Instant::now() < deadline, "{n} calls not folded in 20 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+
+    // The old layout, as `Embedded::open` made it: one file, one pool.
+    let (project, key, secret, last_offset) = {
+        let store = SqliteStore::open(&path).await.expect("open");
+        store.migrate().await.expect("migrate");
+        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
+        log.ensure_schema().await.expect("log schema");
+        let reader = log.reader();
+        let topic = log.usage_topic().to_owned();
+        let store: Arc<dyn meter::Store> = Arc::new(store);
+        let view: Arc<dyn View> = Arc::new(MemoryView::new());
+        let clock: Arc<dyn meter::Clock> = Arc::new(SystemClock);
+        let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings());
+        let (project, key, secret) = project_and_key(&state).await;
+        let q = KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 8 };
+        provisioning::key_quota(&state, &key, q, &tester()).await.expect("create quota");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let projector = Projector::new(reader, store, view, clock, ProjectorConfig::new(topic));
+        let task = tokio::spawn(projector.run(async move {
+            let _ = stopped.await;
+        }));
+        let app = app(&state);
+        for _ in 0..5 {
+            assert_eq!(call(&app, &secret).await, StatusCode::OK);
+        }
+        folded(&state, &project, &key, 5).await;
+        let _ = stop.send(());
+        task.await.expect("projector task").expect("projector stopped cleanly");
+        let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&path))
+            .await
+            .expect("open the old file");
+        let last: i64 =
+            sqlx::query_scalar(r#"SELECT MAX("offset") FROM log_records"#).fetch_one(&pool).await.expect("last");
+        pool.close().await;
+        (project, key, secret, last)
+    };
+
+    let e = gateway::embedded::Embedded::open(&path, settings(), Arc::new(SystemClock))
+        .await
+        .expect("open the old data file");
+    let log_file = gateway::embedded::log_path(&path);
+    let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&log_file))
+        .await
+        .expect("open the log's file");
+    let moved: i64 =
+        sqlx::query_scalar(r#"SELECT MAX("offset") FROM log_records"#).fetch_one(&pool).await.expect("moved");
+    pool.close().await;
+    assert_eq!(moved, last_offset, "the log moved with its offsets");
+
+    let app = app(&e.state);
+    for _ in 0..3 {
+        assert_eq!(call(&app, &secret).await, StatusCode::OK, "5 + 3 of 8: admitted");
+    }
+    assert_eq!(call(&app, &secret).await, StatusCode::TOO_MANY_REQUESTS, "the 9th call of 8");
+    folded(&e.state, &project, &key, 8).await;
+    e.shutdown().await.expect("shutdown");
+    let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("open the data file");
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'log_records'")
+        .fetch_one(&pool)
+        .await
+        .expect("tables");
+    pool.close().await;
+    assert_eq!(left, 0, "the data file keeps no log");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,12 +1,12 @@
-//! Tollgate in-process, with no external service: the embedded log and store
-//! in one SQLite file, the in-memory view (or any other view, Redis for
+//! Tollgate in-process, with no external service: the embedded store in one
+//! SQLite file and the log in another beside it ([`log_path`]), the in-memory view (or any other view, Redis for
 //! instance), and the projector running as a task beside the gateway, with
 //! the audit relay and folder beside it. It is
 //! what `tollgate dev` runs and what a Rust service embeds under a
 //! [`TollgateLayer`](crate::TollgateLayer). The fold, the verdict and the API
 //! are the same code as the distributed deployment; only the ports differ.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use meter::{Clock, PortError, PortResult, Store, View};
@@ -18,6 +18,34 @@ use tokio::task::JoinHandle;
 
 use crate::seeding::TailSource;
 use crate::state::{AppState, Settings};
+
+/// The file of the embedded log beside the store's data file `path`:
+/// `tollgate.db` → `tollgate-log.db`. The log has a file of its own because
+/// SQLite has one writer per file: in one file, every group commit of the
+/// log waited for the fold's transaction and the other way round.
+pub fn log_path(path: &Path) -> PathBuf {
+    let stem = path.file_stem().map_or_else(|| "tollgate".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    path.with_file_name(format!("{stem}-log{ext}"))
+}
+
+/// Opens (or creates) the embedded log beside the data file `path`
+/// ([`log_path`]), topics `tollgate.*`. A data file from before the log had
+/// a file of its own holds the log itself: its records move into the log's
+/// file first, offsets kept ([`SqliteLog::take_over`]), so the positions the
+/// projector stored still name the same records.
+pub async fn open_log(path: &Path) -> PortResult<SqliteLog> {
+    let file = SqliteStore::open(&log_path(path)).await?;
+    let log = SqliteLog::new(file.pool().clone(), "tollgate.");
+    log.ensure_schema().await?;
+    if path.exists() {
+        let moved = log.take_over(path).await?;
+        if moved > 0 {
+            tracing::info!(records = moved, from = %path.display(), to = %log_path(path).display(), "moved the embedded log into a file of its own");
+        }
+    }
+    Ok(log)
+}
 
 /// A running embedded Tollgate: the state to serve or layer, its projector,
 /// and beside it the audit relay and folder (the audit outbox to the
@@ -46,8 +74,7 @@ impl Embedded {
     ) -> PortResult<Embedded> {
         let store = SqliteStore::open(path).await?;
         store.migrate().await?;
-        let log = SqliteLog::new(store.pool().clone(), "tollgate.");
-        log.ensure_schema().await?;
+        let log = open_log(path).await?;
         let reader = log.reader();
         let audit_reader = log.audit_reader();
         let audit_config = AuditConfig::new(log.audit_topic());

@@ -1,9 +1,11 @@
 //! The log in one local SQLite file, for `tollgate dev` (no broker).
 //!
 //! [`SqliteLog`] and [`SqliteLogReader`] are [`KafkaLog`](crate::KafkaLog)
-//! and [`KafkaReader`](crate::KafkaReader) without a server, in tables of the
-//! same file the embedded store uses, checked by the same conformance suite
-//! (`store/tests/log_conformance.rs`).
+//! and [`KafkaReader`](crate::KafkaReader) without a server, in tables of a
+//! SQLite file (`tollgate dev` keeps them in a file of their own beside the
+//! store's, so the log's commits and the fold's do not take turns at one
+//! write lock; any pool works, the store's too), checked by the same
+//! conformance suite (`store/tests/log_conformance.rs`).
 //!
 //! - Records are usage facts, Avro single-object encoded by
 //!   [`schemas::encode_usage`], keyed by project id, in `log_records`; the
@@ -234,6 +236,28 @@ impl SqliteLog {
                 .map_err(log_err)?;
         }
         Ok(())
+    }
+
+    /// Moves the log of the SQLite file at `old` into this log's file (a
+    /// store file from before the embedded log had a file of its own): its
+    /// records and dead letters, **offsets and ids kept**, so the positions
+    /// a projector stored against them still name the same records. Returns
+    /// the records moved; a file without the log's tables moves nothing.
+    ///
+    /// Two steps, each one transaction on one file: the copy into this file
+    /// (only what is past this file's last offset and letter id, so a second
+    /// run after a crash between the steps copies nothing twice), then the
+    /// drop of the old tables. Call it after [`SqliteLog::ensure_schema`],
+    /// before anything publishes to this log.
+    pub async fn take_over(&self, old: &std::path::Path) -> PortResult<u64> {
+        let mut conn = self.appender.pool.acquire().await.map_err(log_err)?;
+        let path = old.to_str().ok_or_else(|| PortError::Permanent(format!("{} is not UTF-8", old.display())))?;
+        sqlx::query("ATTACH DATABASE ?1 AS prior").bind(path).execute(&mut *conn).await.map_err(log_err)?;
+        let moved = take_over_attached(&mut conn).await;
+        let detached = sqlx::query("DETACH DATABASE prior").execute(&mut *conn).await.map_err(log_err);
+        let moved = moved?;
+        detached?;
+        Ok(moved)
     }
 
     /// A reader of the usage topic, woken by this log's publishes. Before any
@@ -660,6 +684,67 @@ fn record_of(partition: i32, row: &SqliteRow) -> PortResult<LogRecord> {
     })
 }
 
+/// [`SqliteLog::take_over`] with the old file attached as `prior`.
+async fn take_over_attached(conn: &mut sqlx::SqliteConnection) -> PortResult<u64> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM prior.sqlite_master WHERE type = 'table' AND name IN ('log_records', 'log_dead_letters')",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(log_err)?;
+    if !tables.iter().any(|t| t == "log_records") {
+        return Ok(0);
+    }
+    let columns: Vec<String> = sqlx::query("PRAGMA prior.table_info(log_records)")
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(log_err)?
+        .iter()
+        .map(|r| r.try_get::<String, _>("name"))
+        .collect::<Result<_, _>>()
+        .map_err(log_err)?;
+    // A file from before the append time has none to move.
+    let appended_at = if columns.iter().any(|c| c == "appended_at") { "appended_at" } else { "NULL" };
+    let mut copy = vec![format!(
+        r#"INSERT INTO main.log_records ("offset", topic, "partition", key, payload, appended_at)
+           SELECT "offset", topic, "partition", key, payload, {appended_at} FROM prior.log_records
+           WHERE "offset" > (SELECT COALESCE(MAX("offset"), 0) FROM main.log_records) ORDER BY "offset""#
+    )];
+    let mut drop = vec!["DROP TABLE prior.log_records".to_owned()];
+    if tables.iter().any(|t| t == "log_dead_letters") {
+        copy.push(
+            "INSERT INTO main.log_dead_letters (id, topic, source_topic, source_partition, source_offset, key, \
+             payload, reason, dead_lettered_at) \
+             SELECT id, topic, source_topic, source_partition, source_offset, key, payload, reason, dead_lettered_at \
+             FROM prior.log_dead_letters WHERE id > (SELECT COALESCE(MAX(id), 0) FROM main.log_dead_letters) \
+             ORDER BY id"
+                .to_owned(),
+        );
+        drop.push("DROP TABLE prior.log_dead_letters".to_owned());
+    }
+    let mut moved = 0;
+    for (step, statements) in [copy, drop].into_iter().enumerate() {
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await.map_err(log_err)?;
+        let mut done = Ok(());
+        for (i, sql) in statements.into_iter().enumerate() {
+            match sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *conn).await {
+                // The records' copy comes first.
+                Ok(r) if step == 0 && i == 0 => moved = r.rows_affected(),
+                Ok(_) => {}
+                Err(e) => {
+                    done = Err(log_err(e));
+                    break;
+                }
+            }
+        }
+        let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        let ended = sqlx::query(end).execute(&mut *conn).await.map_err(log_err);
+        done?;
+        ended?;
+    }
+    Ok(moved)
+}
+
 // Primary result codes (the low byte of an extended code) worth retrying.
 const SQLITE_BUSY: i32 = 5;
 const SQLITE_LOCKED: i32 = 6;
@@ -839,6 +924,74 @@ mod tests {
             assert_eq!(keys_on_the_log(&log).await, [b"pa".to_vec()]);
             log.appender.pool.close().await;
         });
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Every record of the file (offset, topic, key, payload, append time),
+    /// and every dead letter (id, source offset, reason).
+    type Rows = (Vec<(i64, String, Vec<u8>, Vec<u8>, Option<String>)>, Vec<(i64, i64, String)>);
+
+    async fn rows_of(pool: &SqlitePool) -> Rows {
+        let records =
+            sqlx::query_as(r#"SELECT "offset", topic, key, payload, appended_at FROM log_records ORDER BY "offset""#)
+                .fetch_all(pool)
+                .await
+                .expect("records");
+        let letters = sqlx::query_as("SELECT id, source_offset, reason FROM log_dead_letters ORDER BY id")
+            .fetch_all(pool)
+            .await
+            .expect("letters");
+        (records, letters)
+    }
+
+    /// An old data file's log moves into the log's own file with its offsets
+    /// and letter ids, leaves the old file without the log's tables, moves
+    /// nothing the second time, and the next publish gets an offset past
+    /// every moved one.
+    #[tokio::test]
+    async fn take_over_moves_an_old_files_log_with_its_offsets() {
+        let (old, dir) = log_in_temp_file().await;
+        // Two topics share the offsets' sequence: the usage topic's have gaps.
+        for i in 0..5 {
+            old.publish_raw(&format!("k{i}"), format!("usage {i}").as_bytes()).await.expect("publish");
+            old.audit.append(vec![(b"a".to_vec(), format!("audit {i}").into_bytes())]).await.expect("audit");
+        }
+        let mut reader = old.reader();
+        let first = reader.poll(10, Duration::from_secs(1)).await.expect("poll");
+        reader.dead_letter(&first[0], "a reason").await.expect("dead letter");
+        let before = rows_of(&old.appender.pool).await;
+        assert_eq!(before.0.len(), 10);
+        assert_eq!(before.1.len(), 1);
+
+        let options = SqliteConnectOptions::new()
+            .filename(dir.join("log-own.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("open");
+        let new = SqliteLog::new(pool, "t.");
+        new.ensure_schema().await.expect("schema");
+        assert_eq!(new.take_over(&dir.join("log.db")).await.expect("take over"), 10);
+        assert_eq!(rows_of(&new.appender.pool).await, before, "the same records, offsets and letters");
+        let left: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('log_records', 'log_dead_letters')")
+                .fetch_one(&old.appender.pool)
+                .await
+                .expect("tables");
+        assert_eq!(left, 0, "the old file keeps no log");
+        assert_eq!(new.take_over(&dir.join("log.db")).await.expect("again"), 0);
+
+        new.publish_raw("next", b"after").await.expect("publish");
+        let after = rows_of(&new.appender.pool).await.0;
+        let last_moved = before.0.last().map(|r| r.0).expect("moved");
+        assert_eq!(after.len(), 11);
+        assert!(after[10].0 > last_moved, "a new offset is past the moved ones");
+        let mut reader = new.reader();
+        let read = reader.poll(100, Duration::from_secs(1)).await.expect("poll");
+        let offsets: Vec<i64> = read.iter().map(|r| r.offset).collect();
+        let usage: Vec<i64> = before.0.iter().filter(|r| r.1 == "t.usage").map(|r| r.0).chain([after[10].0]).collect();
+        assert_eq!(offsets, usage, "a reader of the new file reads the usage topic at the old offsets");
+        old.appender.pool.close().await;
+        new.appender.pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -459,6 +459,14 @@ impl Env {
         sqlx::SqlitePool::connect_with(opts).await.expect("open the dev data file")
     }
 
+    /// A connection to the dev log's file (beside the data file).
+    pub async fn sqlite_log(&self) -> sqlx::SqlitePool {
+        let opts = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(gateway::embedded::log_path(&self.data_dir.join("tollgate.db")))
+            .busy_timeout(Duration::from_secs(10));
+        sqlx::SqlitePool::connect_with(opts).await.expect("open the dev log file")
+    }
+
     /// A project's audit log as `GET /v1/audit` answers it (up to 1,000
     /// entries), once `ready` holds of it. An entry appears there once the
     /// audit folder (beside the projector) has folded it from the audit
@@ -502,7 +510,7 @@ impl Env {
                 .map(|r| schemas::decode_audit(&r.payload).expect("an audit entry on the audit topic"))
                 .collect(),
             Mode::Dev => {
-                let pool = self.sqlite().await;
+                let pool = self.sqlite_log().await;
                 let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
                     r#"SELECT payload FROM log_records WHERE topic = 'tollgate.audit' ORDER BY "offset""#,
                 )

@@ -491,7 +491,7 @@ async fn malformed_message_goes_to_the_dlq_dev() {
     let mut env = Env::dev().await;
     env.start_gateway().await;
     let (pid, kid, _) = env.project_with_key(safe_timezone()).await;
-    let log = store::SqliteLog::new(env.sqlite().await, "tollgate.");
+    let log = store::SqliteLog::new(env.sqlite_log().await, "tollgate.");
     log.publish_raw(&pid, b"not avro at all").await.expect("put garbage on the log");
     let events: Vec<Value> = (0..10).map(|i| call_event(&format!("after-{i}"), &pid, &kid, None, 1)).collect();
     let (s, _) = post_events(&env.http, env.gw(), events).await;
