@@ -20,14 +20,21 @@
 //!
 //! [Avro specification]: https://avro.apache.org/docs/current/specification/#single-object-encoding
 
+use std::collections::HashMap;
 use std::io::{self, Read};
+use std::sync::OnceLock;
 
-use apache_avro::{from_avro_datum, from_value, to_avro_datum, to_value, write_avro_datum_ref};
+use apache_avro::headers::HeaderBuilder;
+use apache_avro::{
+    GenericSingleObjectReader, from_avro_datum, from_value, to_avro_datum, to_value, write_avro_datum_ref,
+};
 use meter::UsageFact;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::registry::{SchemaVersion, find_usage_schema, usage_schema_version};
+use crate::registry::{
+    SchemaVersion, audit_schema_versions, find_usage_schema, usage_schema_version, usage_schema_versions,
+};
 use crate::{SchemaError, UsageEvent};
 
 /// The two bytes every single-object message starts with.
@@ -120,9 +127,23 @@ pub(crate) fn unframe<T: DeserializeOwned>(
     let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
     // Resolution is only needed when the writer used another version.
     let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
-    let mut datum = Exact { rest: body, overrun: false };
-    let value = from_avro_datum(&writer.schema, &mut datum, reader)
-        .map_err(|e| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version)))?;
+    let malformed = |e: apache_avro::Error| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version));
+    let (value, datum) = match prepared(writer) {
+        // The writer's names resolved once, not per record.
+        Some(prepared) => {
+            let mut datum = Exact { rest: bytes, overrun: false };
+            let value = prepared.read_value(&mut datum).map_err(malformed)?;
+            let value = match reader {
+                Some(current) => value.resolve(current).map_err(malformed)?,
+                None => value,
+            };
+            (value, datum)
+        }
+        None => {
+            let mut datum = Exact { rest: body, overrun: false };
+            (from_avro_datum(&writer.schema, &mut datum, reader).map_err(malformed)?, datum)
+        }
+    };
     if datum.overrun {
         return Err(SchemaError::Malformed(format!("as {} v{}: the datum is cut short", what.0, writer.version)));
     }
@@ -130,6 +151,36 @@ pub(crate) fn unframe<T: DeserializeOwned>(
         return Err(SchemaError::Malformed(format!("{} trailing bytes after the datum", datum.rest.len())));
     }
     from_value(&value).map_err(|e| SchemaError::Malformed(format!("does not fit the {}: {e}", what.1)))
+}
+
+/// A reader of single objects written with `writer` (its header, then its
+/// datum), with the schema's named types resolved once for every record it
+/// reads; `None` for a schema it could not be made of (the caller decodes
+/// the slow way, which reports what is wrong).
+fn prepared(writer: &SchemaVersion) -> Option<&'static GenericSingleObjectReader> {
+    /// The header a version's objects start with.
+    struct Framed(u64);
+    impl HeaderBuilder for Framed {
+        fn build_header(&self) -> Vec<u8> {
+            let mut header = MARKER.to_vec();
+            header.extend_from_slice(&self.0.to_le_bytes());
+            header
+        }
+    }
+    static READERS: OnceLock<HashMap<u64, GenericSingleObjectReader>> = OnceLock::new();
+    READERS
+        .get_or_init(|| {
+            usage_schema_versions()
+                .iter()
+                .chain(audit_schema_versions())
+                .filter_map(|v| {
+                    let reader =
+                        GenericSingleObjectReader::new_with_header_builder(v.schema.clone(), Framed(v.fingerprint));
+                    reader.ok().map(|r| (v.fingerprint, r))
+                })
+                .collect()
+        })
+        .get(&writer.fingerprint)
 }
 
 /// The datum's bytes, remembering whether the decoder asked for more than
