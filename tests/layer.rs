@@ -810,6 +810,15 @@ async fn an_old_data_file_keeps_its_log_and_offsets_when_the_log_moves() {
             CounterKey { dimension: Dimension::ApiKey(key.id.clone()), window: WindowKind::Day, window_key: w.key };
         state.view.usage(&project.id, &counter, now).await.expect("usage").map_or(0, |u| u.durable.calls)
     };
+    /// One number read from the SQLite file at `file`.
+    async fn scalar(file: &std::path::Path, sql: &'static str) -> i64 {
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(file);
+        let pool = sqlx::SqlitePool::connect_with(options).await.expect("open the file");
+        let n = sqlx::query_scalar(sql).fetch_one(&pool).await.expect("read the file");
+        pool.close().await;
+        n
+    }
+    const LAST_OFFSET: &str = r#"SELECT MAX("offset") FROM log_records"#;
     let folded = async |state: &AppState, project: &Project, key: &ApiKey, n: u64| {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         while durable_calls(state, project, key).await != n {
@@ -845,25 +854,13 @@ async fn an_old_data_file_keeps_its_log_and_offsets_when_the_log_moves() {
         folded(&state, &project, &key, 5).await;
         let _ = stop.send(());
         task.await.expect("projector task").expect("projector stopped cleanly");
-        let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&path))
-            .await
-            .expect("open the old file");
-        let last: i64 =
-            sqlx::query_scalar(r#"SELECT MAX("offset") FROM log_records"#).fetch_one(&pool).await.expect("last");
-        pool.close().await;
-        (project, key, secret, last)
+        (project, key, secret, scalar(&path, LAST_OFFSET).await)
     };
 
     let e = gateway::embedded::Embedded::open(&path, settings(), Arc::new(SystemClock))
         .await
         .expect("open the old data file");
-    let log_file = gateway::embedded::log_path(&path);
-    let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&log_file))
-        .await
-        .expect("open the log's file");
-    let moved: i64 =
-        sqlx::query_scalar(r#"SELECT MAX("offset") FROM log_records"#).fetch_one(&pool).await.expect("moved");
-    pool.close().await;
+    let moved = scalar(&gateway::embedded::log_path(&path), LAST_OFFSET).await;
     assert_eq!(moved, last_offset, "the log moved with its offsets");
 
     let app = app(&e.state);
@@ -873,14 +870,7 @@ async fn an_old_data_file_keeps_its_log_and_offsets_when_the_log_moves() {
     assert_eq!(call(&app, &secret).await, StatusCode::TOO_MANY_REQUESTS, "the 9th call of 8");
     folded(&e.state, &project, &key, 8).await;
     e.shutdown().await.expect("shutdown");
-    let pool = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&path))
-        .await
-        .expect("open the data file");
-    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'log_records'")
-        .fetch_one(&pool)
-        .await
-        .expect("tables");
-    pool.close().await;
+    let left = scalar(&path, "SELECT COUNT(*) FROM sqlite_master WHERE name = 'log_records'").await;
     assert_eq!(left, 0, "the data file keeps no log");
     let _ = std::fs::remove_dir_all(&dir);
 }
