@@ -1,6 +1,6 @@
 //! Tollgate in-process, with no external service: the embedded store in one
-//! SQLite file and the log in another beside it ([`log_path`]), the in-memory view (or any other view, Redis for
-//! instance), and the projector running as a task beside the gateway, with
+//! SQLite file and the log in another beside it ([`log_path`]), the
+//! in-memory view (or any other view, Redis for instance), and the projector running as a task beside the gateway, with
 //! the audit relay and folder beside it. It is
 //! what `tollgate dev` runs and what a Rust service embeds under a
 //! [`TollgateLayer`](crate::TollgateLayer). The fold, the verdict and the API
@@ -35,13 +35,14 @@ pub fn log_path(path: &Path) -> PathBuf {
 /// file first, offsets kept ([`SqliteLog::take_over`]), so the positions the
 /// projector stored still name the same records.
 pub async fn open_log(path: &Path) -> PortResult<SqliteLog> {
-    let file = SqliteStore::open(&log_path(path)).await?;
-    let log = SqliteLog::new(file.pool().clone(), "tollgate.");
+    let file = log_path(path);
+    let log = SqliteLog::new(SqliteStore::open(&file).await?.pool().clone(), "tollgate.");
     log.ensure_schema().await?;
     if path.exists() {
         let moved = log.take_over(path).await?;
         if moved > 0 {
-            tracing::info!(records = moved, from = %path.display(), to = %log_path(path).display(), "moved the embedded log into a file of its own");
+            let (from, to) = (path.display(), file.display());
+            tracing::info!(records = moved, %from, %to, "moved the embedded log into a file of its own");
         }
     }
     Ok(log)

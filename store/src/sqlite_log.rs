@@ -956,11 +956,16 @@ mod tests {
             old.publish_raw(&format!("k{i}"), format!("usage {i}").as_bytes()).await.expect("publish");
             old.audit.append(vec![(b"a".to_vec(), format!("audit {i}").into_bytes())]).await.expect("audit");
         }
+        // A gap in the offsets, so a copy that renumbered them would show.
+        sqlx::query(r#"DELETE FROM log_records WHERE "offset" = (SELECT MIN("offset") FROM log_records WHERE topic = 't.audit')"#)
+            .execute(&old.appender.pool)
+            .await
+            .expect("a gap");
         let mut reader = old.reader();
         let first = reader.poll(10, Duration::from_secs(1)).await.expect("poll");
         reader.dead_letter(&first[0], "a reason").await.expect("dead letter");
         let before = rows_of(&old.appender.pool).await;
-        assert_eq!(before.0.len(), 10);
+        assert_eq!(before.0.len(), 9);
         assert_eq!(before.1.len(), 1);
 
         let options = SqliteConnectOptions::new()
@@ -970,7 +975,7 @@ mod tests {
         let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("open");
         let new = SqliteLog::new(pool, "t.");
         new.ensure_schema().await.expect("schema");
-        assert_eq!(new.take_over(&dir.join("log.db")).await.expect("take over"), 10);
+        assert_eq!(new.take_over(&dir.join("log.db")).await.expect("take over"), 9);
         assert_eq!(rows_of(&new.appender.pool).await, before, "the same records, offsets and letters");
         let left: i64 =
             sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('log_records', 'log_dead_letters')")
@@ -983,12 +988,12 @@ mod tests {
         new.publish_raw("next", b"after").await.expect("publish");
         let after = rows_of(&new.appender.pool).await.0;
         let last_moved = before.0.last().map(|r| r.0).expect("moved");
-        assert_eq!(after.len(), 11);
-        assert!(after[10].0 > last_moved, "a new offset is past the moved ones");
+        assert_eq!(after.len(), 10);
+        assert!(after[9].0 > last_moved, "a new offset is past the moved ones");
         let mut reader = new.reader();
         let read = reader.poll(100, Duration::from_secs(1)).await.expect("poll");
         let offsets: Vec<i64> = read.iter().map(|r| r.offset).collect();
-        let usage: Vec<i64> = before.0.iter().filter(|r| r.1 == "t.usage").map(|r| r.0).chain([after[10].0]).collect();
+        let usage: Vec<i64> = before.0.iter().filter(|r| r.1 == "t.usage").map(|r| r.0).chain([after[9].0]).collect();
         assert_eq!(offsets, usage, "a reader of the new file reads the usage topic at the old offsets");
         old.appender.pool.close().await;
         new.appender.pool.close().await;
