@@ -22,6 +22,7 @@
 //! number. The settle replaces the estimate with the actual usage; a lease
 //! that lapses frees it.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
@@ -57,7 +58,7 @@ pub struct PlannedLimit {
     pub kind: LimitKind,
     /// The counter fields summed into `used` (with live reservations when
     /// `calls` is among them).
-    pub fields: Vec<Field>,
+    pub fields: Cow<'static, [Field]>,
     pub limit: u64,
     /// What this check adds before comparing: refuse when `used + need > limit`.
     pub need: u64,
@@ -107,7 +108,8 @@ pub struct CheckPlan {
     pub limits: Vec<PlannedLimit>,
     /// Counters that count this request (before comparing).
     pub count_request: Vec<usize>,
-    /// The window of each limit (for `resets_at`).
+    /// The window of each counter (same order as `counters`): when it
+    /// resets. A limit's is [`CheckPlan::window_of`].
     pub windows: Vec<Window>,
     /// What an admitted check's reservation holds on each of its counters
     /// besides one call (zero when nothing reserves it).
@@ -121,6 +123,11 @@ impl CheckPlan {
         v.sort_unstable();
         v.dedup();
         v
+    }
+
+    /// The window of limit `li` (its counter's).
+    pub fn window_of(&self, li: usize) -> Option<&Window> {
+        self.windows.get(self.limits.get(li)?.counter)
     }
 }
 
@@ -275,17 +282,20 @@ pub struct CheckInput {
 
 /// The counter fields a quota's usage sums (as the check reads them, and
 /// as the fold's alerts judge it).
-pub fn quota_fields(q: &Quota) -> Vec<Field> {
+pub fn quota_fields(q: &Quota) -> &'static [Field] {
     match q.spec.metric {
-        Metric::Requests => vec![Field::Requests],
-        Metric::Calls => vec![Field::Calls],
-        Metric::Rows => vec![Field::Rows],
-        Metric::Tokens => vec![Field::Tokens],
+        Metric::Requests => &[Field::Requests],
+        Metric::Calls => &[Field::Calls],
+        Metric::Rows => &[Field::Rows],
+        Metric::Tokens => &[Field::Tokens],
         Metric::CostUsd => match q.spec.meter() {
-            Some(m) => vec![Field::cost_of(m)],
-            None => Field::COSTS.to_vec(),
+            Some(MeterType::LlmTokens) => &[Field::CostLlmTokens],
+            Some(MeterType::ComputeExecution) => &[Field::CostComputeExecution],
+            Some(MeterType::ApiRequest) => &[Field::CostApiRequest],
+            Some(MeterType::Storage) => &[Field::CostStorage],
+            None => &Field::COSTS,
         },
-        Metric::StorageBytes => vec![Field::Storage],
+        Metric::StorageBytes => &[Field::Storage],
     }
 }
 
@@ -293,7 +303,6 @@ pub fn quota_fields(q: &Quota) -> Vec<Field> {
 pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc>) -> CheckPlan {
     let caller = &input.caller;
     let mut plan = CheckPlan::default();
-    let mut index: BTreeMap<(Dimension, WindowKind), usize> = BTreeMap::new();
     for (qi, q) in quotas.iter().enumerate() {
         let metric = q.spec.metric;
         // Requests are key-authenticated traffic only.
@@ -302,7 +311,7 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
         }
         let fields = quota_fields(q);
         let estimated = match metric {
-            Metric::Tokens | Metric::CostUsd => input.estimate.on(&fields),
+            Metric::Tokens | Metric::CostUsd => input.estimate.on(fields),
             _ => 0,
         };
         let need = match metric {
@@ -317,31 +326,36 @@ pub fn plan_check(quotas: &[Quota], tz: Tz, input: &CheckInput, at: DateTime<Utc
         let Some(dimension) = dimension_for(q, caller) else {
             continue;
         };
-        let window = window_at(q.spec.window, tz, at);
-        let key = CounterKey { dimension, window: window.kind, window_key: window.key.clone() };
-        let counter = *index.entry((key.dimension.clone(), key.window)).or_insert_with(|| {
-            plan.counters.push(Counter { key, resets_at: window.resets_at });
-            plan.counters.len() - 1
-        });
+        // A plan has a few counters: a scan finds one faster than a map.
+        let kind = q.spec.window;
+        let counter = match plan.counters.iter().position(|c| c.key.window == kind && c.key.dimension == dimension) {
+            Some(i) => i,
+            None => {
+                let window = window_at(kind, tz, at);
+                let key = CounterKey { dimension, window: window.kind, window_key: window.key.clone() };
+                plan.counters.push(Counter { key, resets_at: window.resets_at });
+                plan.windows.push(window);
+                plan.counters.len() - 1
+            }
+        };
         let enforce = q.spec.mode == Mode::Enforce;
         if metric == Metric::Requests && !plan.count_request.contains(&counter) {
             plan.count_request.push(counter);
         }
         let mut push = |kind, fields, limit, need, enforce, reserve| {
             plan.limits.push(PlannedLimit { quota: qi, counter, metric, kind, fields, limit, need, enforce, reserve });
-            plan.windows.push(window.clone());
         };
         let reserve = enforce && (metric == Metric::Calls || estimated > 0);
-        push(LimitKind::Cap, fields, q.spec.limit, need, enforce, reserve);
+        push(LimitKind::Cap, Cow::Borrowed(fields), q.spec.limit, need, enforce, reserve);
         // The unpriced verdict reads the AI meter: a quota naming a
         // platform meter has none.
         if metric == Metric::CostUsd && matches!(q.spec.meter(), None | Some(MeterType::LlmTokens)) {
             let blocks = enforce && q.spec.on_unpriced.unwrap_or(OnUnpriced::Block) == OnUnpriced::Block;
             if blocks {
-                push(LimitKind::Blackout, vec![Field::LlmEvents], BLACKOUT_EVENTS, 1, true, false);
+                push(LimitKind::Blackout, Cow::Borrowed(&[Field::LlmEvents]), BLACKOUT_EVENTS, 1, true, false);
             }
-            push(LimitKind::Probe, vec![Field::LlmUnpriced], 0, 0, false, false);
-            push(LimitKind::Probe, vec![Field::LlmEvents], 0, 0, false, false);
+            push(LimitKind::Probe, Cow::Borrowed(&[Field::LlmUnpriced]), 0, 0, false, false);
+            push(LimitKind::Probe, Cow::Borrowed(&[Field::LlmEvents]), 0, 0, false, false);
         }
     }
     if plan.limits.iter().any(|l| l.reserve && matches!(l.metric, Metric::Tokens | Metric::CostUsd)) {
@@ -422,6 +436,7 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
     let mut monitor_breaches = Vec::new();
     let mut unpriced: Vec<UnpricedFinding> = Vec::new();
     let mut remaining: BTreeMap<Metric, (u64, Option<DateTime<Utc>>)> = BTreeMap::new();
+    let resets = |li: usize| plan.window_of(li).and_then(|w| w.resets_at);
     for (li, l) in plan.limits.iter().enumerate() {
         let used = outcome.used.get(li).copied().unwrap_or(0);
         let q = &quotas[l.quota];
@@ -452,7 +467,7 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
                 None => true,
                 Some((bi, b)) => {
                     let bq = &quotas[b.quota];
-                    (q.spec.scope, plan.windows[li].resets_at) > (bq.spec.scope, plan.windows[bi].resets_at)
+                    (q.spec.scope, resets(li)) > (bq.spec.scope, resets(bi))
                 }
             };
             if better {
@@ -464,14 +479,14 @@ pub fn decide(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, at: Da
             let left = l.limit.saturating_sub(used.saturating_add(held));
             let entry = remaining.entry(l.metric).or_insert((u64::MAX, None));
             if left < entry.0 {
-                *entry = (left, plan.windows[li].resets_at);
+                *entry = (left, resets(li));
             }
         }
     }
     let reported = breach.map(|(li, _)| li);
     let breach = breach.map(|(li, l)| {
         let q = &quotas[l.quota];
-        let w = &plan.windows[li];
+        let w = &plan.windows[l.counter];
         let kind = match (l.kind, l.metric) {
             (LimitKind::Blackout, _) => BreachKind::Unenforceable,
             (_, Metric::StorageBytes) => BreachKind::Storage,
@@ -582,7 +597,7 @@ pub fn explain(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutcome, verdi
                 scope_ref: q.spec.scope_ref.clone(),
                 metric: l.metric,
                 kind: l.kind,
-                window: plan.windows.get(li).map_or(q.spec.window, |w| w.kind),
+                window: plan.window_of(li).map_or(q.spec.window, |w| w.kind),
                 window_key: plan.counters.get(l.counter).map(|c| c.key.window_key.clone()).unwrap_or_default(),
                 parts: outcome.parts.get(li).copied().unwrap_or_default(),
                 used,

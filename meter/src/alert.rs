@@ -297,11 +297,11 @@ pub fn quota_notifications(input: &BatchAlerts<'_>) -> Alerts {
             let key = CounterKey { dimension, window: window.kind, window_key: window.key };
             let Some((_, delta)) = lands.iter().find(|(c, _)| c.key == key) else { continue };
             let fields = quota_fields(q);
-            let added = usage(delta, &fields);
+            let added = usage(delta, fields);
             if added == 0 {
                 continue;
             }
-            let now = running.get(&(fact.project_id.clone(), key.clone())).map_or(0, |t| usage(t, &fields));
+            let now = running.get(&(fact.project_id.clone(), key.clone())).map_or(0, |t| usage(t, fields));
             let firing = Firing {
                 quota: q,
                 window_key: key.window_key.clone(),

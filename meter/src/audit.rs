@@ -529,7 +529,7 @@ pub fn monitor_breaches(quotas: &[Quota], plan: &CheckPlan, outcome: &CheckOutco
         if l.enforce || used.saturating_add(l.need) <= l.limit {
             continue;
         }
-        let (Some(q), Some(w)) = (quotas.get(l.quota), plan.windows.get(li)) else { continue };
+        let (Some(q), Some(w)) = (quotas.get(l.quota), plan.window_of(li)) else { continue };
         // Rows are known only after the call: `need` is a threshold there,
         // not a quantity this call adds.
         let observed_value = if l.metric == Metric::Rows { used } else { used.saturating_add(l.need) };

@@ -384,13 +384,33 @@ impl Dimension {
     /// A stable, compact string for storage keys: `p`, `k*`, `k:<id>`,
     /// `g:<agent>`, `a:<actor>`, `u:<user>`.
     pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(self.encoded_len());
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// [`Dimension::encode`], appended to `out`.
+    fn encode_into(&self, out: &mut String) {
+        let (tag, rest) = self.parts();
+        out.push_str(tag);
+        out.push_str(rest);
+    }
+
+    /// The encoding's length in bytes.
+    fn encoded_len(&self) -> usize {
+        let (tag, rest) = self.parts();
+        tag.len() + rest.len()
+    }
+
+    /// The encoding as its tag and the rest.
+    fn parts(&self) -> (&'static str, &str) {
         match self {
-            Dimension::Project => "p".to_owned(),
-            Dimension::AllApiKeys => "k*".to_owned(),
-            Dimension::ApiKey(k) => format!("k:{k}"),
-            Dimension::Agent(g) => format!("g:{g}"),
-            Dimension::Actor(a) => format!("a:{a}"),
-            Dimension::User(u) => format!("u:{u}"),
+            Dimension::Project => ("p", ""),
+            Dimension::AllApiKeys => ("k*", ""),
+            Dimension::ApiKey(k) => ("k:", k.as_str()),
+            Dimension::Agent(g) => ("g:", g),
+            Dimension::Actor(a) => ("a:", a),
+            Dimension::User(u) => ("u:", u),
         }
     }
 
@@ -423,7 +443,14 @@ pub struct CounterKey {
 impl CounterKey {
     /// `<dimension>|<window>|<window_key>`: the counter's name in the view.
     pub fn encode(&self) -> String {
-        format!("{}|{}|{}", self.dimension.encode(), self.window.as_str(), self.window_key)
+        let window = self.window.as_str();
+        let mut out = String::with_capacity(self.dimension.encoded_len() + window.len() + self.window_key.len() + 2);
+        self.dimension.encode_into(&mut out);
+        out.push('|');
+        out.push_str(window);
+        out.push('|');
+        out.push_str(&self.window_key);
+        out
     }
 
     pub fn decode(s: &str) -> Option<CounterKey> {
@@ -734,8 +761,9 @@ pub fn counters_where(
         };
     }
     let mut windows: [Option<_>; WindowKind::FLOW.len()] = std::array::from_fn(|_| None);
-    let mut out = Vec::new();
-    for dimension in dimensions_of(fact) {
+    let dimensions = dimensions_of(fact);
+    let mut out = Vec::with_capacity(dimensions.len() * WindowKind::FLOW.len());
+    for dimension in dimensions {
         for (kind, window) in WindowKind::FLOW.into_iter().zip(windows.iter_mut()) {
             if !keep(&dimension, kind) {
                 continue;
@@ -836,6 +864,22 @@ mod tests {
                 DateTime::parse_from_rfc3339("2026-07-07T12:31:00Z").expect("ts").with_timezone(&Utc),
             )
         }
+    }
+
+    /// The names are the view's keys (in Redis too) and the store's
+    /// dimension column: they never change.
+    #[test]
+    fn counter_names_are_as_stored() {
+        let at =
+            |kind, key: &str, d: Dimension| CounterKey { dimension: d, window: kind, window_key: key.into() }.encode();
+        assert_eq!(at(WindowKind::Day, "2026-07-07", Dimension::Project), "p|day|2026-07-07");
+        assert_eq!(at(WindowKind::CalendarMonth, "2026-07", Dimension::AllApiKeys), "k*|calendar_month|2026-07");
+        let key = Dimension::ApiKey(ApiKeyId::parse("key_1").expect("id"));
+        assert_eq!(at(WindowKind::Rolling1m, "2026-07-07T12:31Z", key), "k:key_1|rolling_1m|2026-07-07T12:31Z");
+        assert_eq!(at(WindowKind::Rolling1h, "h", Dimension::Agent("bot".into())), "g:bot|rolling_1h|h");
+        assert_eq!(at(WindowKind::Rolling24h, "d", Dimension::Actor("ann".into())), "a:ann|rolling_24h|d");
+        assert_eq!(at(WindowKind::Current, "current", Dimension::User("u@x".into())), "u:u@x|current|current");
+        assert_eq!(Dimension::Actor("ann".into()).encode(), "a:ann");
     }
 
     #[test]

@@ -771,7 +771,7 @@ fn run_admission(quotas: &[Quota], steps: &[Step]) -> Result<(), TestCaseError> 
                         let latest_reset = breaching
                             .iter()
                             .filter(|&&li| quotas[plan.limits[li].quota].spec.scope == most_specific)
-                            .map(|&li| plan.windows[li].resets_at)
+                            .map(|&li| plan.window_of(li).and_then(|w| w.resets_at))
                             .max()
                             .expect("a breach");
                         prop_assert_eq!(b.resets_at, latest_reset);

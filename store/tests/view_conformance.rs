@@ -100,13 +100,16 @@ fn push(
         counter,
         metric,
         kind,
-        fields: fields.to_vec(),
+        fields: fields.to_vec().into(),
         limit,
         need,
         enforce,
         reserve,
     });
-    p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
+    // One window per counter, as a planned check has.
+    while p.windows.len() <= counter {
+        p.windows.push(window_at(WindowKind::Day, Tz::UTC, at));
+    }
 }
 
 /// A plan of one limit on one counter that neither counts nor reserves.
