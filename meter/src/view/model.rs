@@ -240,12 +240,16 @@ pub struct MergedDelta {
 /// The deltas of one settlement, one per counter, in name order: a counter
 /// named twice is summed ([`Totals::add`]), its expiry the first one's.
 pub fn merged_deltas(deltas: &[(Counter, Totals)]) -> Vec<MergedDelta> {
-    let mut by: BTreeMap<String, (Option<Millis>, Totals)> = BTreeMap::new();
+    // A settlement names a few counters: one sorted vector, no map.
+    let mut by: Vec<(String, Option<Millis>, Totals)> = Vec::with_capacity(deltas.len());
     for (c, t) in deltas {
-        let e = by.entry(c.key.encode()).or_insert_with(|| (counter_expiry(c), Totals::default()));
-        e.1.add(*t);
+        let name = c.key.encode();
+        match by.binary_search_by(|(n, _, _)| n.as_str().cmp(&name)) {
+            Ok(i) => by[i].2.add(*t),
+            Err(i) => by.insert(i, (name, counter_expiry(c), *t)),
+        }
     }
-    by.into_iter().map(|(name, (expires, t))| MergedDelta { name, expires, values: t.values() }).collect()
+    by.into_iter().map(|(name, expires, t)| MergedDelta { name, expires, values: t.values() }).collect()
 }
 
 fn add_values(to: &mut Values, v: &Values) {
@@ -331,10 +335,71 @@ pub struct HoldRecord {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventRecord {
     /// Counter name → the amounts added there (none on a tombstone).
-    pub deltas: BTreeMap<String, Values>,
+    pub deltas: Deltas,
     /// The event's fold reached the view: it adds nothing any more.
     pub folded: bool,
     pub expires: Option<Millis>,
+}
+
+/// An event's deltas by counter name, in name order: a map of the few
+/// counters one event lands in, kept as one sorted vector (a map's node of
+/// 13-value entries is larger than the allocator's per-thread caches take,
+/// and one is made per event on the hot path).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Deltas(Vec<(String, Values)>);
+
+impl Deltas {
+    fn find(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(n, _)| n.as_str().cmp(name))
+    }
+
+    /// Sets `name`'s amounts, replacing any it had.
+    pub fn insert(&mut self, name: String, values: Values) {
+        match self.find(&name) {
+            Ok(i) => self.0[i].1 = values,
+            Err(i) => self.0.insert(i, (name, values)),
+        }
+    }
+
+    pub fn contains_key(&self, name: &str) -> bool {
+        self.find(name).is_ok()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Values> {
+        self.find(name).ok().map(|i| &self.0[i].1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// The counters and their amounts, in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Values)> {
+        self.0.iter().map(|(n, v)| (n, v))
+    }
+}
+
+impl IntoIterator for Deltas {
+    type Item = (String, Values);
+    type IntoIter = std::vec::IntoIter<(String, Values)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl FromIterator<(String, Values)> for Deltas {
+    fn from_iter<I: IntoIterator<Item = (String, Values)>>(iter: I) -> Self {
+        let mut d = Deltas::default();
+        for (n, v) in iter {
+            d.insert(n, v);
+        }
+        d
+    }
 }
 
 macro_rules! expiring {
@@ -370,15 +435,17 @@ where
 
 /// The live record under `key`, created empty when missing or expired (a
 /// write to a missing Redis key creates it).
-fn live_or_new<'a, K, V>(map: &'a mut HashMap<K, V>, key: &K, now: Millis) -> &'a mut V
+fn live_or_new<'a, K, Q, V>(map: &'a mut HashMap<K, V>, key: &Q, now: Millis) -> &'a mut V
 where
-    K: Hash + Eq + Clone,
+    K: Borrow<Q> + Hash + Eq,
+    Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     V: Expiring + Default,
 {
-    if map.get(key).is_some_and(|v| v.expired(now)) {
-        map.remove(key);
+    // The key is cloned only for a record that is new.
+    if map.get(key).is_none_or(|v| v.expired(now)) {
+        map.insert(key.to_owned(), V::default());
     }
-    map.entry(key.clone()).or_default()
+    map.get_mut(key).expect("present: found live, or inserted above")
 }
 
 /// The live record under `key`, for reading.
@@ -392,7 +459,12 @@ where
 }
 
 /// Drops `key` if its record is expired (after a write set its expiry).
-fn drop_if_expired<K: Hash + Eq, V: Expiring>(map: &mut HashMap<K, V>, key: &K, now: Millis) {
+fn drop_if_expired<K, Q, V>(map: &mut HashMap<K, V>, key: &Q, now: Millis)
+where
+    K: Borrow<Q> + Hash + Eq,
+    Q: Hash + Eq + ?Sized,
+    V: Expiring,
+{
     if map.get(key).is_some_and(|v| v.expired(now)) {
         map.remove(key);
     }
@@ -442,13 +514,12 @@ impl ProjectState {
         now: Millis,
         write: impl FnOnce(&mut CounterRecord),
     ) {
-        let name = name.to_owned();
-        let c = live_or_new(&mut self.counters, &name, now);
+        let c = live_or_new(&mut self.counters, name, now);
         write(c);
         if expires.is_some() {
             c.expires = expires;
         }
-        drop_if_expired(&mut self.counters, &name, now);
+        drop_if_expired(&mut self.counters, name, now);
     }
 
     /// Raises a counter's durable totals to `t` (`raise_totals` +
@@ -537,10 +608,10 @@ impl ProjectState {
 
     /// Holds a reservation on counters until `lease_until`, as an admitted
     /// check does: one call on each, and `estimate` beside it unless zero.
-    fn hold(
+    fn hold<'n>(
         &mut self,
         rid: &ReservationId,
-        names: &[String],
+        names: impl IntoIterator<Item = &'n String>,
         lease_until: DateTime<Utc>,
         estimate: &Values,
         now: Millis,
@@ -686,7 +757,7 @@ impl ProjectState {
                     .fold(0u128, |acc, (_, v)| acc.saturating_add(u128::try_from(v[f.index()]).unwrap_or(0)))
             };
             let (mut u, mut base, mut kept, mut reserved): (u128, u128, u128, u128) = (0, 0, 0, 0);
-            for f in &l.fields {
+            for f in l.fields.iter() {
                 u = u.saturating_add(value(*f));
                 base = base.saturating_add(value(*f));
                 kept = kept.saturating_add(durable(*f));
@@ -710,8 +781,11 @@ impl ProjectState {
         }
 
         if admitted {
-            let reserved: Vec<String> = plan.reserved_counters().into_iter().map(|i| names[i].clone()).collect();
-            self.hold(rid, &reserved, hold.lease_until, &plan.estimate.totals().values(), now);
+            // The reserving counters, in plan order, each once (as
+            // `CheckPlan::reserved_counters`, without its vector).
+            let reserved =
+                names.iter().enumerate().filter(|(i, _)| plan.limits.iter().any(|l| l.reserve && l.counter == *i));
+            self.hold(rid, reserved.map(|(_, n)| n), hold.lease_until, &plan.estimate.totals().values(), now);
         }
 
         CheckOutcome { admitted, used, parts }
@@ -959,7 +1033,7 @@ mod tests {
             counter: 0,
             metric,
             kind: LimitKind::Cap,
-            fields,
+            fields: fields.into(),
             limit,
             need,
             enforce: true,
@@ -986,7 +1060,7 @@ mod tests {
                 counter: 0,
                 metric: Metric::Tokens,
                 kind: LimitKind::Cap,
-                fields: vec![Field::Tokens],
+                fields: vec![Field::Tokens].into(),
                 limit,
                 need: estimate,
                 enforce: true,
@@ -1270,5 +1344,42 @@ mod tests {
         let again = crate::view::SeedHold { reservation: h2.reservation.clone(), ..tail_hold };
         v.seed(&p, &Seed { holds: vec![again], ..Seed::default() }, t0());
         assert_eq!(v.usage(&p, &c.key, t0()).expect("seeded").reserved_calls, 1);
+    }
+
+    /// A settlement naming a counter twice adds the sum there once, and
+    /// the deltas come in name order whatever order they were named in.
+    #[test]
+    fn merged_deltas_sum_a_counter_named_twice_in_name_order() {
+        let c = day_counter(t0() + Span::days(1));
+        let k =
+            Counter { key: CounterKey { dimension: Dimension::AllApiKeys, ..c.key.clone() }, resets_at: c.resets_at };
+        let calls = |n| Totals { calls: n, ..Totals::default() };
+        let merged = merged_deltas(&[(k.clone(), calls(1)), (c.clone(), calls(2)), (k.clone(), calls(4))]);
+        let names: Vec<&str> = merged.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["k*|day|d", "p|day|d"]);
+        assert_eq!(merged[0].values[Field::Calls.index()], 5);
+        assert_eq!(merged[1].values[Field::Calls.index()], 2);
+        assert_eq!(merged[0].expires, counter_expiry(&k));
+    }
+
+    /// An event's deltas compare equal whatever order they were written in
+    /// (the memory view's against the Redis view's dump), and a name
+    /// written again is replaced, not added beside the first.
+    #[test]
+    fn deltas_are_a_map_in_name_order() {
+        let v = |n: i64| {
+            let mut v: Values = [0; Field::ALL.len()];
+            v[0] = n;
+            v
+        };
+        let mut a = Deltas::default();
+        a.insert("b".into(), v(2));
+        a.insert("a".into(), v(1));
+        let b: Deltas = [("a".to_owned(), v(9)), ("b".to_owned(), v(2)), ("a".to_owned(), v(1))].into_iter().collect();
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 2);
+        assert!(a.contains_key("a") && !a.contains_key("c"));
+        assert_eq!(a.get("b"), Some(&v(2)));
+        assert_eq!(a.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["a", "b"]);
     }
 }
