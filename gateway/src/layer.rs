@@ -124,7 +124,8 @@ struct Config {
 /// Admission and metering for the service it wraps. Cheap to clone.
 #[derive(Clone)]
 pub struct TollgateLayer {
-    state: AppState,
+    /// Shared, so a request clones one pointer, not every port's.
+    state: Arc<AppState>,
     config: Arc<Config>,
 }
 
@@ -139,7 +140,7 @@ impl TollgateLayer {
     /// `x-api-key`, rows from `x-tollgate-rows`, no actor.
     pub fn new(state: AppState) -> Self {
         TollgateLayer {
-            state,
+            state: Arc::new(state),
             config: Arc::new(Config {
                 key: KeySource::BearerOrHeader(HeaderName::from_static(DEFAULT_KEY_HEADER)),
                 rows_header: HeaderName::from_static(DEFAULT_ROWS_HEADER),
@@ -194,7 +195,7 @@ impl<S> Layer<S> for TollgateLayer {
 #[derive(Clone)]
 pub struct TollgateService<S> {
     inner: S,
-    state: AppState,
+    state: Arc<AppState>,
     config: Arc<Config>,
 }
 
@@ -229,7 +230,7 @@ where
     }
 }
 
-async fn handle<S>(state: AppState, config: Arc<Config>, mut inner: S, mut req: Request<Body>) -> Response
+async fn handle<S>(state: Arc<AppState>, config: Arc<Config>, mut inner: S, mut req: Request<Body>) -> Response
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible>,
 {
@@ -396,7 +397,7 @@ pub struct RowStream;
 /// at once (the memory view, a log that only queues) cost no task. The task
 /// to wait for, if one was needed; `None` outside a runtime (nothing to run
 /// it, nothing recorded).
-fn record_call(state: &AppState, fact: UsageFact, status: u16) -> Option<tokio::task::JoinHandle<()>> {
+fn record_call(state: &Arc<AppState>, fact: UsageFact, status: u16) -> Option<tokio::task::JoinHandle<()>> {
     let rt = tokio::runtime::Handle::try_current().ok()?;
     let s = state.clone();
     let mut job: BoxFuture<()> = Box::pin(async move {
@@ -417,7 +418,7 @@ fn record_call(state: &AppState, fact: UsageFact, status: u16) -> Option<tokio::
 
 /// A stream's settle, made once: when its body ends, fails or is dropped.
 struct StreamSettle {
-    state: AppState,
+    state: Arc<AppState>,
     admission: Admission,
     actor: Option<String>,
     status: u16,
@@ -594,7 +595,7 @@ impl http_body::Body for RowsBody {
 /// sent its last frame, or when it is dropped unfinished (the client went
 /// away).
 struct PermitGuard {
-    state: AppState,
+    state: Arc<AppState>,
     permit: Option<PermitId>,
 }
 
@@ -738,7 +739,7 @@ fn call_fact(state: &AppState, admission: &Admission, actor: Option<String>, suc
 /// Releases an admitted call's reservation if the call never reaches its
 /// settlement (the service's future was dropped or panicked).
 struct ReleaseGuard {
-    state: AppState,
+    state: Arc<AppState>,
     project: ProjectId,
     reservation: Option<ReservationId>,
 }

@@ -610,7 +610,13 @@ pub fn random_token(len: usize) -> String {
 
 /// A new public id with a type prefix, time-ordered.
 pub fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
+    let mut buf = uuid::Uuid::encode_buffer();
+    let hex = uuid::Uuid::now_v7().simple().encode_lower(&mut buf);
+    let mut id = String::with_capacity(prefix.len() + 1 + hex.len());
+    id.push_str(prefix);
+    id.push('_');
+    id.push_str(hex);
+    id
 }
 
 /// A new quota id. Invariant: [`new_id`] gives `<prefix>_<32 hex digits>`,
