@@ -33,7 +33,10 @@
 //!
 //! Run it with `cargo bench --bench in_process` (or `scripts/bench`). Under
 //! `cargo test --all-targets` it returns at once. It never asserts: it prints
-//! a markdown report and writes it to `target/bench-in-process.md`.
+//! a markdown report and writes it to `target/bench-in-process.md`. With
+//! `--features mimalloc` every allocation of the process (the baseline's,
+//! the Layer's and the client's) goes to mimalloc instead of the system
+//! allocator, and the report goes to `target/bench-in-process-mimalloc.md`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -66,6 +69,15 @@ const THROUGHPUT_WARMUP_SECS: f64 = 1.0;
 const THROUGHPUT_SECS: f64 = 5.0;
 /// The quota's limit: never reached, so every call is admitted.
 const HUGE_LIMIT: u64 = 1_000_000_000_000;
+
+/// With `--features mimalloc`, the whole process (hello-world, the Layer and
+/// the HTTP client alike) allocates with mimalloc instead of the system's.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The allocator this build runs on, as the report names it.
+const ALLOCATOR: &str = if cfg!(feature = "mimalloc") { "mimalloc" } else { "system (glibc)" };
 
 fn main() {
     bench_main("in_process", run);
@@ -395,7 +407,8 @@ async fn run() -> AnyResult<()> {
     println!("\n{report}");
     let target =
         std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target").into());
-    let path = Path::new(&target).join("bench-in-process.md");
+    let name = if cfg!(feature = "mimalloc") { "bench-in-process-mimalloc.md" } else { "bench-in-process.md" };
+    let path = Path::new(&target).join(name);
     match std::fs::write(&path, &report) {
         Ok(()) => eprintln!("in_process: report written to {}", path.display()),
         Err(e) => eprintln!("in_process: could not write {}: {e}", path.display()),
@@ -543,8 +556,8 @@ const NULL_LOG: &str = "Layer, memory view, no-op log, no projector (diagnostic)
 fn report(r: &Results) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "{} worker threads ({} cores); load average {} before, {} after (anything else running skews every number). \
-         SQLite files in {}.\n\n",
+        "{} worker threads ({} cores); allocator: {ALLOCATOR}; load average {} before, {} after (anything else \
+         running skews every number). SQLite files in {}.\n\n",
         r.workers,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         r.load_before,

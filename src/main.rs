@@ -19,6 +19,11 @@ use store::{
 };
 use tracing::info;
 
+/// `--features mimalloc`: mimalloc instead of the system allocator.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod apply;
 mod dev;
 mod export;
