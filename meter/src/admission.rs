@@ -125,6 +125,12 @@ impl CheckPlan {
         v
     }
 
+    /// Whether this check reserves on counter `counter` when admitted (one
+    /// of [`CheckPlan::reserved_counters`], without building the list).
+    pub fn reserves(&self, counter: usize) -> bool {
+        self.limits.iter().any(|l| l.reserve && l.counter == counter)
+    }
+
     /// The window of limit `li` (its counter's).
     pub fn window_of(&self, li: usize) -> Option<&Window> {
         self.windows.get(self.limits.get(li)?.counter)

@@ -781,11 +781,8 @@ impl ProjectState {
         }
 
         if admitted {
-            // The reserving counters, in plan order, each once (as
-            // `CheckPlan::reserved_counters`, without its vector).
-            let reserved =
-                names.iter().enumerate().filter(|(i, _)| plan.limits.iter().any(|l| l.reserve && l.counter == *i));
-            self.hold(rid, reserved.map(|(_, n)| n), hold.lease_until, &plan.estimate.totals().values(), now);
+            let reserved = names.iter().enumerate().filter(|(i, _)| plan.reserves(*i)).map(|(_, n)| n);
+            self.hold(rid, reserved, hold.lease_until, &plan.estimate.totals().values(), now);
         }
 
         CheckOutcome { admitted, used, parts }
