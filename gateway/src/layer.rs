@@ -47,7 +47,10 @@
 //!      is settled when its body ends (or is dropped) with the rows it let
 //!      through;
 //! 5. records that fact ([`recording::record`]: into the view, then onto the log)
-//!    before answering, and adds the admission's `X-Quota-*` headers (and,
+//!    before answering — with the check's request event ahead of it in the
+//!    same publish when the service answered on its first poll (one append
+//!    per call; a service that has to wait has the request event sent when
+//!    it first waits, so a call in flight has its reservation on the log) — and adds the admission's `X-Quota-*` headers (and,
 //!    for a request with `X-Tollgate-Explain: 1`, the check's explanation in
 //!    the same header of the response: [`EXPLAIN_HEADER`]).
 //!
@@ -75,7 +78,7 @@ use tower::{Layer, Service};
 use tracing::warn;
 
 use crate::error::{ApiError, ApiResult, remaining_headers};
-use crate::service::admission::{self, Admission};
+use crate::service::admission::{self, Admission, RequestEvent};
 use crate::service::recording;
 use crate::state::{AppState, new_event_id};
 
@@ -242,7 +245,7 @@ where
         Ok(e) => e,
         Err(e) => return e.into_response(),
     };
-    let (admission, permit) = match admission::admit_holding(&state, key, actor.clone(), explain).await {
+    let (admission, permit, request) = match admission::admit_holding(&state, key, actor.clone(), explain).await {
         Ok(a) => a,
         Err(e) => return ApiError::from(e).into_response(),
     };
@@ -264,7 +267,22 @@ where
     let deadline = tokio::time::Instant::now() + bounds.query_timeout;
     req.extensions_mut().insert(admission.clone());
 
-    let mut res = match tokio::time::timeout_at(deadline, inner.call(req)).await {
+    // The request event waits for the service's first poll: a service that
+    // answers at once has it published with the call's event, in one
+    // publish; one that has to wait has it sent now, before it waits.
+    let mut request = request;
+    let mut call = std::pin::pin!(tokio::time::timeout_at(deadline, inner.call(req)));
+    let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+    let answered = match first {
+        Poll::Ready(answered) => answered,
+        Poll::Pending => {
+            if let Some(r) = request.take() {
+                r.send();
+            }
+            call.await
+        }
+    };
+    let mut res = match answered {
         Ok(Ok(r)) => r,
         Ok(Err(never)) => match never {},
         Err(_) => {
@@ -285,6 +303,9 @@ where
     if success && res.extensions().get::<RowStream>().is_some() {
         // Settled when the stream ends, with the rows it let through.
         guard.disarm();
+        if let Some(r) = request.take() {
+            r.send();
+        }
         res.headers_mut().extend(remaining_headers(&admission.remaining));
         explain_header(&mut res, &admission);
         res.headers_mut().remove(header::CONTENT_LENGTH);
@@ -299,7 +320,7 @@ where
     };
     let fact = call_fact(&state, &admission, actor, success, rows);
     guard.disarm();
-    if let Some(recorded) = record_call(&state, fact, res.status().as_u16())
+    if let Some(recorded) = record_call(&state, request, fact, res.status().as_u16())
         && let Err(e) = recorded.await
     {
         warn!(error = %e, "layer: call not recorded");
@@ -396,12 +417,22 @@ pub struct RowStream;
 /// its own, which logs and counts a failure. So a view and a log that answer
 /// at once (the memory view, a log that only queues) cost no task. The task
 /// to wait for, if one was needed; `None` outside a runtime (nothing to run
-/// it, nothing recorded).
-fn record_call(state: &Arc<AppState>, fact: UsageFact, status: u16) -> Option<tokio::task::JoinHandle<()>> {
+/// it, nothing recorded). The check's request event, when the call still
+/// holds it, is published in the same publish, ahead of the call's.
+fn record_call(
+    state: &Arc<AppState>,
+    request: Option<RequestEvent>,
+    fact: UsageFact,
+    status: u16,
+) -> Option<tokio::task::JoinHandle<()>> {
     let rt = tokio::runtime::Handle::try_current().ok()?;
     let s = state.clone();
     let mut job: BoxFuture<()> = Box::pin(async move {
-        if let Err(e) = recording::record(&s, std::slice::from_ref(&fact)).await {
+        let recorded = match request {
+            Some(request) => recording::record_after(&s, request, vec![fact]).await,
+            None => recording::record(&s, std::slice::from_ref(&fact)).await,
+        };
+        if let Err(e) = recorded {
             let e = ApiError::from(e);
             warn!(error = %format!("{}: {}", e.code, e.message), status, "layer: call not recorded");
             metrics::counter!("tollgate_layer_record_failures_total").increment(1);
@@ -432,7 +463,7 @@ impl StreamSettle {
         }
         let fact = call_fact(&self.state, &self.admission, self.actor.take(), true, rows);
         // Not awaited: the body has ended, the caller has its answer.
-        drop(record_call(&self.state, fact, self.status));
+        drop(record_call(&self.state, None, fact, self.status));
     }
 }
 
@@ -798,20 +829,39 @@ mod tests {
         }
     }
 
-    /// A caller that goes away while its call is being recorded (the log
-    /// is slow to acknowledge) leaves no settle without its publish: the
-    /// recording goes on without it, and the call's event reaches the log.
-    #[tokio::test]
-    async fn a_call_is_recorded_when_its_caller_goes_away_mid_way() {
+    /// A log that keeps every publish it took, each as it came.
+    #[derive(Default)]
+    struct PublishLog {
+        publishes: Mutex<Vec<Vec<UsageFact>>>,
+    }
+
+    #[async_trait]
+    impl Log for PublishLog {
+        async fn publish(&self, facts: &[UsageFact]) -> PortResult<()> {
+            self.publishes.lock().unwrap_or_else(|e| e.into_inner()).push(facts.to_vec());
+            Ok(())
+        }
+    }
+
+    impl PublishLog {
+        /// The kinds of each publish, in order.
+        fn kinds(&self) -> Vec<Vec<EventKind>> {
+            let publishes = self.publishes.lock().unwrap_or_else(|e| e.into_inner());
+            publishes.iter().map(|p| p.iter().map(|f| f.kind).collect()).collect()
+        }
+    }
+
+    /// A state over `log` with a project, a key and a `calls` quota of 10;
+    /// the key's secret.
+    async fn layered_state(log: Arc<dyn Log>) -> (AppState, String, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("tollgate-layer-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("dir");
         let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
         store.migrate().await.expect("migrate");
-        let log = Arc::new(GatedLog { gate: Semaphore::new(0), taken: Mutex::default() });
         let state = AppState::new(
             Arc::new(store),
             Arc::new(MemoryView::new()),
-            log.clone(),
+            log,
             Arc::new(SystemClock),
             Settings::new("adm", "gw"),
         );
@@ -821,14 +871,108 @@ mod tests {
             quota: Some(KeyQuota { metric: Metric::Calls, window: WindowKind::Day, limit: 10 }),
         };
         let made = provisioning::provision(&state, starter, &Principal::new("admin", "test")).await.expect("provision");
-        let app = Router::new().route("/x", get(|| async { "ok" })).layer(TollgateLayer::new(state.clone()));
-        let req = Request::get("/x")
-            .header("authorization", format!("Bearer {}", made.secret))
-            .body(Body::empty())
-            .expect("request");
+        (state, made.secret, dir)
+    }
+
+    fn get_with(secret: &str) -> Request<Body> {
+        Request::get("/x").header("authorization", format!("Bearer {secret}")).body(Body::empty()).expect("request")
+    }
+
+    /// A service that answers on its first poll has the check's request
+    /// event published with the call's, in one publish, request first, both
+    /// naming the reservation.
+    #[tokio::test]
+    async fn a_call_answered_at_once_is_one_publish_behind_its_request_event() {
+        let log = Arc::new(PublishLog::default());
+        let (state, secret, dir) = layered_state(log.clone()).await;
+        let app = Router::new().route("/x", get(|| async { "ok" })).layer(TollgateLayer::new(state));
+        let res = app.clone().oneshot(get_with(&secret)).await.expect("answer");
+        assert_eq!(res.status(), axum::http::StatusCode::OK);
+        assert_eq!(log.kinds(), vec![vec![EventKind::Request, EventKind::Call]]);
+        let publishes = log.publishes.lock().expect("lock").clone();
+        let [request, call] = publishes[0].as_slice() else { panic!("two facts") };
+        assert!(request.reservation_id.is_some());
+        assert_eq!(request.reservation_id, call.reservation_id);
+        assert_eq!(request.admitted, Some(true));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A service that has to wait has the check's request event on the log
+    /// before it answers (its reservation is recoverable from the log while
+    /// the call is in flight); the call's event follows on its own. A
+    /// service that panics before answering loses neither the request
+    /// event nor the reservation's release.
+    #[tokio::test]
+    async fn a_waiting_call_has_its_request_event_published_before_it_answers() {
+        let log = Arc::new(PublishLog::default());
+        let (state, secret, dir) = layered_state(log.clone()).await;
+        let go = Arc::new(Semaphore::new(0));
+        let wait = go.clone();
+        let app = Router::new()
+            .route(
+                "/x",
+                get(move || {
+                    let wait = wait.clone();
+                    async move {
+                        let _permit = wait.acquire().await.expect("semaphore");
+                        "ok"
+                    }
+                }),
+            )
+            .layer(TollgateLayer::new(state));
+        let call = tokio::spawn(app.oneshot(get_with(&secret)));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while log.kinds().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no request event while the service waits");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(log.kinds(), vec![vec![EventKind::Request]], "the request event alone, the call still waiting");
+        go.add_permits(1);
+        let res = call.await.expect("task").expect("answer");
+        assert_eq!(res.status(), axum::http::StatusCode::OK);
+        assert_eq!(log.kinds(), vec![vec![EventKind::Request], vec![EventKind::Call]]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A service that panics on its first poll: the request event held for
+    /// the call's publish is sent anyway (dropped with the request's future).
+    #[tokio::test]
+    async fn a_request_event_held_for_the_call_is_sent_when_the_service_panics() {
+        let log = Arc::new(PublishLog::default());
+        let (state, secret, dir) = layered_state(log.clone()).await;
+        let app = Router::new()
+            .route(
+                "/x",
+                get(|| async {
+                    if std::hint::black_box(true) {
+                        panic!("the service fails");
+                    }
+                    "never"
+                }),
+            )
+            .layer(TollgateLayer::new(state));
+        let panicked = tokio::spawn(app.oneshot(get_with(&secret))).await;
+        assert!(panicked.is_err_and(|e| e.is_panic()), "the service's panic reaches the caller's task");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while log.kinds().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "the held request event was never sent");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(log.kinds(), vec![vec![EventKind::Request]]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A caller that goes away while its call is being recorded (the log
+    /// is slow to acknowledge) leaves no settle without its publish: the
+    /// recording goes on without it, and the call's event reaches the log.
+    #[tokio::test]
+    async fn a_call_is_recorded_when_its_caller_goes_away_mid_way() {
+        let log = Arc::new(GatedLog { gate: Semaphore::new(0), taken: Mutex::default() });
+        let (state, secret, dir) = layered_state(log.clone()).await;
+        let app = Router::new().route("/x", get(|| async { "ok" })).layer(TollgateLayer::new(state));
 
         // The service answers; the recording waits for the log; the caller gives up.
-        let call = app.oneshot(req);
+        let call = app.oneshot(get_with(&secret));
         assert!(tokio::time::timeout(Duration::from_millis(300), call).await.is_err(), "answered before the log");
         assert!(log.taken.lock().expect("lock").is_empty(), "nothing was acknowledged yet");
 

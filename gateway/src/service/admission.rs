@@ -34,8 +34,8 @@ use chrono::{DateTime, Utc};
 use meter::permit::{OwnCap, Whose};
 use meter::{
     ApiKey, ApiKeyId, Breach, BreachKind, Caller, CheckInput, CheckOutcome, CheckPlan, Claimed, EventKind, Explained,
-    Grants, Hold, LoggedBreach, Permit, PermitClaim, Pool, PortError, ProjectId, Quota, ReservationId, Role, RoleId,
-    UnpricedException, UsageFact, Verdict,
+    Grants, Hold, Log, LoggedBreach, Permit, PermitClaim, Pool, PortError, ProjectId, Quota, ReservationId, Role,
+    RoleId, UnpricedException, UsageFact, Verdict,
 };
 use tracing::warn;
 
@@ -175,7 +175,7 @@ enum Subject {
 }
 
 /// What a check granted, whoever asked.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Granted {
     reservation: ReservationId,
     remaining: Remaining,
@@ -184,6 +184,9 @@ struct Granted {
     permit: Option<Permit>,
     /// Every limit the check evaluated, when it asked to be explained.
     explain: Option<Vec<Explained>>,
+    /// The request event, when the check's caller publishes it
+    /// ([`Context::hold_request`]).
+    request: Option<RequestEvent>,
 }
 
 /// The parts of a check that are neither the caller nor its quotas.
@@ -199,6 +202,9 @@ struct Context {
     explain: bool,
     /// What the call is expected to use.
     estimate: EstimateAsk,
+    /// Hand an admitted check's request event to the caller
+    /// ([`RequestEvent`]) instead of publishing it at once.
+    hold_request: bool,
 }
 
 /// A permit a check is to take: the caller's cap (whose it is, and its
@@ -239,6 +245,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
         permit: None,
         explain: req.explain,
         estimate: req.estimate,
+        hold_request: false,
     };
     match req.who {
         Who::BreakGlass => {
@@ -267,7 +274,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
             if req.project.as_deref().is_some_and(|p| p != key.project_id.as_str()) {
                 return Err(Error::invalid("project_id", "is not the api key's project"));
             }
-            let (a, permit) = admit_key(s, key, ctx, req.permit).await?;
+            let (a, permit, request) = admit_key(s, key, ctx, req.permit).await?;
             let g = Granted {
                 reservation: a.reservation,
                 remaining: a.remaining,
@@ -275,6 +282,7 @@ pub async fn check(s: &AppState, req: CheckRequest) -> Result<Checked> {
                 exempt: a.exempt,
                 permit,
                 explain: a.explain,
+                request,
             };
             Ok(checked(g, a.bounds))
         }
@@ -303,19 +311,37 @@ pub async fn admit(
     actor: Option<String>,
     storage_delta: Option<i64>,
 ) -> Result<Admission> {
-    let ctx = Context { agent, actor, storage_delta, permit: None, explain: false, estimate: EstimateAsk::None };
-    admit_key(s, key, ctx, false).await.map(|(a, _)| a)
+    let ctx = Context {
+        agent,
+        actor,
+        storage_delta,
+        permit: None,
+        explain: false,
+        estimate: EstimateAsk::None,
+        hold_request: false,
+    };
+    admit_key(s, key, ctx, false).await.map(|(a, _, _)| a)
 }
 
 /// [`admit`], also taking a permit when the key (or its role) has a
-/// `max_concurrent` cap: both or neither. What the tower Layer runs.
+/// `max_concurrent` cap: both or neither; and handing an admitted check's
+/// request event back to the caller to publish ([`RequestEvent`]). What
+/// the tower Layer runs.
 pub async fn admit_holding(
     s: &AppState,
     key: Arc<ApiKey>,
     actor: Option<String>,
     explain: bool,
-) -> Result<(Admission, Option<Permit>)> {
-    let ctx = Context { agent: None, actor, storage_delta: None, permit: None, explain, estimate: EstimateAsk::None };
+) -> Result<(Admission, Option<Permit>, Option<RequestEvent>)> {
+    let ctx = Context {
+        agent: None,
+        actor,
+        storage_delta: None,
+        permit: None,
+        explain,
+        estimate: EstimateAsk::None,
+        hold_request: true,
+    };
     admit_key(s, key, ctx, true).await
 }
 
@@ -326,7 +352,7 @@ async fn admit_key(
     key: Arc<ApiKey>,
     mut ctx: Context,
     permit: bool,
-) -> Result<(Admission, Option<Permit>)> {
+) -> Result<(Admission, Option<Permit>, Option<RequestEvent>)> {
     let role = match &key.role_id {
         Some(r) => s.role_by_id(r).await?,
         None => None,
@@ -344,7 +370,7 @@ async fn admit_key(
         exempt: g.exempt,
         explain: g.explain,
     };
-    Ok((admission, g.permit))
+    Ok((admission, g.permit, g.request))
 }
 
 /// Runs one check: one view round trip, the verdict, and the request event
@@ -376,6 +402,7 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Arc<Ro
             exempt: true,
             permit: None,
             explain: None,
+            request: None,
         });
     }
     let (project, caller) = match &subject {
@@ -484,7 +511,15 @@ async fn reserve(
     };
     let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
     let asker = Asker { project: project.clone(), key, user, agent: ctx.agent.clone(), actor: ctx.actor.clone() };
-    publish_request(s, asker, &hold, logged, now);
+    let fact = request_fact(s, asker, &hold, logged, now);
+    let admitted = verdict.as_ref().is_none_or(|v| v.breach.is_none());
+    let request = if ctx.hold_request && admitted {
+        Some(RequestEvent { fact: Some(fact), log: s.log.clone() })
+    } else {
+        // A refused check's event goes at once: there is no call to wait for.
+        send_request(&s.log, fact);
+        None
+    };
     let (Some(outcome), Some(verdict)) = (outcome, verdict) else {
         return Ok(Granted {
             reservation: hold.reservation,
@@ -494,6 +529,7 @@ async fn reserve(
             permit: None,
             // Nothing was evaluated: the view was not reached.
             explain: ctx.explain.then(Vec::new),
+            request,
         });
     };
     let explain = ctx.explain.then(|| meter::explain(quotas, plan, &outcome, &verdict));
@@ -515,6 +551,7 @@ async fn reserve(
             exempt: false,
             permit: None,
             explain,
+            request,
         }),
         Some(breach) => {
             metrics::counter!("tollgate_check_refusals_total", "metric" => breach.metric.as_str()).increment(1);
@@ -690,16 +727,10 @@ struct Asker {
     actor: Option<String>,
 }
 
-/// Publishes the check's request event in the background: handed to the
-/// log's queue ([`meter::Log::queue`]), or published in a task of its own
-/// by a log without one. It is never taken back: if the log does not
-/// acknowledge it, it stays in the log's retry queue (and its request stays
-/// counted in the view); only a full queue loses it from the log, counted
-/// in `tollgate_request_events_unacknowledged_total` (with a log without a
-/// queue, also a publish that was not acknowledged in time), and then its
-/// pending count over-counts until the window ends.
-fn publish_request(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedRequest, now: DateTime<Utc>) {
-    let fact = UsageFact {
+/// The check's request event: the reservation it opened (with its lease and
+/// the counters it holds) or its refusal, and the breaches it found.
+fn request_fact(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedRequest, now: DateTime<Utc>) -> UsageFact {
+    UsageFact {
         api_key_id: asker.key,
         user_id: asker.user,
         agent_id: asker.agent,
@@ -713,22 +744,82 @@ fn publish_request(s: &AppState, asker: Asker, hold: &Hold, logged: LoggedReques
         estimate: logged.estimate,
         breaches: logged.breaches,
         ..UsageFact::new(hold.request_event.clone(), asker.project, EventKind::Request, now)
-    };
-    let unacknowledged = |e: PortError| {
-        warn!(error = %e, "request event not acknowledged yet (queued unless the queue was full)");
-        metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
-    };
+    }
+}
+
+/// Publishes a check's request event in the background: handed to the
+/// log's queue ([`meter::Log::queue`]), or published in a task of its own
+/// by a log without one. It is never taken back: if the log does not
+/// acknowledge it, it stays in the log's retry queue (and its request stays
+/// counted in the view); only a full queue loses it from the log, counted
+/// in `tollgate_request_events_unacknowledged_total` (with a log without a
+/// queue, also a publish that was not acknowledged in time), and then its
+/// pending count over-counts until the window ends.
+fn send_request(log: &Arc<dyn Log>, fact: UsageFact) {
     // Handed to the log's queue where it has one (no task of our own).
-    match s.log.queue(std::slice::from_ref(&fact)) {
+    match log.queue(std::slice::from_ref(&fact)) {
         Some(Ok(())) => {}
-        Some(Err(e)) => unacknowledged(e),
+        Some(Err(e)) => request_unacknowledged(&e),
         None => {
-            let log = s.log.clone();
-            tokio::spawn(async move {
+            let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                request_unacknowledged(&PortError::Transient("no tokio runtime to publish on".into()));
+                return;
+            };
+            let log = log.clone();
+            rt.spawn(async move {
                 if let Err(e) = log.publish(std::slice::from_ref(&fact)).await {
-                    unacknowledged(e);
+                    request_unacknowledged(&e);
                 }
             });
+        }
+    }
+}
+
+/// Counts (and logs) a request event the log has not acknowledged yet.
+fn request_unacknowledged(e: &PortError) {
+    warn!(error = %e, "request event not acknowledged yet (queued unless the queue was full)");
+    metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
+}
+
+/// An admitted check's request event, handed to the caller of
+/// [`admit_holding`] to publish: [`RequestEvent::send`] sends it on its
+/// own, as a check does; [`RequestEvent::take`] gives the fact to publish
+/// with the call's own event, in one publish (what the tower Layer does
+/// when its service answers at once: one append and one commit per call
+/// instead of two). Dropped unsent, it is sent then, so no path (an error,
+/// a panic, a dropped future) loses it. The reservation it names is in the
+/// view already.
+#[must_use = "a request event not sent goes when it is dropped"]
+pub struct RequestEvent {
+    fact: Option<UsageFact>,
+    log: Arc<dyn Log>,
+}
+
+impl RequestEvent {
+    /// Publishes it in the background now, as a check does.
+    pub fn send(mut self) {
+        if let Some(fact) = self.fact.take() {
+            send_request(&self.log, fact);
+        }
+    }
+
+    /// The event, to publish with others: its publish is the taker's now.
+    pub fn take(mut self) -> UsageFact {
+        // Only `send`, `take` and `drop` empty it, and each consumes `self`.
+        self.fact.take().expect("a request event not yet sent")
+    }
+}
+
+impl std::fmt::Debug for RequestEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestEvent").field("event", &self.fact.as_ref().map(|f| &f.id)).finish_non_exhaustive()
+    }
+}
+
+impl Drop for RequestEvent {
+    fn drop(&mut self) {
+        if let Some(fact) = self.fact.take() {
+            send_request(&self.log, fact);
         }
     }
 }

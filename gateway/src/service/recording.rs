@@ -142,6 +142,33 @@ pub async fn settle(s: &AppState, facts: Vec<UsageFact>, permits: &[meter::Permi
 /// acknowledged every one, or fails with [`Error::LogUnavailable`] keeping
 /// the settlement (see the module doc).
 pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
+    settle_into_view(s, facts).await?;
+    publish(s, facts).await
+}
+
+/// [`record`] for the calls of an admitted check whose request event the
+/// caller still holds ([`admission::admit_holding`](super::admission::admit_holding)):
+/// the facts are settled, then published in ONE publish behind the request
+/// event, so the log has them in that order, contiguous, and a log that
+/// commits per publish commits once. If the facts cannot be settled (their
+/// project is gone, the store fails), the request event is still sent, on
+/// its own.
+pub async fn record_after(s: &AppState, request: super::admission::RequestEvent, facts: Vec<UsageFact>) -> Result<()> {
+    settle_into_view(s, &facts).await?;
+    let mut all = Vec::with_capacity(facts.len() + 1);
+    all.push(request.take());
+    all.extend(facts);
+    let published = publish(s, &all).await;
+    if published.is_err() {
+        // Warned about with the call's: queued with it unless refused for good.
+        metrics::counter!("tollgate_request_events_unacknowledged_total").increment(1);
+    }
+    published
+}
+
+/// The view's half of [`record`]: settles `facts`, per project (their
+/// unpriced rows written ahead, best effort).
+async fn settle_into_view(s: &AppState, facts: &[UsageFact]) -> Result<()> {
     let now = s.clock.now();
     let book =
         if facts.iter().any(|f| f.kind == EventKind::Tokens) { s.price_book().await? } else { Default::default() };
@@ -187,6 +214,11 @@ pub async fn record(s: &AppState, facts: &[UsageFact]) -> Result<()> {
             metrics::counter!("tollgate_view_unavailable_total", "policy" => "settle").increment(1);
         }
     }
+    Ok(())
+}
+
+/// The log's half of [`record`]: publishes `facts` and waits for them.
+async fn publish(s: &AppState, facts: &[UsageFact]) -> Result<()> {
     match s.log.publish(facts).await {
         Ok(()) => Ok(()),
         Err(e) => {
