@@ -238,6 +238,7 @@ async fn sqlite_pool(path: &Path, synchronous: SqliteSynchronous) -> AnyResult<S
         .foreign_keys(true)
         .busy_timeout(Duration::from_secs(10));
     Ok(SqlitePoolOptions::new()
+        .test_before_acquire(false)
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)

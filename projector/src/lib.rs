@@ -92,7 +92,8 @@ pub struct ProjectorConfig {
     /// How long one poll waits for the first record.
     pub poll_wait: Duration,
     /// Once a poll brought fewer than `max_batch` records, how long the step
-    /// keeps reading for more before it folds them: fewer, larger fold
+    /// waits before it reads once more, for what came meanwhile, and folds
+    /// them all: fewer, larger fold
     /// transactions under a trickle of traffic (on SQLite the fold shares
     /// the one write lock with the log), at this much added freshness lag.
     /// Zero folds every poll at once.
@@ -455,20 +456,15 @@ impl<R: LogReader> Projector<R> {
         self.publish_dead_letters().await;
         self.sample_lag().await;
         let mut records = self.reader.poll(self.config.max_batch, self.config.poll_wait).await?;
-        if !records.is_empty() && !self.config.linger.is_zero() {
-            let until = tokio::time::Instant::now() + self.config.linger;
-            while records.len() < self.config.max_batch {
-                let left = until.saturating_duration_since(tokio::time::Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                // A failed read ends the lingering, not the step: the
-                // records in hand are folded, and the next poll meets the
-                // failure again.
-                match self.reader.poll(self.config.max_batch - records.len(), left).await {
-                    Ok(more) if !more.is_empty() => records.extend(more),
-                    _ => break,
-                }
+        if !records.is_empty() && !self.config.linger.is_zero() && records.len() < self.config.max_batch {
+            // One read after the linger, not one per record appended
+            // meanwhile (each a query of the log, on the cores the
+            // appenders run on).
+            tokio::time::sleep(self.config.linger).await;
+            // A failed read ends the lingering, not the step: the records
+            // in hand are folded, and the next poll meets the failure again.
+            if let Ok(more) = self.reader.poll(self.config.max_batch - records.len(), Duration::ZERO).await {
+                records.extend(more);
             }
         }
         // Sharing: a record of a partition given back, fetched before the

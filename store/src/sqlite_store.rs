@@ -65,7 +65,10 @@ impl SqlStore<Sqlite> {
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
+        // A connection to a local file does not go stale the way a socket
+        // does: no round trip to test it each time it leaves the pool.
         let pool = SqlitePoolOptions::new()
+            .test_before_acquire(false)
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(options)
