@@ -58,7 +58,7 @@ use crate::correction::Delta;
 use crate::ids::{AuditId, MessageId, ProjectId};
 use crate::price::{PriceBook, Usd};
 use crate::quota::{Mode, Quota, Scope};
-use crate::usage::{Counter, CounterKey, EventKind, Field, Totals, UsageFact, counters_for};
+use crate::usage::{Counter, CounterKey, EventKind, Field, Totals, UsageFact, counters_where};
 use crate::webhook::{Notification, QUOTA_EXCEEDED, QUOTA_NEARLY_USED, dedup_key};
 use crate::window::window_at;
 
@@ -280,31 +280,49 @@ pub fn quota_notifications(input: &BatchAlerts<'_>) -> Alerts {
             stored.retain(|f| f.project_id != fact.project_id);
             stored.push(fact);
         }
-        // What it adds, to every counter it lands in.
-        let lands = counters_for(fact, tz, input.book);
+        // The counter each flow quota of the project reads for this fact.
+        let caller = caller_of(fact);
+        let read: Vec<(&Quota, CounterKey)> = quotas
+            .iter()
+            .filter(|q| !q.spec.metric.is_stock())
+            .filter_map(|q| {
+                let dimension = dimension_for(q, &caller)?;
+                let window = window_at(q.spec.window, tz, fact.occurred_at);
+                Some((*q, CounterKey { dimension, window: window.kind, window_key: window.key }))
+            })
+            .collect();
+        // What it adds to those counters (a fact lands in a counter a quota
+        // reads exactly when that quota reads it for this fact too: the
+        // dimension follows the caller), kept running over the batch.
+        let lands = match read.is_empty() {
+            true => Vec::new(),
+            false => counters_where(fact, tz, input.book, |d, w| {
+                read.iter().any(|(_, k)| k.window == w && k.dimension == *d)
+            }),
+        };
         for (c, delta) in &lands {
             let key = (fact.project_id.clone(), c.key.clone());
-            let t = running.entry(key.clone()).or_insert_with(|| input.before.get(&key).copied().unwrap_or_default());
-            t.add(*delta);
-        }
-        let caller = caller_of(fact);
-        for q in quotas {
-            if q.spec.metric.is_stock() {
-                continue;
+            match running.get_mut(&key) {
+                Some(t) => t.add(*delta),
+                None => {
+                    let mut t = input.before.get(&key).copied().unwrap_or_default();
+                    t.add(*delta);
+                    running.insert(key, t);
+                }
             }
-            let Some(dimension) = dimension_for(q, &caller) else { continue };
-            let window = window_at(q.spec.window, tz, fact.occurred_at);
-            let key = CounterKey { dimension, window: window.kind, window_key: window.key };
+        }
+        for (q, key) in read {
             let Some((_, delta)) = lands.iter().find(|(c, _)| c.key == key) else { continue };
             let fields = quota_fields(q);
             let added = usage(delta, fields);
             if added == 0 {
                 continue;
             }
-            let now = running.get(&(fact.project_id.clone(), key.clone())).map_or(0, |t| usage(t, fields));
+            let key = (fact.project_id.clone(), key);
+            let now = running.get(&key).map_or(0, |t| usage(t, fields));
             let firing = Firing {
                 quota: q,
-                window_key: key.window_key.clone(),
+                window_key: key.1.window_key,
                 scope_ref: scope_ref_of(q, fact),
                 limit: q.spec.limit,
                 observed: now,

@@ -119,7 +119,9 @@ type Entry = (Totals, Option<chrono::DateTime<chrono::Utc>>);
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fold {
     seen: HashSet<(ProjectId, EventId)>,
-    totals: BTreeMap<(ProjectId, CounterKey), Entry>,
+    /// By project, then counter: a fact's project is copied once, not once
+    /// per counter it lands in.
+    totals: BTreeMap<ProjectId, BTreeMap<CounterKey, Entry>>,
 }
 
 impl Fold {
@@ -135,19 +137,25 @@ impl Fold {
         if !self.seen.insert((fact.project_id.clone(), fact.id.clone())) {
             return false;
         }
-        for (counter, delta) in counters_for(fact, tz, book) {
+        let lands = counters_for(fact, tz, book);
+        if lands.is_empty() {
+            return true;
+        }
+        let counters = self.totals.entry(fact.project_id.clone()).or_default();
+        for (counter, delta) in lands {
             let Counter { key, resets_at } = counter;
-            let entry = self.totals.entry((fact.project_id.clone(), key)).or_insert((Totals::default(), resets_at));
-            entry.0.add(delta);
+            counters.entry(key).or_insert((Totals::default(), resets_at)).0.add(delta);
         }
         true
     }
 
     /// The folded totals, ordered by project then counter.
     pub fn totals(&self) -> impl Iterator<Item = (&ProjectId, Counter, Totals)> + '_ {
-        self.totals
-            .iter()
-            .map(|((p, key), (t, resets_at))| (p, Counter { key: key.clone(), resets_at: *resets_at }, *t))
+        self.totals.iter().flat_map(|(p, counters)| {
+            counters
+                .iter()
+                .map(move |(key, (t, resets_at))| (p, Counter { key: key.clone(), resets_at: *resets_at }, *t))
+        })
     }
 
     pub fn is_empty(&self) -> bool {

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::ids::{ApiKeyId, EventId, QuotaId};
 use crate::quota::{Metric, QuotaSpec};
-use crate::usage::LoggedBreach;
+use crate::usage::{LoggedBreach, counters_for};
 use crate::window::WindowKind;
 
 fn utc(s: &str) -> DateTime<Utc> {
