@@ -50,9 +50,10 @@
 //!    before answering — with the check's request event ahead of it in the
 //!    same publish when the service answered on its first poll (one append
 //!    per call; a service that has to wait has the request event sent when
-//!    it first waits, so a call in flight has its reservation on the log) — and adds the admission's `X-Quota-*` headers (and,
-//!    for a request with `X-Tollgate-Explain: 1`, the check's explanation in
-//!    the same header of the response: [`EXPLAIN_HEADER`]).
+//!    it first waits, so a call in flight has its reservation on the log) —
+//!    and adds the admission's `X-Quota-*` headers (and, for a request
+//!    with `X-Tollgate-Explain: 1`, the check's explanation in the same
+//!    header of the response: [`EXPLAIN_HEADER`]).
 //!
 //! If recording fails, the service's response is still sent (the call has
 //! happened; refusing it now would help nobody), with a warning and
@@ -899,9 +900,7 @@ mod tests {
 
     /// A service that has to wait has the check's request event on the log
     /// before it answers (its reservation is recoverable from the log while
-    /// the call is in flight); the call's event follows on its own. A
-    /// service that panics before answering loses neither the request
-    /// event nor the reservation's release.
+    /// the call is in flight); the call's event follows on its own.
     #[tokio::test]
     async fn a_waiting_call_has_its_request_event_published_before_it_answers() {
         let log = Arc::new(PublishLog::default());
