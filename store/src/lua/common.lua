@@ -37,18 +37,14 @@
 -- most 4,096 picodollars below 2^64, i.e. under a millionth of a cent).
 
 -- The counter fields: FIELDS, their short names in meter's Field::ALL order
--- (Field::as_str), and the positions REQ, CALLS, LLM_P, STO_N and STO are
--- not written here: RedisView generates them from Field::ALL and prepends
--- them to every script, so the list has one definition (no script names a
--- field itself). All are sums except sto, the storage footprint (absolute
--- when durable, a delta when pending), which sto_n (the storage facts it
--- reflects) orders.
-local FIELD_AT, T_FIELDS, P_FIELDS = {}, {}, {}
-for i, f in ipairs(FIELDS) do
-  FIELD_AT[f] = i
-  T_FIELDS[i] = 't_' .. f
-  P_FIELDS[i] = 'p_' .. f
-end
+-- (Field::as_str); FIELD_AT (short name -> position); T_FIELDS and P_FIELDS
+-- (the durable and pending hash fields, 't_<f>' and 'p_<f>', in FIELDS
+-- order); and the positions REQ, CALLS, LLM_P, STO_N and STO are not
+-- written here: RedisView generates them from Field::ALL as literal tables
+-- and prepends them to every script, so the list has one definition (no
+-- script names a field itself). All are sums except sto, the storage
+-- footprint (absolute when durable, a delta when pending), which sto_n (the
+-- storage facts it reflects) orders.
 
 -- a > b for canonical non-negative decimal strings.
 local function dec_gt(a, b)
