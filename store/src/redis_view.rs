@@ -3,9 +3,10 @@
 //! [`RedisView`] implements [`meter::View`]: per counter, the projector's
 //! durable totals, the deltas gateways settled but the projector has not
 //! folded yet (indexed by event id), and live reservations with lease expiry.
-//! Every operation on a project is **one Lua script call**, so each is atomic
-//! and costs one round trip; the scripts, with their KEYS/ARGV, live in
-//! `src/lua/` and share the helpers of `common.lua`.
+//! Every operation on a project is **one Lua function call** (`FCALL`), so
+//! each is atomic and costs one round trip; the functions, with their
+//! KEYS/ARGV, live in `src/lua/` (one file each) and share the helpers of
+//! `common.lua`, loaded as one function library ([`Functions`]).
 //!
 //! The rules the scripts follow are not written here: they are the view's
 //! reference model, [`meter::ViewModel`] (`meter::view::model`), which also
@@ -14,7 +15,7 @@
 //! generated operation sequences against the model and this view and
 //! requires the same answers and, read back with [`RedisView::dump`], the
 //! same state. The counter field list has one definition too,
-//! [`Field::ALL`] and [`Field::as_str`]: every script is prefixed with Lua
+//! [`Field::ALL`] and [`Field::as_str`]: the library starts with Lua
 //! tables generated from it (see [`fields_prelude`]), and no script names a
 //! field itself.
 //!
@@ -39,8 +40,8 @@
 //! holding another server's `run_id` (a restart from an older snapshot, a
 //! promoted replica) reads as no marker, so restored old counts are never
 //! trusted: the seeder deletes them ([`View::forget_stale`]) and seeds afresh.
-//! Comparing it costs each check and usage read one `INFO server` inside
-//! its script.
+//! The server's `run_id` is read once per library load (`INFO server`, at
+//! the first call that needs it) and kept by the library.
 //!
 //! ## Limits
 //!
@@ -96,15 +97,15 @@ use meter::{
     CheckOutcome, CheckPlan, Counter, CounterKey, CounterUsage, EventId, Field, Hold, LimitKind, PortError, PortResult,
     ProjectDump, ProjectId, ReservationId, Seed, Settlement, Totals, View,
 };
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
+use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, ToRedisArgs};
 use tracing::Instrument;
 
 use crate::redis_conn::{RedisConn, ScanScope};
 
 const COMMON: &str = include_str!("lua/common.lua");
 
-/// The scripts' bodies, by name (each is prefixed with [`fields_prelude`]
-/// and `common.lua`).
+/// The functions' bodies, by operation (each is a function of the library,
+/// after [`fields_prelude`] and `common.lua`: see [`Functions`]).
 const BODIES: [(&str, &str); 9] = [
     ("check", include_str!("lua/check.lua")),
     ("settle", include_str!("lua/settle.lua")),
@@ -117,13 +118,13 @@ const BODIES: [(&str, &str); 9] = [
     ("forget", include_str!("lua/forget.lua")),
 ];
 
-/// The Lua every script starts with, generated from [`Field::ALL`] and
+/// The Lua the library starts with, generated from [`Field::ALL`] and
 /// [`Field::as_str`] so the field list has one definition: `FIELDS`, the
 /// short names in order; `FIELD_AT` (name → position), `T_FIELDS` and
 /// `P_FIELDS` (the durable and pending hash fields, `t_<name>` and
-/// `p_<name>`), written out as literal tables rather than built by a loop
-/// at every call (a check paid about 2 µs of Redis time for that loop);
-/// and the positions (1-based) of the fields the scripts treat specially.
+/// `p_<name>`), written out as literal tables; and the positions
+/// (1-based) of the fields the scripts treat specially. Run once per
+/// library load, not at every call.
 fn fields_prelude() -> String {
     let at = |f: Field| f.index() + 1;
     let list = |f: &dyn Fn(Field) -> String| Field::ALL.iter().map(|x| f(*x)).collect::<Vec<_>>().join(", ");
@@ -146,41 +147,109 @@ fn fields_prelude() -> String {
     )
 }
 
-/// A script's full text: the field prelude, the shared helpers, its body.
-fn script_text(body: &str) -> String {
-    format!("{}{COMMON}\n{body}", fields_prelude())
+/// The view's Redis function library (Redis 7's `FUNCTION LOAD`, called
+/// with `FCALL`): the field prelude and the shared helpers once, then every
+/// body of [`BODIES`] as a function of `(KEYS, ARGV)`.
+///
+/// A library, not one script per operation (`EVALSHA`), because a script
+/// runs its whole text at every call: the prelude's tables and the helpers'
+/// closures were rebuilt each time, and `server_id()` read `INFO server`
+/// each time. In a library they are built once, when the library is loaded
+/// into the server's Lua state, and `common.lua` keeps the server's
+/// `run_id` in a local of the library: a check spends about 7 µs less of
+/// Redis's time (BENCHMARKS.md, session 19).
+///
+/// The library and its functions are named after a digest of their code
+/// (`tollgate_<v>`, `tg_<v>_<op>`), so gateways of two versions sharing a
+/// Redis each call their own code (function names are global to a
+/// server). A Redis that does not have the library (restarted empty, its
+/// functions flushed, a new cluster master) answers `Function not found`;
+/// [`RedisView`] then loads it (`FUNCTION LOAD REPLACE`, on every master of
+/// a cluster) and calls again. A Redis restarted from a snapshot has it
+/// already (functions are saved with the data), in a fresh Lua state.
+struct Functions {
+    /// The library's code, for `FUNCTION LOAD REPLACE`.
+    code: String,
+    check: String,
+    settle: String,
+    unsettle: String,
+    release: String,
+    fold: String,
+    lower: String,
+    seed: String,
+    usage: String,
+    forget: String,
 }
 
-/// The scripts, each prefixed with the field prelude and the shared helpers.
-struct Scripts {
-    check: Script,
-    settle: Script,
-    unsettle: Script,
-    release: Script,
-    fold: Script,
-    lower: Script,
-    seed: Script,
-    usage: Script,
-    forget: Script,
-}
-
-impl Scripts {
+impl Functions {
     fn new() -> Self {
-        let s = |name: &str| {
-            let body = BODIES.iter().find(|(n, _)| *n == name).map_or("", |(_, b)| b);
-            Script::new(&script_text(body))
+        let helpers = format!("{}{COMMON}\n", fields_prelude());
+        let version = {
+            let all: String = std::iter::once(helpers.as_str()).chain(BODIES.iter().map(|(_, b)| *b)).collect();
+            // The SHA-1 (hex) redis-rs computes for a script's text.
+            Script::new(&all).get_hash()[..16].to_owned()
         };
-        Scripts {
-            check: s("check"),
-            settle: s("settle"),
-            unsettle: s("unsettle"),
-            release: s("release"),
-            fold: s("fold"),
-            lower: s("lower"),
-            seed: s("seed"),
-            usage: s("usage"),
-            forget: s("forget"),
+        let name = |op: &str| format!("tg_{version}_{op}");
+        let mut code = format!("#!lua name=tollgate_{version}\n{helpers}");
+        for (op, body) in BODIES {
+            code.push_str(&format!("\nredis.register_function('{}', function(KEYS, ARGV)\n{body}\nend)\n", name(op)));
         }
+        Functions {
+            code,
+            check: name("check"),
+            settle: name("settle"),
+            unsettle: name("unsettle"),
+            release: name("release"),
+            fold: name("fold"),
+            lower: name("lower"),
+            seed: name("seed"),
+            usage: name("usage"),
+            forget: name("forget"),
+        }
+    }
+
+    /// Loads the library (replacing one of the same name: the same code) on
+    /// the server, or on every master of a cluster.
+    async fn load(&self, conn: &mut RedisConn) -> redis::RedisResult<()> {
+        let _: redis::Value =
+            redis::cmd("FUNCTION").arg("LOAD").arg("REPLACE").arg(&self.code).query_async(conn).await?;
+        Ok(())
+    }
+}
+
+/// Whether Redis answered that it has no such function: the library is not
+/// loaded there (yet, or any more).
+fn function_missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+/// One `FCALL` being built, as redis-rs's `ScriptInvocation` builds an
+/// `EVALSHA`: keys and arguments each in the order given.
+struct Call<'a> {
+    function: &'a str,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl<'a> Call<'a> {
+    fn new(function: &'a str) -> Self {
+        Call { function, keys: Vec::new(), args: Vec::new() }
+    }
+
+    fn key<T: ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        key.write_redis_args(&mut self.keys);
+        self
+    }
+
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(self.function).arg(self.keys.len()).arg(&self.keys).arg(&self.args);
+        cmd
     }
 }
 
@@ -190,7 +259,7 @@ impl Scripts {
 pub struct RedisView {
     conn: RedisConn,
     prefix: Arc<str>,
-    scripts: Arc<Scripts>,
+    functions: Arc<Functions>,
 }
 
 impl fmt::Debug for RedisView {
@@ -209,8 +278,14 @@ impl RedisView {
         if prefix.contains(['{', '}']) {
             return Err(PortError::Permanent(format!("redis key prefix {prefix:?} must not contain '{{' or '}}'")));
         }
-        let conn = RedisConn::connect(url).await?;
-        Ok(RedisView { conn, prefix: prefix.into(), scripts: Arc::new(Scripts::new()) })
+        let mut conn = RedisConn::connect(url).await?;
+        let functions = Functions::new();
+        functions
+            .load(&mut conn)
+            .instrument(tracing::debug_span!("datastore", op = "function_load"))
+            .await
+            .map_err(|e| classify("function load (the view needs Redis 7.0 or later)", &e))?;
+        Ok(RedisView { conn, prefix: prefix.into(), functions: Arc::new(functions) })
     }
 
     /// Whether this view is on a Redis Cluster.
@@ -233,13 +308,24 @@ impl RedisView {
         &self,
         op: &'static str,
         project: &ProjectId,
-        inv: &redis::ScriptInvocation<'_>,
+        call: &Call<'_>,
     ) -> PortResult<T> {
         let mut conn = self.conn.clone();
-        inv.invoke_async(&mut conn)
-            .instrument(tracing::debug_span!("datastore", op, project = %project))
-            .await
-            .map_err(|e| classify(op, &e))
+        let cmd = call.cmd();
+        async {
+            match cmd.query_async(&mut conn).await {
+                Err(e) if function_missing(&e) => {
+                    // Redis lost the library (restarted empty, flushed):
+                    // load it again and call once more.
+                    self.functions.load(&mut conn).await?;
+                    cmd.query_async(&mut conn).await
+                }
+                r => r,
+            }
+        }
+        .instrument(tracing::debug_span!("datastore", op, project = %project))
+        .await
+        .map_err(|e| classify(op, &e))
     }
 
     /// Deletes every key under this view's prefix, as a `FLUSHDB` would
@@ -277,7 +363,7 @@ impl RedisView {
     /// `loaded` marker holds the `run_id` of the server that seeded it: a
     /// server restarted (from a snapshot or not) or a promoted replica has
     /// another, so a marker it restored is not trusted (the scripts compare
-    /// it with `INFO server` themselves, at every check and usage read).
+    /// it with the `run_id` they read from `INFO server` once per load).
     pub async fn run_id(&self, project: &ProjectId) -> PortResult<String> {
         let mut conn = self.conn.clone();
         // A script naming the project's `loaded` key runs where that key lives.
@@ -553,7 +639,7 @@ fn parse_i64(s: &str) -> i64 {
 
 /// Counter arguments of seed and fold: expire-at, then the durable totals in
 /// [`Field::ALL`] order.
-fn durable_args(inv: &mut redis::ScriptInvocation<'_>, c: &Counter, t: &Totals) {
+fn durable_args(inv: &mut Call<'_>, c: &Counter, t: &Totals) {
     inv.arg(counter_expiry(c));
     for f in Field::ALL {
         inv.arg(durable_str(t, f));
@@ -572,7 +658,7 @@ impl View for RedisView {
         validate_plan(plan)?;
         let base = self.base(project);
         let reserved = plan.reserved_counters();
-        let mut inv = self.scripts.check.prepare_invoke();
+        let mut inv = Call::new(&self.functions.check);
         inv.key(format!("{base}loaded"))
             .key(format!("{base}ev:{}", hold.request_event))
             .key(format!("{base}res:{}", hold.reservation));
@@ -623,7 +709,7 @@ impl View for RedisView {
 
     async fn seed(&self, project: &ProjectId, seed: &Seed, at: DateTime<Utc>) -> PortResult<()> {
         let base = self.base(project);
-        let mut inv = self.scripts.seed.prepare_invoke();
+        let mut inv = Call::new(&self.functions.seed);
         inv.key(format!("{base}loaded"));
         inv.arg(base.as_str()).arg(event_expiry(at).to_string()).arg(ms(at).to_string());
         inv.arg(seed.totals.len().to_string());
@@ -659,7 +745,7 @@ impl View for RedisView {
     /// the test of the marker, in one script (`forget.lua`).
     async fn forget_stale(&self, project: &ProjectId) -> PortResult<bool> {
         let base = self.base(project);
-        let mut inv = self.scripts.forget.prepare_invoke();
+        let mut inv = Call::new(&self.functions.forget);
         inv.key(format!("{base}loaded")).arg(format!("{}*", glob_escape(&base)));
         let forgot: i64 = self.run("forget_stale", project, &inv).await?;
         Ok(forgot == 1)
@@ -670,7 +756,7 @@ impl View for RedisView {
             return Ok(());
         }
         let base = self.base(project);
-        let mut inv = self.scripts.settle.prepare_invoke();
+        let mut inv = Call::new(&self.functions.settle);
         inv.arg(base.as_str()).arg(event_expiry(at).to_string()).arg(settlements.len().to_string());
         for s in settlements {
             let deltas = merged_deltas(&s.deltas);
@@ -700,7 +786,7 @@ impl View for RedisView {
             return Ok(());
         }
         let base = self.base(project);
-        let mut inv = self.scripts.unsettle.prepare_invoke();
+        let mut inv = Call::new(&self.functions.unsettle);
         inv.arg(base.as_str());
         for e in events {
             inv.key(format!("{base}ev:{e}"));
@@ -711,7 +797,7 @@ impl View for RedisView {
 
     async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()> {
         let base = self.base(project);
-        let mut inv = self.scripts.release.prepare_invoke();
+        let mut inv = Call::new(&self.functions.release);
         inv.key(format!("{base}res:{reservation}"));
         inv.arg(base.as_str()).arg(reservation.as_str());
         let _: i64 = self.run("release", project, &inv).await?;
@@ -729,7 +815,7 @@ impl View for RedisView {
             return Ok(());
         }
         let base = self.base(project);
-        let mut inv = self.scripts.fold.prepare_invoke();
+        let mut inv = Call::new(&self.functions.fold);
         inv.arg(base.as_str()).arg(tombstone_expiry(at).to_string()).arg(totals.len().to_string());
         for (c, t) in totals {
             inv.key(format!("{base}c:{}", c.key.encode()));
@@ -747,7 +833,7 @@ impl View for RedisView {
             return Ok(());
         }
         let base = self.base(project);
-        let mut inv = self.scripts.lower.prepare_invoke();
+        let mut inv = Call::new(&self.functions.lower);
         inv.arg(base.as_str()).arg(totals.len().to_string());
         for (c, t) in totals {
             inv.key(format!("{base}c:{}", c.key.encode()));
@@ -765,7 +851,7 @@ impl View for RedisView {
     ) -> PortResult<Option<CounterUsage>> {
         let base = self.base(project);
         let name = counter.encode();
-        let mut inv = self.scripts.usage.prepare_invoke();
+        let mut inv = Call::new(&self.functions.usage);
         inv.key(format!("{base}loaded"))
             .key(format!("{base}c:{name}"))
             .key(format!("{base}r:{name}"))
@@ -831,10 +917,24 @@ mod tests {
                     assert!(!body.contains(&lit), "{name}.lua names {lit}: use T_FIELDS/P_FIELDS");
                 }
             }
-            // Every script is the prelude, the helpers, then its body.
-            let text = script_text(body);
-            assert!(text.starts_with(&fields_prelude()) && text.ends_with(body));
         }
+    }
+
+    #[test]
+    fn the_library_is_the_prelude_the_helpers_then_every_body_as_a_function() {
+        let f = Functions::new();
+        let (first, rest) = f.code.split_once('\n').expect("a shebang line");
+        let version = first.strip_prefix("#!lua name=tollgate_").expect("the library's name");
+        assert_eq!(version.len(), 16);
+        assert!(rest.starts_with(&format!("{}{COMMON}\n", fields_prelude())));
+        let names = [&f.check, &f.settle, &f.unsettle, &f.release, &f.fold, &f.lower, &f.seed, &f.usage, &f.forget];
+        for ((op, body), name) in BODIES.iter().zip(names) {
+            assert_eq!(*name, format!("tg_{version}_{op}"));
+            let wrapped = format!("redis.register_function('{name}', function(KEYS, ARGV)\n{body}\nend)\n");
+            assert!(f.code.contains(&wrapped), "{op} is not registered as its body");
+        }
+        // Same code, same names; the digest moves with any body.
+        assert_eq!(Functions::new().code, f.code);
     }
 
     #[test]

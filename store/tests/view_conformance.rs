@@ -950,6 +950,61 @@ mod redis {
         fixture.cleanup().await;
     }
 
+    /// The functions' library is Redis's, not ours: a server that lost it
+    /// (its functions flushed, a restart with nothing) gets it again from the
+    /// next call, which answers as if nothing happened; a server restarted
+    /// from a snapshot has it back with the data, and must still read the
+    /// restored `loaded` marker as another server's (the `run_id` the
+    /// library keeps is read afresh in the new process).
+    #[tokio::test]
+    async fn a_server_that_lost_the_functions_gets_them_again() {
+        if !testkit::available(&[testkit::Service::Redis]) {
+            return;
+        }
+        let mut server = testkit::RedisServer::start().await;
+        let view = RedisView::connect(&server.url(), "tg:").await.expect("connect to our own redis");
+        let client = ::redis::Client::open(server.url()).expect("redis url");
+        let at = Utc::now();
+        let c = project_counter(at);
+        let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 3)], at);
+        let lease = at + Duration::seconds(30);
+        let p = seeded(&view, &[(c.clone(), calls(1, 0))]).await;
+        assert_eq!(check(&view, &p, &pl, &hold(lease), at).await.used, vec![1]);
+
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let _: () = ::redis::cmd("FUNCTION").arg("FLUSH").query_async(&mut conn).await.expect("FUNCTION FLUSH");
+        let libraries: Vec<::redis::Value> =
+            ::redis::cmd("FUNCTION").arg("LIST").query_async(&mut conn).await.expect("FUNCTION LIST");
+        assert!(libraries.is_empty(), "flushed: {libraries:?}");
+        // The first reservation is still held: this one is the third call.
+        let o = check(&view, &p, &pl, &hold(lease), at).await;
+        assert_eq!((o.admitted, o.used), (true, vec![2]), "answered after loading the library again");
+        let libraries: Vec<::redis::Value> =
+            ::redis::cmd("FUNCTION").arg("LIST").query_async(&mut conn).await.expect("FUNCTION LIST");
+        assert_eq!(libraries.len(), 1, "the library is back");
+
+        server.restart_empty().await;
+        // The first call after a restart may meet the dropped connection
+        // (transient: the connection is made again behind it).
+        let after = async |view: &RedisView, p: &ProjectId| {
+            for _ in 0..20 {
+                match view.check(p, &pl, &hold(lease), at).await {
+                    Err(e) if e.is_transient() => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+                    r => return r.expect("check after a restart"),
+                }
+            }
+            panic!("redis did not come back");
+        };
+        assert_eq!(after(&view, &p).await, None);
+        let p = seeded(&view, &[(c.clone(), calls(1, 0))]).await;
+        assert_eq!(check(&view, &p, &pl, &hold(lease), at).await.used, vec![1]);
+
+        server.save().await;
+        server.restart_from_snapshot().await;
+        assert_eq!(after(&view, &p).await, None, "the restored marker holds the old server's run_id");
+        assert_eq!(view.usage(&p, &c.key, at).await.expect("usage after a restore"), None);
+    }
+
     #[tokio::test]
     async fn an_unreachable_redis_is_transient() {
         let err = RedisView::connect("redis://127.0.0.1:1", "tg:").await.expect_err("nothing listens on port 1");

@@ -1,5 +1,7 @@
--- common.lua: helpers prepended (by RedisView) to every view script; not a
--- script on its own. The rules these scripts follow are meter's reference
+-- common.lua: the helpers of the view's function library (RedisView puts
+-- them after the field prelude and before the functions, each of which is
+-- one of the other files, wrapped as `function(KEYS, ARGV) ... end`); not a
+-- library on its own. The rules these scripts follow are meter's reference
 -- model of the view (meter/src/view/model.rs); a property test
 -- (store/tests/view_model.rs) checks them against it.
 --
@@ -41,8 +43,8 @@
 -- (the durable and pending hash fields, 't_<f>' and 'p_<f>', in FIELDS
 -- order); and the positions REQ, CALLS, LLM_P, STO_N and STO are not
 -- written here: RedisView generates them from Field::ALL as literal tables
--- and prepends them to every script, so the list has one definition (no
--- script names a field itself). All are sums except sto, the storage
+-- and puts them at the top of the library, so the list has one definition
+-- (no script names a field itself). All are sums except sto, the storage
 -- footprint (absolute when durable, a delta when pending), which sto_n (the
 -- storage facts it reflects) orders.
 
@@ -72,23 +74,23 @@ local function extend_expiry(key, at)
   if cur < 0 or cur < tonumber(at) then redis.call('PEXPIREAT', key, at) end
 end
 
--- Raises a counter's durable totals to new ones: ARGV[a .. a+#FIELDS-1],
--- decimal strings in FIELDS order.
+-- Raises a counter's durable totals to new ones: args[a .. a+#FIELDS-1]
+-- (the calling function's ARGV), decimal strings in FIELDS order.
 -- Sums: t = max(current, new), so a late or repeated fold never lowers one.
 -- The footprint can go down, so max does not apply: t_sto is replaced when
 -- the new one reflects more storage facts (t_sto_n greater, or none stored
 -- yet), and t_sto_n moves with it. A total with no storage facts and no
 -- footprint says nothing about storage (every flow counter) and leaves both.
 -- Zeros are not written where nothing is stored (a missing field reads 0).
-local function raise_totals(key, a)
+local function raise_totals(key, args, a)
   local cur = redis.call('HMGET', key, unpack(T_FIELDS))
   for i = 1, #FIELDS do
-    local new = ARGV[a + i - 1]
+    local new = args[a + i - 1]
     if i ~= STO_N and i ~= STO and (cur[i] or new ~= '0') and (not cur[i] or dec_gt(new, cur[i])) then
       redis.call('HSET', key, T_FIELDS[i], new)
     end
   end
-  local n, sto = ARGV[a + STO_N - 1], ARGV[a + STO - 1]
+  local n, sto = args[a + STO_N - 1], args[a + STO - 1]
   if (n ~= '0' or sto ~= '0') and (not cur[STO_N] or dec_gt(n, cur[STO_N])) then
     redis.call('HSET', key, T_FIELDS[STO_N], n, T_FIELDS[STO], sto)
   end
@@ -124,9 +126,17 @@ end
 local TOMBSTONE = '~'
 
 -- This server's run_id: it changes when Redis restarts (also from a
--- snapshot) and differs on a promoted replica.
+-- snapshot) and differs on a promoted replica. It never changes while the
+-- server runs, and this library lives in that server's Lua state (loaded
+-- again, from the snapshot or by RedisView, after every start), so it is
+-- read from `INFO server` once, at the first call that needs it, not at
+-- every check (about 5 µs of Redis time each).
+local SERVER_ID
 local function server_id()
-  return string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  if not SERVER_ID then
+    SERVER_ID = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  end
+  return SERVER_ID
 end
 
 -- Whether the project's marker was written by this very server: a marker

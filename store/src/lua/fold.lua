@@ -24,7 +24,7 @@ local base = ARGV[1]
 local c = tonumber(ARGV[3])
 local a = 4
 for i = 1, c do
-  raise_totals(KEYS[i], a + 1)
+  raise_totals(KEYS[i], ARGV, a + 1)
   expire_at(KEYS[i], ARGV[a])
   a = a + 1 + #FIELDS
 end

@@ -31,7 +31,7 @@ local a = 4
 
 for _ = 1, tonumber(ARGV[a]) do
   local ckey = base .. 'c:' .. ARGV[a + 1]
-  raise_totals(ckey, a + 3)
+  raise_totals(ckey, ARGV, a + 3)
   expire_at(ckey, ARGV[a + 2])
   a = a + 2 + #FIELDS
 end
