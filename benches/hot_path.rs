@@ -15,6 +15,10 @@
 //!
 //! Run it with `scripts/bench` (or `cargo bench --bench hot_path` when the
 //! services are up). Under `cargo test --all-targets` it returns at once.
+//! To profile, `TOLLGATE_BENCH_PROFILE=check|hello` sets everything up,
+//! then runs only that endpoint's 64 clients for
+//! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) after 1 s of warm-up, printing
+//! the process's pid first, so that `perf record -p <pid>` sees only them.
 //! It never asserts: it prints a markdown report and writes it to
 //! `target/bench-report.md`.
 
@@ -158,10 +162,12 @@ async fn run() -> AnyResult<()> {
     let topic_prefix = format!("tgbench.{id}.");
 
     let load_before = loadavg();
-    let result = measure(&db_url, &redis_prefix, &topic_prefix).await.map(|mut r| {
-        r.load_before = load_before;
-        r.load_after = loadavg();
-        r
+    let result = measure(&db_url, &redis_prefix, &topic_prefix).await.map(|r| {
+        r.map(|mut r| {
+            r.load_before = load_before;
+            r.load_after = loadavg();
+            r
+        })
     });
 
     // Clean up what this run made (topics stay on the broker).
@@ -193,7 +199,8 @@ async fn run() -> AnyResult<()> {
         .await;
     admin_pool.close().await;
 
-    let r = result?;
+    // A profile run (`TOLLGATE_BENCH_PROFILE`) has no report.
+    let Some(r) = result? else { return Ok(()) };
     let report = report(&r);
     println!("\n{report}");
     let dir =
@@ -206,7 +213,8 @@ async fn run() -> AnyResult<()> {
     Ok(())
 }
 
-async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyResult<Results> {
+/// Every measurement, or `None` after a profile run.
+async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyResult<Option<Results>> {
     // --- the gateway, with the real adapters ---
     let store = PgStore::connect(db_url).await?;
     store.migrate().await?;
@@ -242,6 +250,25 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
     let (pid, kid, secret) = project_with_quota(&http, &gw, "bench-check").await?;
     let (view_pid, view_kid, _) = project_with_quota(&http, &gw, "bench-view").await?;
 
+    if let Ok(which) = std::env::var("TOLLGATE_BENCH_PROFILE") {
+        let url = match which.as_str() {
+            "check" => check_url_of(&gw),
+            "hello" => hello_url.clone(),
+            other => return Err(format!("TOLLGATE_BENCH_PROFILE: {other:?} is not check or hello").into()),
+        };
+        let secs: u64 = std::env::var("TOLLGATE_BENCH_PROFILE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+        let body = json!({ "api_key": secret });
+        let op = move || {
+            let (h, u, b) = (http.clone(), url.clone(), body.clone());
+            async move { post_json(&h, &u, &b).await }
+        };
+        support::throughput(CLIENTS, 1.0, op.clone()).await;
+        eprintln!("hot_path: profiling {which}: pid {} for {secs} s", std::process::id());
+        let rate = support::throughput(CLIENTS, secs as f64, op).await;
+        eprintln!("hot_path: {which}: {:.0} req/s ({} in {:.2} s)", rate.per_sec, rate.done, rate.secs);
+        return Ok(None);
+    }
+
     // --- baseline A: Redis PING and the check script ---
     eprintln!("hot_path: Redis baselines ({REDIS_N} sequential each)");
     let redis_client = redis::Client::open(base_redis())?;
@@ -267,7 +294,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
     };
 
     // --- HTTP latency: hello-world, then /v1/check ---
-    let check_url = format!("{gw}/v1/check");
+    let check_url = check_url_of(&gw);
     let check_body = json!({ "api_key": secret });
     eprintln!("hot_path: hello-world latency ({HTTP_N} sequential)");
     let hello_lat = {
@@ -494,7 +521,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
         .await
     };
 
-    Ok(Results {
+    Ok(Some(Results {
         load_before: String::new(),
         load_after: String::new(),
         script_rate,
@@ -517,7 +544,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
         replay,
         replay_commits,
         replay_folded,
-    })
+    }))
 }
 
 /// Reads the whole usage topic from offset 0 with a plain rdkafka consumer
@@ -602,6 +629,10 @@ async fn replay_log(
         after - before,
         folded,
     ))
+}
+
+fn check_url_of(gw: &str) -> String {
+    format!("{gw}/v1/check")
 }
 
 /// One call of the check script, planned as the gateway plans it.
