@@ -20,7 +20,8 @@
 //! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) after 1 s of warm-up, printing
 //! the process's pid first, so that `perf record -p <pid>` sees only them.
 //! It never asserts: it prints a markdown report and writes it to
-//! `target/bench-report.md`.
+//! `target/bench-report.md` (`target/bench-report-mimalloc.md` with
+//! `--features mimalloc`, which puts the whole process on mimalloc).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,6 +42,16 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use serde_json::{Value, json};
 use store::{KafkaConfig, KafkaLog, PgStore, RedisView};
+
+/// With `--features mimalloc`, the whole process (hello-world, the gateway,
+/// the HTTP client and librdkafka's threads alike) allocates with mimalloc
+/// instead of the system's, as `in_process` does.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The allocator this build runs on, as the report names it.
+const ALLOCATOR: &str = if cfg!(feature = "mimalloc") { "mimalloc" } else { "system (glibc)" };
 
 mod support;
 use support::{AnyResult, Latency, NullLog, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
@@ -205,7 +216,8 @@ async fn run() -> AnyResult<()> {
     println!("\n{report}");
     let dir =
         std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target").into());
-    let path = std::path::Path::new(&dir).join("bench-report.md");
+    let name = if cfg!(feature = "mimalloc") { "bench-report-mimalloc.md" } else { "bench-report.md" };
+    let path = std::path::Path::new(&dir).join(name);
     match std::fs::write(&path, &report) {
         Ok(()) => eprintln!("hot_path: report written to {}", path.display()),
         Err(e) => eprintln!("hot_path: could not write {}: {e}", path.display()),
@@ -750,7 +762,7 @@ fn verdict(ok: bool) -> &'static str {
 fn report(r: &Results) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "{} worker threads; load average {} before, {} after (anything else running skews every number)\n\n",
+        "{} worker threads; allocator: {ALLOCATOR}; load average {} before, {} after (anything else running skews every number)\n\n",
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         r.load_before,
         r.load_after
