@@ -23,7 +23,11 @@
 //!
 //! The same HTTP client (reqwest), body and headers drive every variant:
 //! 5,000 sequential requests after 500 warm-up (p50, p99), then 64
-//! concurrent clients for 5 s after a 1 s warm-up (requests/s).
+//! concurrent clients for 5 s after a 1 s warm-up (requests/s). Before
+//! each variant hello-world's throughput is measured again, the same way;
+//! each variant's ratio is given against that one and against the median
+//! of the run's hello-world measurements, since hello-world's throughput
+//! alone moves by up to 2× within one run on this machine.
 //!
 //! To profile one variant, `TOLLGATE_BENCH_PROFILE=hello|layer|null_log`
 //! runs only that one, its concurrent clients for
@@ -116,6 +120,10 @@ struct Variant {
     /// Records in the SQLite log after the runs (a request and a call event
     /// per admitted call), when they could be counted.
     log_records: Option<i64>,
+    /// Hello-world's throughput measured again just before this variant's
+    /// (hello-world alone has moved between 34,000 and 72,000 req/s within
+    /// one run here, so one measurement of it makes a poor baseline).
+    hello_before: Option<Rate>,
 }
 
 /// Sequential latency, then throughput, of POST `url`.
@@ -139,7 +147,7 @@ async fn measure(http: &reqwest::Client, url: &str, secret: &str, body: &Value) 
     eprintln!("in_process:   {CLIENTS} clients for {THROUGHPUT_SECS} s (after {THROUGHPUT_WARMUP_SECS} s warm-up)");
     throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
     let rate = throughput(CLIENTS, THROUGHPUT_SECS, op).await;
-    Variant { lat, rate, answered: answered.load(Ordering::Relaxed), log_records: None }
+    Variant { lat, rate, answered: answered.load(Ordering::Relaxed), log_records: None, hello_before: None }
 }
 
 /// A project, an API key (its secret is returned) and an enforce `calls`
@@ -469,15 +477,36 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     let hello_url = format!("{}/hello", serve(hello_app()).await?);
     let hello = measure(&http, &hello_url, &secret_shape, &body).await;
 
+    // Hello-world's throughput again, just before each variant's.
+    let hello_again = async || {
+        eprintln!("in_process:   hello-world again, {CLIENTS} clients for {THROUGHPUT_SECS} s");
+        let (h, u, s, b) = (http.clone(), hello_url.clone(), secret_shape.clone(), body.clone());
+        let op = move || {
+            let (h, u, s, b) = (h.clone(), u.clone(), s.clone(), b.clone());
+            async move { post_json(&h, &u, &s, &b).await }
+        };
+        throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
+        throughput(CLIENTS, THROUGHPUT_SECS, op).await
+    };
+    let with_hello = |before: Rate, (mut v, headers): (Variant, String)| {
+        v.hello_before = Some(before);
+        (v, headers)
+    };
+
     eprintln!("in_process: TollgateLayer over the embedded view (SQLite store and log, in-memory view)");
-    let (layer, layer_headers) = layered(&http, &dir.join("memory.db"), Backend::Memory, &body).await?;
+    let before = hello_again().await;
+    let (layer, layer_headers) =
+        with_hello(before, layered(&http, &dir.join("memory.db"), Backend::Memory, &body).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer with the Redis view (SQLite store and log)");
     let redis = match redis_view(redis_prefix).await {
-        Ok(view) => layered(&http, &dir.join("redis.db"), Backend::View(view), &body)
-            .await
-            .map(|(v, _)| v)
-            .map_err(|e| e.to_string()),
+        Ok(view) => {
+            let before = hello_again().await;
+            layered(&http, &dir.join("redis.db"), Backend::View(view), &body)
+                .await
+                .map(|v| with_hello(before, v).0)
+                .map_err(|e| e.to_string())
+        }
         Err(why) => Err(why),
     };
     if let Err(why) = &redis {
@@ -485,16 +514,22 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     }
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite with synchronous = NORMAL");
-    let (sync_normal, _) = layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body).await?;
+    let before = hello_again().await;
+    let (sync_normal, _) =
+        with_hello(before, layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, the log in the store's file");
-    let (one_file, _) = layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body).await?;
+    let before = hello_again().await;
+    let (one_file, _) = with_hello(before, layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite log, no projector");
-    let (no_projector, _) = layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body).await?;
+    let before = hello_again().await;
+    let (no_projector, _) =
+        with_hello(before, layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, no-op log");
-    let (null_log, _) = layered(&http, &dir.join("nulllog.db"), Backend::NullLog, &body).await?;
+    let before = hello_again().await;
+    let (null_log, _) = with_hello(before, layered(&http, &dir.join("nulllog.db"), Backend::NullLog, &body).await?);
 
     Ok(Results {
         load_before,
@@ -525,15 +560,33 @@ fn rate_row(name: &str, r: &Rate) -> String {
     )
 }
 
-fn ratio_rows(name: &str, v: &Variant, hello: &Variant) -> String {
+fn ratio_rows(name: &str, v: &Variant, hello: &Variant, median: f64) -> String {
+    let adjacent = match &v.hello_before {
+        Some(h) => format!("{:.3} ({:.0} / {:.0} req/s)", v.rate.per_sec / h.per_sec, v.rate.per_sec, h.per_sec),
+        None => "–".to_owned(),
+    };
     format!(
-        "| {name} | {:+.3} ms | {:+.3} ms | {:.3} ({:.0} / {:.0} req/s) |\n",
+        "| {name} | {:+.3} ms | {:+.3} ms | {adjacent} | {:.3} ({:.0} / {:.0} req/s) |\n",
         (v.lat.p50 - hello.lat.p50) / 1000.0,
         (v.lat.p99 - hello.lat.p99) / 1000.0,
-        v.rate.per_sec / hello.rate.per_sec,
+        v.rate.per_sec / median,
         v.rate.per_sec,
-        hello.rate.per_sec,
+        median,
     )
+}
+
+/// The median of hello-world's throughputs in this run: the first and the
+/// one before each variant.
+fn hello_median(r: &Results, variants: &[(&str, &Variant)]) -> f64 {
+    let mut all: Vec<f64> = std::iter::once(r.hello.rate.per_sec)
+        .chain(variants.iter().filter_map(|(_, v)| v.hello_before.as_ref().map(|h| h.per_sec)))
+        .collect();
+    all.sort_by(f64::total_cmp);
+    match all.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => all[n / 2],
+        n => (all[n / 2 - 1] + all[n / 2]) / 2.0,
+    }
 }
 
 fn log_note(v: &Variant) -> String {
@@ -583,19 +636,31 @@ fn report(r: &Results) -> String {
         s.push_str(&rate_row(name, &v.rate));
     }
 
+    let median = hello_median(r, &variants);
     s.push_str("\n### Against hello-world\n\n");
-    s.push_str("| Variant | p50 − hello p50 | p99 − hello p99 | throughput / hello |\n|---|---|---|---|\n");
-    s.push_str(&ratio_rows(LAYER, &r.layer, &r.hello));
+    s.push_str(
+        "| Variant | p50 − hello p50 | p99 − hello p99 | throughput / hello-world's just before it | \
+         throughput / the run's median hello-world |\n|---|---|---|---|---|\n",
+    );
+    s.push_str(&ratio_rows(LAYER, &r.layer, &r.hello, median));
     match &r.redis {
-        Ok(v) => s.push_str(&ratio_rows(REDIS, v, &r.hello)),
-        Err(why) => s.push_str(&format!("| {REDIS} | skipped: {why} | | |\n")),
+        Ok(v) => s.push_str(&ratio_rows(REDIS, v, &r.hello, median)),
+        Err(why) => s.push_str(&format!("| {REDIS} | skipped: {why} | | | |\n")),
     }
-    s.push_str(&ratio_rows(NORMAL, &r.sync_normal, &r.hello));
-    s.push_str(&ratio_rows(ONE_FILE, &r.one_file, &r.hello));
-    s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello));
-    s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello));
+    s.push_str(&ratio_rows(NORMAL, &r.sync_normal, &r.hello, median));
+    s.push_str(&ratio_rows(ONE_FILE, &r.one_file, &r.hello, median));
+    s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello, median));
+    s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello, median));
 
-    s.push_str(&format!("\nLayer probe headers: {}.\n", r.layer_headers));
+    let again: Vec<String> =
+        variants.iter().filter_map(|(_, v)| v.hello_before.as_ref()).map(|h| format!("{:.0}", h.per_sec)).collect();
+    s.push_str(&format!(
+        "\nHello-world's throughput: {:.0} req/s first, then {} req/s just before each variant (median {:.0}).\n",
+        r.hello.rate.per_sec,
+        again.join(", "),
+        median
+    ));
+    s.push_str(&format!("Layer probe headers: {}.\n", r.layer_headers));
     s.push_str(&format!("{LAYER}: {}.\n", log_note(&r.layer)));
     if let Ok(v) = &r.redis {
         s.push_str(&format!("{REDIS}: {}.\n", log_note(v)));
