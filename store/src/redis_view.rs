@@ -156,8 +156,8 @@ fn fields_prelude() -> String {
 /// closures were rebuilt each time, and `server_id()` read `INFO server`
 /// each time. In a library they are built once, when the library is loaded
 /// into the server's Lua state, and `common.lua` keeps the server's
-/// `run_id` in a local of the library: a check spends about 7 µs less of
-/// Redis's time (BENCHMARKS.md, session 19).
+/// `run_id` in a local of the library: a check call went from 25–28 µs to
+/// 17–18 µs of Redis's time (BENCHMARKS.md, session 19).
 ///
 /// The library and its functions are named after a digest of their code
 /// (`tollgate_<v>`, `tg_<v>_<op>`), so gateways of two versions sharing a
