@@ -13,7 +13,8 @@ use chrono_tz::Tz;
 
 use crate::ids::{EventId, ProjectId};
 use crate::price::PriceBook;
-use crate::usage::{Counter, CounterKey, Totals, UsageFact, counters_for};
+use crate::usage::{Counter, CounterKey, Dimension, Totals, UsageFact, each_counter};
+use crate::window::WindowKind;
 
 /// The offsets one batch moves, partition by partition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,13 +116,18 @@ pub struct FoldReport {
 /// A counter's folded totals and when its window resets.
 type Entry = (Totals, Option<chrono::DateTime<chrono::Utc>>);
 
+/// A project's counters: by dimension, then window kind, then window key.
+type Counters = BTreeMap<Dimension, BTreeMap<WindowKind, BTreeMap<String, Entry>>>;
+
 /// Totals folded so far, by project and counter.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fold {
     seen: HashSet<(ProjectId, EventId)>,
-    /// By project, then counter: a fact's project is copied once, not once
-    /// per counter it lands in.
-    totals: BTreeMap<ProjectId, BTreeMap<CounterKey, Entry>>,
+    /// By project, then counter (its dimension, window kind and window key,
+    /// nested in [`CounterKey`]'s order), so that adding to a counter
+    /// already held looks it up by borrowed parts and copies no name: only
+    /// a project, dimension or window key seen for the first time is copied.
+    totals: BTreeMap<ProjectId, Counters>,
 }
 
 impl Fold {
@@ -137,24 +143,48 @@ impl Fold {
         if !self.seen.insert((fact.project_id.clone(), fact.id.clone())) {
             return false;
         }
-        let lands = counters_for(fact, tz, book);
-        if lands.is_empty() {
-            return true;
-        }
-        let counters = self.totals.entry(fact.project_id.clone()).or_default();
-        for (counter, delta) in lands {
-            let Counter { key, resets_at } = counter;
-            counters.entry(key).or_insert((Totals::default(), resets_at)).0.add(delta);
-        }
+        let totals = &mut self.totals;
+        each_counter(
+            fact,
+            tz,
+            book,
+            |_, _| true,
+            |dimension, window, delta| {
+                // Found again per counter (a lookup, where a new entry would
+                // copy the id): a fact that lands nowhere adds no project.
+                if !totals.contains_key(&fact.project_id) {
+                    totals.insert(fact.project_id.clone(), BTreeMap::new());
+                }
+                let Some(counters) = totals.get_mut(&fact.project_id) else { return };
+                if !counters.contains_key(dimension) {
+                    counters.insert(dimension.clone(), BTreeMap::new());
+                }
+                let Some(windows) = counters.get_mut(dimension) else { return };
+                let keys = windows.entry(window.kind).or_default();
+                match keys.get_mut(window.key.as_str()) {
+                    Some(entry) => entry.0.add(delta),
+                    None => {
+                        let mut totals = Totals::default();
+                        totals.add(delta);
+                        keys.insert(window.key.clone(), (totals, window.resets_at));
+                    }
+                }
+            },
+        );
         true
     }
 
     /// The folded totals, ordered by project then counter.
     pub fn totals(&self) -> impl Iterator<Item = (&ProjectId, Counter, Totals)> + '_ {
-        self.totals.iter().flat_map(|(p, counters)| {
-            counters
-                .iter()
-                .map(move |(key, (t, resets_at))| (p, Counter { key: key.clone(), resets_at: *resets_at }, *t))
+        self.totals.iter().flat_map(|(p, dimensions)| {
+            dimensions.iter().flat_map(move |(dimension, windows)| {
+                windows.iter().flat_map(move |(&window, keys)| {
+                    keys.iter().map(move |(window_key, (t, resets_at))| {
+                        let key = CounterKey { dimension: dimension.clone(), window, window_key: window_key.clone() };
+                        (p, Counter { key, resets_at: *resets_at }, *t)
+                    })
+                })
+            })
         })
     }
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{FieldError, named};
 use crate::ids::{ApiKeyId, EventId, ProjectId, QuotaId, ReservationId};
 use crate::price::{MeterType, PriceBook, Priced, TokenUsage, check_name, price_tokens_as_of};
-use crate::window::{WindowKind, window_at};
+use crate::window::{Window, WindowKind, window_at};
 
 /// What an event reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -749,36 +749,52 @@ pub fn counters_where(
     book: &PriceBook,
     keep: impl Fn(&Dimension, WindowKind) -> bool,
 ) -> Vec<(Counter, Totals)> {
+    // Four dimensions in five windows, for most facts.
+    let mut out = Vec::with_capacity(4 * WindowKind::FLOW.len());
+    each_counter(fact, tz, book, keep, |dimension, window, delta| {
+        out.push((
+            Counter {
+                key: CounterKey { dimension: dimension.clone(), window: window.kind, window_key: window.key.clone() },
+                resets_at: window.resets_at,
+            },
+            delta,
+        ));
+    });
+    out
+}
+
+/// What [`counters_where`] builds, handed to `f` one counter at a time, by
+/// its dimension and window (borrowed) and its delta, so that a caller
+/// adding to counters it already holds copies no name (the fold).
+pub fn each_counter(
+    fact: &UsageFact,
+    tz: Tz,
+    book: &PriceBook,
+    keep: impl Fn(&Dimension, WindowKind) -> bool,
+    mut f: impl FnMut(&Dimension, &Window, Totals),
+) {
     let delta = delta_of(fact, book);
     if delta.is_zero() {
-        return Vec::new();
+        return;
     }
     if matches!(fact.kind, EventKind::StorageDelta | EventKind::StorageSnapshot) {
         let key = CounterKey::footprint();
-        return match keep(&key.dimension, key.window) {
-            true => vec![(Counter { key, resets_at: None }, delta)],
-            false => Vec::new(),
-        };
+        if keep(&key.dimension, key.window) {
+            let window =
+                Window { kind: key.window, key: key.window_key, start: DateTime::<Utc>::UNIX_EPOCH, resets_at: None };
+            f(&key.dimension, &window, delta);
+        }
+        return;
     }
-    let mut windows: [Option<_>; WindowKind::FLOW.len()] = std::array::from_fn(|_| None);
-    let dimensions = dimensions_of(fact);
-    let mut out = Vec::with_capacity(dimensions.len() * WindowKind::FLOW.len());
-    for dimension in dimensions {
+    let mut windows: [Option<Window>; WindowKind::FLOW.len()] = std::array::from_fn(|_| None);
+    for dimension in dimensions_of(fact) {
         for (kind, window) in WindowKind::FLOW.into_iter().zip(windows.iter_mut()) {
             if !keep(&dimension, kind) {
                 continue;
             }
-            let w = window.get_or_insert_with(|| window_at(kind, tz, fact.occurred_at));
-            out.push((
-                Counter {
-                    key: CounterKey { dimension: dimension.clone(), window: w.kind, window_key: w.key.clone() },
-                    resets_at: w.resets_at,
-                },
-                delta,
-            ));
+            f(&dimension, window.get_or_insert_with(|| window_at(kind, tz, fact.occurred_at)), delta);
         }
     }
-    out
 }
 
 /// A project's storage footprint, folded from its storage facts in any

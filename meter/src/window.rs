@@ -86,38 +86,43 @@ impl Window {
 
 /// The window of `kind` that contains `at`; calendar kinds use `tz`.
 ///
-/// A calendar window (`day`, `calendar_month`) is found in the time zone
-/// database, which costs microseconds; every check and settle asks for the
-/// same few, so the last ones found are kept per thread and given again
-/// while `at` falls inside them (`start <= at < resets_at`: the window that
-/// contains an instant is unique, so the answer is the same).
+/// Finding a window costs microseconds (a calendar one asks the time zone
+/// database, and every key is written through a `strftime` format), and
+/// every check, settle and fold asks for the same few again and again, so
+/// the last ones found are kept per thread and given again while `at` falls
+/// inside them (`start <= at < resets_at`: the window that contains an
+/// instant is unique, so the answer is the same). Rolling windows do not
+/// depend on the zone, so they are kept once whatever `tz` is.
 pub fn window_at(kind: WindowKind, tz: Tz, at: DateTime<Utc>) -> Window {
-    if !matches!(kind, WindowKind::Day | WindowKind::CalendarMonth) {
-        return compute_window(kind, tz, at);
-    }
+    let tz_kept = match kind {
+        WindowKind::Day | WindowKind::CalendarMonth => tz,
+        WindowKind::Rolling1m | WindowKind::Rolling1h | WindowKind::Rolling24h => Tz::UTC,
+        WindowKind::Current => return compute_window(kind, tz, at),
+    };
     RECENT.with(|recent| {
         let Ok(mut recent) = recent.try_borrow_mut() else { return compute_window(kind, tz, at) };
         let found = recent
             .iter()
-            .find(|(k, z, w)| *k == kind && *z == tz && w.start <= at && w.resets_at.is_some_and(|r| at < r));
+            .find(|(k, z, w)| *k == kind && *z == tz_kept && w.start <= at && w.resets_at.is_some_and(|r| at < r));
         if let Some((_, _, w)) = found {
             return w.clone();
         }
         let w = compute_window(kind, tz, at);
-        match recent.iter_mut().find(|(k, z, _)| *k == kind && *z == tz) {
+        match recent.iter_mut().find(|(k, z, _)| *k == kind && *z == tz_kept) {
             Some(slot) => slot.2 = w.clone(),
             None => {
                 if recent.len() >= RECENT_WINDOWS {
                     recent.remove(0);
                 }
-                recent.push((kind, tz, w.clone()));
+                recent.push((kind, tz_kept, w.clone()));
             }
         }
         w
     })
 }
 
-/// How many calendar windows (one per kind and zone) a thread keeps.
+/// How many windows (one per calendar kind and zone, one per rolling kind)
+/// a thread keeps.
 const RECENT_WINDOWS: usize = 16;
 
 thread_local! {
@@ -223,19 +228,23 @@ mod tests {
 
     proptest::proptest! {
         /// The windows kept per thread are the windows computed afresh,
-        /// whatever the order of the instants asked about (back and forth
-        /// across days, months and daylight-saving changes, in zones with
-        /// odd offsets and midnights that do not exist).
+        /// whatever the order of the instants and kinds asked about (back
+        /// and forth across minutes, days, months and daylight-saving
+        /// changes, in zones with odd offsets and midnights that do not
+        /// exist; a rolling window kept for one zone given for another).
         #[test]
-        fn kept_calendar_windows_are_the_computed_ones(
-            steps in proptest::collection::vec((0usize..5, -90_000_000i64..90_000_000, proptest::bool::ANY), 1..60)
+        fn kept_windows_are_the_computed_ones(
+            steps in proptest::collection::vec(
+                (0usize..5, proptest::prop_oneof![-90_000_000i64..90_000_000, -200i64..200], 0usize..6),
+                1..60,
+            )
         ) {
             let zones = [Tz::UTC, chrono_tz::America::Sao_Paulo, chrono_tz::Asia::Kathmandu,
                 chrono_tz::America::Havana, chrono_tz::Australia::Lord_Howe];
             let base = utc("2026-03-08T06:59:59Z").timestamp();
-            for (z, offset, month) in steps {
+            for (z, offset, kind) in steps {
                 let at = DateTime::<Utc>::from_timestamp(base + offset, 0).expect("instant");
-                let kind = if month { WindowKind::CalendarMonth } else { WindowKind::Day };
+                let kind = WindowKind::ALL[kind];
                 proptest::prop_assert_eq!(window_at(kind, zones[z], at), compute_window(kind, zones[z], at));
             }
         }
