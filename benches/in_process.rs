@@ -7,8 +7,8 @@
 //! - baseline: an axum `POST /hello` returning small JSON on `127.0.0.1:0`;
 //! - the Layer: the same app under `TollgateLayer`, over
 //!   [`gateway::embedded::Embedded`] (the SQLite store and log in two files
-//!   in a fresh temporary directory, the in-memory view, the projector as a
-//!   task), with a project, an API key and an enforce `calls`/`day` quota
+//!   in a fresh temporary directory, the in-memory view, the projector on a
+//!   thread of its own), with a project, an API key and an enforce `calls`/`day` quota
 //!   with a huge limit on that key, so every call is checked, reserved and
 //!   settled (and its request and call events published);
 //! - diagnostic: the same Layer with the Redis view (`RedisView` at
@@ -18,7 +18,9 @@
 //! - diagnostics, to see where the time goes: the same Layer with the SQLite
 //!   files at `synchronous = NORMAL` instead of `FULL`; with the log's tables
 //!   in the store's file (as the embedded log was before it had a file of
-//!   its own); with the SQLite log but no projector; and with a no-op log and no projector (the layer's own
+//!   its own); with the projector a task of the runtime serving the
+//!   requests (as it was before session 20); with the SQLite log but no
+//!   projector; and with a no-op log and no projector (the layer's own
 //!   cost: identify, check, reserve and settle in the memory view).
 //!
 //! The same HTTP client (reqwest), body and headers drive every variant:
@@ -29,7 +31,8 @@
 //! of the run's hello-world measurements, since hello-world's throughput
 //! alone moves by up to 2× within one run on this machine.
 //!
-//! To profile one variant, `TOLLGATE_BENCH_PROFILE=hello|layer|null_log`
+//! To profile one variant,
+//! `TOLLGATE_BENCH_PROFILE=hello|layer|layer_task|null_log`
 //! runs only that one, its concurrent clients for
 //! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) and nothing else, so a
 //! sampling profiler attached to the process (`perf record -g -p <pid>`)
@@ -49,15 +52,16 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::routing::post;
-use gateway::embedded::Embedded;
+use gateway::embedded::{Embedded, FoldThread};
 use gateway::service::provisioning::{self, KeyQuota, NewApiKey, NewProject, Starter};
 use gateway::state::{SystemClock, random_token};
 use gateway::{AppState, Settings, TollgateLayer};
 use meter::{Clock, Metric, PortError, PortResult, Principal, Store, View, WindowKind};
+use projector::audit::{AuditFolder, AuditRelay};
 use projector::{Projector, ProjectorConfig};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
-use store::{MemoryView, SqliteLog, SqliteStore};
+use store::{MemoryView, SqliteLog, SqliteLogReader, SqliteStore};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -205,6 +209,10 @@ enum Backend {
     /// own: the log's tables in the store's file, so the log's group commit
     /// and the fold take turns at one write lock.
     OneFile,
+    /// Diagnostic: as `Embedded::open` was before session 20: the projector
+    /// a task of the runtime that serves the requests, not on a thread of
+    /// its own.
+    SharedRuntime,
     /// Diagnostic: as `Embedded::open` (`synchronous = FULL`) but without
     /// the projector: what its folds, writing to the same file, cost.
     NoProjector,
@@ -216,7 +224,8 @@ enum Backend {
 /// A running backend, to stop once measured.
 enum Running {
     Embedded(Box<Embedded>),
-    Projector(oneshot::Sender<()>, JoinHandle<PortResult<()>>),
+    Projector(FoldThread),
+    Task(oneshot::Sender<()>, JoinHandle<PortResult<()>>),
     Nothing,
 }
 
@@ -224,7 +233,8 @@ impl Running {
     async fn stop(self) {
         let r = match self {
             Running::Embedded(e) => e.shutdown().await,
-            Running::Projector(stop, task) => {
+            Running::Projector(folding) => folding.stop().await,
+            Running::Task(stop, task) => {
                 let _ = stop.send(());
                 task.await.unwrap_or_else(|e| Err(PortError::Permanent(format!("projector task: {e}"))))
             }
@@ -275,11 +285,11 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
             let e = Embedded::open_with_view(path, settings, clock, view).await?;
             (e.state.clone(), Running::Embedded(Box::new(e)))
         }
-        Backend::SyncNormal | Backend::OneFile => {
+        Backend::SyncNormal | Backend::OneFile | Backend::SharedRuntime => {
             // What `Embedded::open_with_view` does, on pools of our own.
             let synchronous = match backend {
-                Backend::OneFile => SqliteSynchronous::Full,
-                _ => SqliteSynchronous::Normal,
+                Backend::SyncNormal => SqliteSynchronous::Normal,
+                _ => SqliteSynchronous::Full,
             };
             let store = SqliteStore::from_pool(sqlite_pool(path, synchronous).await?);
             store.migrate().await?;
@@ -295,11 +305,16 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
             let view: Arc<dyn View> = Arc::new(MemoryView::new());
             let state = AppState::new(store.clone(), view.clone(), Arc::new(log), clock.clone(), settings);
             let projector = Projector::new(reader, store, view, clock, ProjectorConfig::new(topic));
-            let (stop, stopped) = oneshot::channel::<()>();
-            let task = tokio::spawn(projector.run(async move {
-                let _ = stopped.await;
-            }));
-            (state, Running::Projector(stop, task))
+            if let Backend::SharedRuntime = backend {
+                let (stop, stopped) = oneshot::channel::<()>();
+                let task = tokio::spawn(projector.run(async move {
+                    let _ = stopped.await;
+                }));
+                (state, Running::Task(stop, task))
+            } else {
+                let none: Option<(AuditRelay, AuditFolder<SqliteLogReader>)> = None;
+                (state, Running::Projector(FoldThread::spawn(projector, none)?))
+            }
         }
         Backend::NoProjector => {
             let store = SqliteStore::open(path).await?;
@@ -389,6 +404,7 @@ struct Results {
     redis: Result<Variant, String>,
     sync_normal: Variant,
     one_file: Variant,
+    shared_runtime: Variant,
     no_projector: Variant,
     null_log: Variant,
 }
@@ -437,7 +453,10 @@ async fn profile(which: &str) -> AnyResult<()> {
         "hello" => None,
         "layer" => Some(Backend::Memory),
         "null_log" => Some(Backend::NullLog),
-        other => return Err(format!("TOLLGATE_BENCH_PROFILE: {other:?} is not hello, layer or null_log").into()),
+        "layer_task" => Some(Backend::SharedRuntime),
+        other => {
+            return Err(format!("TOLLGATE_BENCH_PROFILE: {other:?} is not hello, layer, layer_task or null_log").into());
+        }
     };
     let (url, secret, running) = match backend {
         None => (format!("{}/hello", serve(hello_app()).await?), secret_shape.clone(), Running::Nothing),
@@ -522,6 +541,11 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     let before = hello_again().await;
     let (one_file, _) = with_hello(before, layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body).await?);
 
+    eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, the projector a task of the serving runtime");
+    let before = hello_again().await;
+    let (shared_runtime, _) =
+        with_hello(before, layered(&http, &dir.join("task.db"), Backend::SharedRuntime, &body).await?);
+
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite log, no projector");
     let before = hello_again().await;
     let (no_projector, _) =
@@ -542,6 +566,7 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
         redis,
         sync_normal,
         one_file,
+        shared_runtime,
         no_projector,
         null_log,
     })
@@ -604,6 +629,7 @@ const LAYER: &str = "Layer, embedded (memory view)";
 const REDIS: &str = "Layer, Redis view (diagnostic)";
 const NORMAL: &str = "Layer, memory view, SQLite `synchronous = NORMAL` (diagnostic)";
 const ONE_FILE: &str = "Layer, memory view, the log in the store's file (as before; diagnostic)";
+const SHARED_RUNTIME: &str = "Layer, memory view, the projector a task of the serving runtime (as before; diagnostic)";
 const NO_PROJECTOR: &str = "Layer, memory view, SQLite log, no projector (diagnostic)";
 const NULL_LOG: &str = "Layer, memory view, no-op log, no projector (diagnostic)";
 
@@ -624,6 +650,7 @@ fn report(r: &Results) -> String {
     }
     variants.push((NORMAL, &r.sync_normal));
     variants.push((ONE_FILE, &r.one_file));
+    variants.push((SHARED_RUNTIME, &r.shared_runtime));
     variants.push((NO_PROJECTOR, &r.no_projector));
     variants.push((NULL_LOG, &r.null_log));
 
@@ -649,6 +676,7 @@ fn report(r: &Results) -> String {
     }
     s.push_str(&ratio_rows(NORMAL, &r.sync_normal, &r.hello, median));
     s.push_str(&ratio_rows(ONE_FILE, &r.one_file, &r.hello, median));
+    s.push_str(&ratio_rows(SHARED_RUNTIME, &r.shared_runtime, &r.hello, median));
     s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello, median));
     s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello, median));
 
@@ -667,6 +695,7 @@ fn report(r: &Results) -> String {
     }
     s.push_str(&format!("{NORMAL}: {}.\n", log_note(&r.sync_normal)));
     s.push_str(&format!("{ONE_FILE}: {}.\n", log_note(&r.one_file)));
+    s.push_str(&format!("{SHARED_RUNTIME}: {}.\n", log_note(&r.shared_runtime)));
     s.push_str(&format!("{NO_PROJECTOR}: {}.\n", log_note(&r.no_projector)));
     s
 }

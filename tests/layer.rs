@@ -2,7 +2,8 @@
 //! backend: the distributed ones (PostgreSQL, Redis and a Kafka-protocol
 //! broker on 127.0.0.1, with a fresh database, Redis prefix and topic prefix
 //! per test) and the embedded ones (`gateway::embedded::Embedded`: SQLite log
-//! and store in two fresh files, the in-memory view, the projector as a task).
+//! and store in two fresh files, the in-memory view, the projector on a
+//! thread of its own).
 //! It lives in the root package, which builds every backend: `gateway`'s
 //! own tests need only the embedded ones. A distributed test is skipped,
 //! with its reason, when a service does not answer (`testkit`), unless
@@ -875,4 +876,47 @@ async fn an_old_data_file_keeps_its_log_and_offsets_when_the_log_moves() {
     let left = scalar(&path, "SELECT COUNT(*) FROM sqlite_master WHERE name = 'log_records'").await;
     assert_eq!(left, 0, "the data file keeps no log");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The embedded projector folds on a thread of its own: with the only
+/// thread of the runtime that opened it busy (this test's, blocked below),
+/// a published call is still folded, its offset stored.
+#[tokio::test]
+async fn the_embedded_projector_folds_while_the_opening_runtime_is_busy() {
+    let env = embedded().await;
+    let Some((_, dir)) = &env._embedded else { unreachable!("an embedded env") };
+    let db = dir.join("tollgate.db");
+    let fact = meter::UsageFact {
+        api_key_id: Some(env.key.id.clone()),
+        ..meter::UsageFact::new(
+            meter::EventId::parse(format!("busy-{}", testkit::unique_id())).expect("an event id"),
+            env.project.id.clone(),
+            meter::EventKind::Call,
+            Utc::now(),
+        )
+    };
+    let consumer = projector::ProjectorConfig::new("tollgate.usage").consumer;
+    let before = env.state.stores.ledger.offsets(&consumer, "tollgate.usage").await.expect("offsets before");
+    let before = before.values().copied().max().unwrap_or(0);
+    env.state.log.publish(std::slice::from_ref(&fact)).await.expect("published");
+    // Blocks this runtime's one thread; another runtime, on a thread of its
+    // own, watches the store's offsets for the fold.
+    let folded = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        rt.block_on(async {
+            let store = store::SqliteStore::open(&db).await.expect("the store");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while tokio::time::Instant::now() < deadline {
+                let offsets = meter::Ledger::offsets(&store, &consumer, "tollgate.usage").await.expect("offsets");
+                if offsets.values().any(|&next| next > before) {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            false
+        })
+    })
+    .join()
+    .expect("the watching thread");
+    assert!(folded, "nothing folded while the runtime that opened the deployment was busy");
 }

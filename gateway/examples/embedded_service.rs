@@ -39,7 +39,7 @@ fn env(name: &str, default: &str) -> String {
 }
 
 /// Tollgate in this process: the embedded log and store in one SQLite file
-/// and its projector as a task; the view in memory, or in Redis when
+/// and its projector on a thread of its own; the view in memory, or in Redis when
 /// `TOLLGATE_REDIS_URL` is set (so several instances share one count).
 async fn tollgate(settings: Settings) -> Result<Embedded, Box<dyn Error>> {
     let path = std::path::PathBuf::from(env("EXAMPLE_DATA", "tollgate-example.db"));

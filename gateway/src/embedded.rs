@@ -1,7 +1,8 @@
 //! Tollgate in-process, with no external service: the embedded store in one
 //! SQLite file and the log in another beside it ([`log_path`]), the
-//! in-memory view (or any other view, Redis for instance), and the projector running as a task beside the gateway, with
-//! the audit relay and folder beside it. It is
+//! in-memory view (or any other view, Redis for instance), and the projector
+//! with the audit relay and folder beside the gateway, on a thread of their
+//! own ([`Embedded::open_with_view`] says why). It is
 //! what `tollgate dev` runs and what a Rust service embeds under a
 //! [`TollgateLayer`](crate::TollgateLayer). The fold, the verdict and the API
 //! are the same code as the distributed deployment; only the ports differ.
@@ -9,12 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use meter::{Clock, PortError, PortResult, Store, View};
+use meter::{Clock, LogReader, PortError, PortResult, Store, View};
 use projector::audit::{AuditConfig, AuditFolder, AuditRelay};
 use projector::{Projector, ProjectorConfig};
 use store::{MemoryView, SqliteLog, SqliteStore};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use tokio::sync::{oneshot, watch};
 
 use crate::seeding::TailSource;
 use crate::state::{AppState, Settings};
@@ -53,10 +53,65 @@ pub async fn open_log(path: &Path) -> PortResult<SqliteLog> {
 /// file's audit topic, that topic to the audit log).
 pub struct Embedded {
     pub state: AppState,
-    stop: oneshot::Sender<()>,
-    projector: JoinHandle<PortResult<()>>,
-    stop_audit: oneshot::Sender<()>,
-    audit: JoinHandle<PortResult<()>>,
+    folding: FoldThread,
+}
+
+/// A projector, and the audit relay and folder when given, on a thread of
+/// their own (`tollgate-fold`, with a current-thread runtime) until
+/// [`FoldThread::stop`] or until dropped (they stop at their next await).
+pub struct FoldThread {
+    stop: watch::Sender<()>,
+    /// What the projector and the audit tasks ended with.
+    ended: oneshot::Receiver<(PortResult<()>, PortResult<()>)>,
+}
+
+impl FoldThread {
+    /// Starts `projector` (and `audit`) on a new thread.
+    pub fn spawn<R, A>(projector: Projector<R>, audit: Option<(AuditRelay, AuditFolder<A>)>) -> PortResult<FoldThread>
+    where
+        R: LogReader + 'static,
+        A: LogReader + 'static,
+    {
+        let (stop, stopped) = watch::channel(());
+        let until_stopped = move || {
+            let mut stopped = stopped.clone();
+            // A send, or the sender's drop.
+            async move {
+                let _ = stopped.changed().await;
+            }
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| PortError::Permanent(format!("the projector's runtime: {e}")))?;
+        let (done, ended) = oneshot::channel();
+        std::thread::Builder::new()
+            .name("tollgate-fold".into())
+            .spawn(move || {
+                let both = runtime.block_on(async {
+                    let audit = async {
+                        match audit {
+                            Some((relay, folder)) => projector::audit::run(Some(relay), folder, until_stopped()).await,
+                            None => Ok(()),
+                        }
+                    };
+                    tokio::join!(projector.run(until_stopped()), audit)
+                });
+                let _ = done.send(both);
+            })
+            .map_err(|e| PortError::Permanent(format!("the projector's thread: {e}")))?;
+        Ok(FoldThread { stop, ended })
+    }
+
+    /// Stops them and waits for them to end; the projector's own error
+    /// first, then the audit's.
+    pub async fn stop(self) -> PortResult<()> {
+        let _ = self.stop.send(());
+        match self.ended.await {
+            Ok((folded, audit)) => folded.and(audit),
+            Err(_) => Err(PortError::Permanent("the projector's thread ended without an answer (a panic)".into())),
+        }
+    }
 }
 
 impl Embedded {
@@ -67,6 +122,14 @@ impl Embedded {
     }
 
     /// As [`Embedded::open`], with the view given (Redis, when configured).
+    ///
+    /// The projector and the audit relay and folder run on a thread of
+    /// their own (`tollgate-fold`, a current-thread runtime), not as tasks
+    /// of the caller's runtime: a fold step is CPU work between its awaits
+    /// (decoding a batch, posting it), and as a task it held one of the
+    /// runtime's workers while requests waited for it. On a thread of its
+    /// own the operating system shares the cores between it and the
+    /// requests instead.
     pub async fn open_with_view(
         path: &Path,
         settings: Settings,
@@ -103,15 +166,8 @@ impl Embedded {
         let folder = AuditFolder::new(audit_reader, store.clone(), audit_config);
         let state = AppState::new(store.clone(), view.clone(), log, clock.clone(), settings).with_log_tail(tail);
         let projector = Projector::new(reader, store, view, clock, config);
-        let (stop, stopped) = oneshot::channel::<()>();
-        let projector = tokio::spawn(projector.run(async move {
-            let _ = stopped.await;
-        }));
-        let (stop_audit, audit_stopped) = oneshot::channel::<()>();
-        let audit = tokio::spawn(projector::audit::run(Some(relay), folder, async move {
-            let _ = audit_stopped.await;
-        }));
-        Ok(Embedded { state, stop, projector, stop_audit, audit })
+        let folding = FoldThread::spawn(projector, Some((relay, folder)))?;
+        Ok(Embedded { state, folding })
     }
 
     /// How long [`Embedded::shutdown`] waits for queued publishes.
@@ -124,16 +180,6 @@ impl Embedded {
         if let Err(e) = self.state.log.flush(Self::FLUSH_TIMEOUT).await {
             tracing::warn!(error = %e, "shutting down with publishes still queued");
         }
-        let _ = self.stop.send(());
-        let _ = self.stop_audit.send(());
-        let folded = match self.projector.await {
-            Ok(r) => r,
-            Err(e) => Err(PortError::Permanent(format!("projector task: {e}"))),
-        };
-        match self.audit.await {
-            Ok(r) => r?,
-            Err(e) => return Err(PortError::Permanent(format!("audit task: {e}"))),
-        }
-        folded
+        self.folding.stop().await
     }
 }
