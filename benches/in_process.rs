@@ -32,7 +32,7 @@
 //! alone moves by up to 2× within one run on this machine.
 //!
 //! To profile one variant,
-//! `TOLLGATE_BENCH_PROFILE=hello|layer|layer_task|null_log`
+//! `TOLLGATE_BENCH_PROFILE=hello|layer|layer_task|sync_normal|no_projector|null_log`
 //! runs only that one, its concurrent clients for
 //! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) and nothing else, so a
 //! sampling profiler attached to the process (`perf record -g -p <pid>`)
@@ -454,8 +454,13 @@ async fn profile(which: &str) -> AnyResult<()> {
         "layer" => Some(Backend::Memory),
         "null_log" => Some(Backend::NullLog),
         "layer_task" => Some(Backend::SharedRuntime),
+        "sync_normal" => Some(Backend::SyncNormal),
+        "no_projector" => Some(Backend::NoProjector),
         other => {
-            return Err(format!("TOLLGATE_BENCH_PROFILE: {other:?} is not hello, layer, layer_task or null_log").into());
+            return Err(format!(
+                "TOLLGATE_BENCH_PROFILE: {other:?} is not hello, layer, layer_task, sync_normal, no_projector or null_log"
+            )
+            .into());
         }
     };
     let (url, secret, running) = match backend {

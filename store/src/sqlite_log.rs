@@ -14,9 +14,10 @@
 //!   its own. A topic
 //!   has one partition, `0`, so its order is total (one project's facts are
 //!   in order a fortiori).
-//! - **Group commit.** One writer task per log (shared by its clones) makes
-//!   every append: [`Log::publish`] hands its encoded records to the writer
-//!   over a channel and waits for the answer. The writer takes whatever is
+//! - **Group commit.** One writer per log (shared by its clones, on a
+//!   thread of its own, below) makes every append: [`Log::publish`] hands
+//!   its encoded records to the writer over a channel and waits for the
+//!   answer. The writer takes whatever is
 //!   queued, whole publishes in arrival order, up to [`MAX_BATCH_RECORDS`]
 //!   (a single larger publish is never split), inserts them in order in ONE
 //!   `BEGIN IMMEDIATE` transaction (multi-row `INSERT`s of up to 64 rows,
@@ -57,12 +58,15 @@
 //!   does (WAL journal, `synchronous = FULL`, a busy timeout), and a returned
 //!   publish survives a `kill -9` of the process (and a power cut, as far as
 //!   fsync holds).
-//! - The writer is spawned by the first publish, on that publish's tokio
-//!   runtime, and ends when the last clone of the log is dropped. If it is
-//!   gone (its runtime shut down), a publish waiting on it gets
-//!   [`PortError::Transient`] (its records may or may not have committed),
-//!   and the next publish starts a new writer on its own runtime. Outside
-//!   any tokio runtime a publish is [`PortError::Transient`] too.
+//! - The writer runs on a thread of its own (`tollgate-log`, a tokio
+//!   current-thread runtime), started by the first publish, and ends when
+//!   the last clone of the log is dropped. A commit is several round trips
+//!   to sqlx's SQLite thread (begin, the inserts, commit); as a task of the
+//!   runtime serving requests, the writer waited behind them for a worker
+//!   at each one, and every call waits for its commit. So a publish works
+//!   from any thread, inside a tokio runtime or not. If the writer is gone,
+//!   a publish waiting on it gets [`PortError::Transient`] (its records may
+//!   or may not have committed), and the next publish starts a new one.
 //! - [`LogReader::poll`] waits for the first record without a broker to push
 //!   it: a [`Notify`] shared by a log and the readers made by
 //!   [`SqliteLog::reader`] wakes readers of the same process as soon as a
@@ -171,7 +175,7 @@ pub struct SqliteLog {
 }
 
 /// What makes every append: the file, the topic, and the queue to the
-/// writer task once a publish has started it.
+/// writer once a publish has started it.
 #[derive(Debug, Clone)]
 struct Appender {
     pool: SqlitePool,
@@ -326,7 +330,7 @@ impl Appender {
         submit(&self.queue()?, records).await
     }
 
-    /// The queue to a running writer, starting one on the current runtime if
+    /// The queue to a running writer, starting one on a thread of its own if
     /// there is none yet or the last one is gone.
     fn queue(&self) -> PortResult<mpsc::Sender<Append>> {
         // The slot is only ever replaced whole, so a poisoned lock still
@@ -335,8 +339,8 @@ impl Appender {
         if let Some(queue) = slot.as_ref().filter(|q| !q.is_closed()) {
             return Ok(queue.clone());
         }
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|e| PortError::Transient(format!("the SQLite log writer needs a tokio runtime: {e}")))?;
+        let cannot = |e: std::io::Error| PortError::Transient(format!("the SQLite log writer cannot start: {e}"));
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(cannot)?;
         let (queue, inbox) = mpsc::channel(QUEUE_DEPTH);
         let writer = Writer {
             gate: crate::sqlite_store::write_gate(&self.pool),
@@ -344,7 +348,10 @@ impl Appender {
             topic: self.topic.clone(),
             published: Arc::clone(&self.published),
         };
-        runtime.spawn(writer.run(inbox));
+        std::thread::Builder::new()
+            .name("tollgate-log".into())
+            .spawn(move || runtime.block_on(writer.run(inbox)))
+            .map_err(cannot)?;
         *slot = Some(queue.clone());
         Ok(queue)
     }
@@ -914,14 +921,16 @@ mod tests {
     }
 
     #[test]
-    fn publishing_outside_a_tokio_runtime_is_transient_not_a_panic() {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let (log, dir) = runtime.block_on(log_in_temp_file());
-        let outcome = futures::executor::block_on(log.publish_raw("pa", b"bytes"));
-        assert!(matches!(outcome, Err(PortError::Transient(_))), "{outcome:?}");
-        runtime.block_on(async {
-            log.publish_raw("pa", b"bytes").await.expect("inside the runtime it works");
-            assert_eq!(keys_on_the_log(&log).await, [b"pa".to_vec()]);
+    fn the_writer_needs_no_runtime_of_the_publisher_and_outlives_the_one_that_started_it() {
+        let first = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let (log, dir) = first.block_on(log_in_temp_file());
+        first.block_on(log.publish_raw("a", b"bytes")).expect("inside a runtime");
+        // The runtime that started the writer is gone; the writer is not.
+        drop(first);
+        futures::executor::block_on(log.publish_raw("b", b"bytes")).expect("outside any tokio runtime");
+        let second = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        second.block_on(async {
+            assert_eq!(keys_on_the_log(&log).await, [b"a".to_vec(), b"b".to_vec()]);
             log.appender.pool.close().await;
         });
         let _ = std::fs::remove_dir_all(dir);

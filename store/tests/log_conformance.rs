@@ -872,9 +872,20 @@ async fn a_failed_publish_fails_its_whole_batch_and_leaves_nothing(h: &SqliteHar
             }
         })
         .collect();
-    // On this single-threaded runtime `join_all` hands all ten publishes to
-    // the writer before the writer task first runs, so they are one batch.
-    let outcomes = futures::future::join_all(publishes.iter().map(|facts| h.log.publish(facts))).await;
+    // The ten publishes are made one batch: this process's turn at the
+    // file's write lock is held while a first publish keeps the writer
+    // waiting for it, and all ten are queued before the turn is let go.
+    let gate = store::sqlite_store::write_gate(&h.pool());
+    let turn = gate.lock().await;
+    let first = vec![fact("pz", 1)];
+    let (first_outcome, outcomes) = tokio::join!(h.log.publish(&first), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut all = std::pin::pin!(futures::future::join_all(publishes.iter().map(|facts| h.log.publish(facts))));
+        assert!(futures::poll!(&mut all).is_pending(), "the writer is held, so nothing is answered yet");
+        drop(turn);
+        all.await
+    });
+    first_outcome.expect("the first publish was a batch of its own");
     for (i, outcome) in outcomes.iter().enumerate() {
         match outcome {
             Err(meter::PortError::Permanent(why)) => assert!(why.contains("poisoned record"), "publish {i}: {why}"),
@@ -882,6 +893,7 @@ async fn a_failed_publish_fails_its_whole_batch_and_leaves_nothing(h: &SqliteHar
         }
     }
     let mut reader = reader_at(h, 0).await;
+    assert_eq!(decode(&read_n(reader.as_mut(), 1).await), first);
     assert_nothing_more(reader.as_mut()).await;
 
     // The writer goes on; what failed never appears.
@@ -892,8 +904,8 @@ async fn a_failed_publish_fails_its_whole_batch_and_leaves_nothing(h: &SqliteHar
     assert_nothing_more(reader.as_mut()).await;
 }
 
-/// The writer runs on the runtime of the log's first publish. When that
-/// runtime is gone, the next publish (on another runtime) starts a new one.
+/// The writer runs on a thread of its own: the runtime of the log's first
+/// publish can go, and a publish on another runtime is appended.
 fn a_log_outlives_the_runtime_that_started_its_writer() {
     let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     let sent = facts(6);
