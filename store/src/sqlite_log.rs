@@ -20,8 +20,8 @@
 //!   answer. The writer takes whatever is
 //!   queued, whole publishes in arrival order, up to [`MAX_BATCH_RECORDS`]
 //!   (a single larger publish is never split), inserts them in order in ONE
-//!   `BEGIN IMMEDIATE` transaction (multi-row `INSERT`s of up to 64 rows,
-//!   see `INSERT_ROWS`), commits, then answers every publish of the batch.
+//!   `BEGIN IMMEDIATE` transaction, commits, then answers every publish of
+//!   the batch.
 //!   It does not linger: a batch is what queued while the previous one
 //!   committed, so a lone publish costs one transaction as before, and a
 //!   busy log pays one write lock and one fsync per batch instead of per
@@ -58,15 +58,18 @@
 //!   does (WAL journal, `synchronous = FULL`, a busy timeout), and a returned
 //!   publish survives a `kill -9` of the process (and a power cut, as far as
 //!   fsync holds).
-//! - The writer runs on a thread of its own (`tollgate-log`, a tokio
-//!   current-thread runtime), started by the first publish, and ends when
-//!   the last clone of the log is dropped. A commit is several round trips
-//!   to sqlx's SQLite thread (begin, the inserts, commit); as a task of the
-//!   runtime serving requests, the writer waited behind them for a worker
-//!   at each one, and every call waits for its commit. So a publish works
-//!   from any thread, inside a tokio runtime or not. If the writer is gone,
-//!   a publish waiting on it gets [`PortError::Transient`] (its records may
-//!   or may not have committed), and the next publish starts a new one.
+//! - The writer runs on a thread of its own (`tollgate-log`), started by
+//!   the first publish, and ends when the last clone of the log is dropped.
+//!   It writes through a connection of its own (rusqlite), opened on the
+//!   pool's file with the pool's `synchronous` level and busy timeout, and
+//!   makes a batch's transaction in place: through the pool, each of its
+//!   statements was a round trip to sqlx's SQLite thread, and as a task of
+//!   the runtime serving requests the writer also waited behind them for a
+//!   worker at each one, while every call waits for its commit. Everything
+//!   else (reads, dead letters, the schema) goes through the pool. A publish
+//!   works from any thread, inside a tokio runtime or not. If the writer is
+//!   gone, a publish waiting on it gets [`PortError::Transient`] (its records
+//!   may or may not have committed), and the next publish starts a new one.
 //! - [`LogReader::poll`] waits for the first record without a broker to push
 //!   it: a [`Notify`] shared by a log and the readers made by
 //!   [`SqliteLog::reader`] wakes readers of the same process as soon as a
@@ -88,7 +91,7 @@
 //! EXISTS`), so the log does not depend on the store's migrations.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -113,27 +116,9 @@ pub const MAX_BATCH_RECORDS: usize = 5_000;
 /// Publishes waiting for the writer before `publish` itself waits for room.
 const QUEUE_DEPTH: usize = 4_096;
 
-/// Rows per multi-row `INSERT`, largest first. A batch of `n` records takes
-/// `n / 64` statements of 64 rows and at most one of each smaller size: one
-/// round trip to sqlx's SQLite worker thread per statement instead of per
-/// record (a quarter of the CPU per publish, measured), and seven prepared
-/// statements for a connection to cache. SQLite inserts the rows of one `VALUES` list in the
-/// order written, so the offsets are those one `INSERT` per record would get.
-const INSERT_ROWS: [usize; 7] = [64, 32, 16, 8, 4, 2, 1];
-
-/// The `INSERT` of `INSERT_ROWS[size]` records: `?1` is the topic, `?2` the
-/// partition, then a key and a payload per row.
-fn insert_sql(size: usize) -> &'static str {
-    static SQL: OnceLock<[String; INSERT_ROWS.len()]> = OnceLock::new();
-    let all = SQL.get_or_init(|| {
-        std::array::from_fn(|size| {
-            let rows: Vec<String> =
-                (0..INSERT_ROWS[size]).map(|i| format!("(?1, ?2, ?{}, ?{})", 3 + 2 * i, 4 + 2 * i)).collect();
-            format!(r#"INSERT INTO log_records (topic, "partition", key, payload) VALUES {}"#, rows.join(", "))
-        })
-    });
-    &all[size]
-}
+/// The writer's one statement, prepared once per connection: `?1` is the
+/// topic, `?2` the partition.
+const INSERT: &str = r#"INSERT INTO log_records (topic, "partition", key, payload) VALUES (?1, ?2, ?3, ?4)"#;
 
 /// The one partition of every topic.
 const PARTITION: i32 = 0;
@@ -342,12 +327,7 @@ impl Appender {
         let cannot = |e: std::io::Error| PortError::Transient(format!("the SQLite log writer cannot start: {e}"));
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(cannot)?;
         let (queue, inbox) = mpsc::channel(QUEUE_DEPTH);
-        let writer = Writer {
-            gate: crate::sqlite_store::write_gate(&self.pool),
-            pool: self.pool.clone(),
-            topic: self.topic.clone(),
-            published: Arc::clone(&self.published),
-        };
+        let writer = Writer::new(self);
         std::thread::Builder::new()
             .name("tollgate-log".into())
             .spawn(move || runtime.block_on(writer.run(inbox)))
@@ -417,7 +397,7 @@ async fn submit(queue: &mpsc::Sender<Append>, records: Vec<(Vec<u8>, Vec<u8>)>) 
     })
 }
 
-/// The task that makes every append of one log (and its clones).
+/// What makes every append of one log (and its clones), on its own thread.
 struct Writer {
     /// This process's turn at the file's write lock, shared with the fold
     /// ([`crate::sqlite_store::write_gate`]).
@@ -425,12 +405,25 @@ struct Writer {
     pool: SqlitePool,
     topic: String,
     published: Arc<Notify>,
+    /// The writer's own connection to the file, opened by the first batch
+    /// and again after a failed one.
+    conn: Option<rusqlite::Connection>,
 }
 
 impl Writer {
+    fn new(appender: &Appender) -> Writer {
+        Writer {
+            gate: crate::sqlite_store::write_gate(&appender.pool),
+            pool: appender.pool.clone(),
+            topic: appender.topic.clone(),
+            published: Arc::clone(&appender.published),
+            conn: None,
+        }
+    }
+
     /// Commits batches until every queue handle is dropped (the log and its
     /// clones are gone) and the queue is empty.
-    async fn run(self, mut inbox: mpsc::Receiver<Append>) {
+    async fn run(mut self, mut inbox: mpsc::Receiver<Append>) {
         let mut batch = Vec::new();
         while let Some(first) = inbox.recv().await {
             let mut records = first.records.len();
@@ -448,12 +441,15 @@ impl Writer {
     /// transaction, in order, wakes this process's readers if it committed,
     /// and answers every publish with the outcome (each publisher logs its
     /// own error, so the writer does not). Leaves `batch` empty.
-    async fn write(&self, batch: &mut Vec<Append>) {
+    async fn write(&mut self, batch: &mut Vec<Append>) {
         let records: usize = batch.iter().map(|a| a.records.len()).sum();
         let span = info_span!("datastore", op = "sqlite.publish", n = records, publishes = batch.len());
         let outcome = self.commit(batch).instrument(span).await;
         if outcome.is_ok() {
             self.published.notify_waiters();
+        } else {
+            // A connection that failed is not trusted with the next batch.
+            self.conn = None;
         }
         for append in batch.drain(..) {
             // A publisher that stopped waiting does not need the answer.
@@ -463,26 +459,44 @@ impl Writer {
 
     /// One transaction holding every record of `batch`. On any error it is
     /// dropped before commit, which rolls it back: nothing of the batch stays.
-    async fn commit(&self, batch: &[Append]) -> PortResult<()> {
-        // IMMEDIATE takes the write lock up front: offsets are then
-        // handed out in commit order (see the module doc). This process's
-        // turn first, so a fold's commit hands the lock straight over.
-        let _turn = self.gate.lock().await;
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(log_err)?;
-        let records: Vec<&(Vec<u8>, Vec<u8>)> = batch.iter().flat_map(|a| &a.records).collect();
-        let mut rest = records.as_slice();
-        while !rest.is_empty() {
-            // The largest statement that fits; `INSERT_ROWS` ends with 1.
-            let size = INSERT_ROWS.iter().position(|&n| n <= rest.len()).unwrap_or(INSERT_ROWS.len() - 1);
-            let (chunk, after) = rest.split_at(INSERT_ROWS[size]);
-            let mut insert = sqlx::query(insert_sql(size)).bind(&self.topic).bind(PARTITION);
-            for (key, payload) in chunk {
-                insert = insert.bind(key.as_slice()).bind(payload.as_slice());
-            }
-            insert.execute(&mut *tx).await.map_err(log_err)?;
-            rest = after;
+    async fn commit(&mut self, batch: &[Append]) -> PortResult<()> {
+        if self.conn.is_none() {
+            self.conn = Some(self.connect().await?);
         }
-        tx.commit().await.map_err(log_err)
+        // This process's turn first, so a fold's commit hands the lock
+        // straight over.
+        let _turn = self.gate.lock().await;
+        let conn = self.conn.as_mut().ok_or_else(|| PortError::Transient("no connection to the log's file".into()))?;
+        // IMMEDIATE takes the write lock up front: offsets are then handed
+        // out in commit order (see the module doc).
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(write_err)?;
+        {
+            let mut insert = tx.prepare_cached(INSERT).map_err(write_err)?;
+            for (key, payload) in batch.iter().flat_map(|a| &a.records) {
+                insert.execute(rusqlite::params![self.topic, PARTITION, key, payload]).map_err(write_err)?;
+            }
+        }
+        tx.commit().map_err(write_err)
+    }
+
+    /// The writer's connection to the pool's file, made as the pool makes
+    /// its own: the same `synchronous` level (what a commit survives) and
+    /// busy timeout, read from one of the pool's connections.
+    async fn connect(&self) -> PortResult<rusqlite::Connection> {
+        let (synchronous, busy_ms): (i64, i64) =
+            sqlx::query_as("SELECT s.synchronous, b.timeout FROM pragma_synchronous() s, pragma_busy_timeout() b")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(log_err)?;
+        let path = self.pool.connect_options().get_filename().to_path_buf();
+        let conn = rusqlite::Connection::open_with_flags(
+            &path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(write_err)?;
+        conn.pragma_update(None, "synchronous", synchronous).map_err(write_err)?;
+        conn.busy_timeout(Duration::from_millis(u64::try_from(busy_ms).unwrap_or(0))).map_err(write_err)?;
+        Ok(conn)
     }
 }
 
@@ -760,6 +774,20 @@ const SQLITE_IOERR: i32 = 10;
 const SQLITE_FULL: i32 = 13;
 
 /// Sorts a driver error into transient or permanent, once for this adapter.
+/// [`log_err`] for the writer's own connection: the same classes of
+/// SQLite result codes are transient.
+fn write_err(e: rusqlite::Error) -> PortError {
+    match e.sqlite_error().map(|f| f.extended_code) {
+        Some(code) => match code & 0xff {
+            SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_IOERR | SQLITE_FULL => {
+                PortError::Transient(e.to_string())
+            }
+            _ => PortError::Permanent(e.to_string()),
+        },
+        None => PortError::Permanent(e.to_string()),
+    }
+}
+
 fn log_err(e: sqlx::Error) -> PortError {
     match &e {
         sqlx::Error::Database(d) => {
@@ -784,19 +812,28 @@ fn log_err(e: sqlx::Error) -> PortError {
 mod tests {
     use std::path::PathBuf;
 
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
     use super::*;
 
     /// A fresh file with the log's tables, and its directory to remove.
     async fn log_in_temp_file() -> (SqliteLog, PathBuf) {
+        log_in_temp_file_with(|o| o).await
+    }
+
+    /// [`log_in_temp_file`], its pool's options changed by `options`.
+    async fn log_in_temp_file_with(
+        options: impl FnOnce(SqliteConnectOptions) -> SqliteConnectOptions,
+    ) -> (SqliteLog, PathBuf) {
         let dir = std::env::temp_dir().join(format!("tollgate-logunit-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("create a temporary directory");
-        let options = SqliteConnectOptions::new()
-            .filename(dir.join("log.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10));
+        let options = options(
+            SqliteConnectOptions::new()
+                .filename(dir.join("log.db"))
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(10)),
+        );
         let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("open");
         let log = SqliteLog::new(pool, "t.");
         log.ensure_schema().await.expect("schema");
@@ -804,13 +841,7 @@ mod tests {
     }
 
     fn writer_of(log: &SqliteLog) -> Writer {
-        let a = &log.appender;
-        Writer {
-            gate: crate::sqlite_store::write_gate(&a.pool),
-            pool: a.pool.clone(),
-            topic: a.topic.clone(),
-            published: Arc::clone(&a.published),
-        }
+        Writer::new(&log.appender)
     }
 
     fn append(keys: &[&str]) -> (Append, oneshot::Receiver<PortResult<()>>) {
@@ -836,7 +867,7 @@ mod tests {
         .execute(&log.appender.pool)
         .await
         .expect("trigger");
-        let writer = writer_of(&log);
+        let mut writer = writer_of(&log);
 
         let (a, a_answer) = append(&["a1"]);
         let (b, b_answer) = append(&["b1", "poison", "b3"]);
@@ -866,10 +897,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_batch_goes_in_in_arrival_order_across_statement_sizes() {
+    async fn a_batch_goes_in_in_arrival_order() {
         let (log, dir) = log_in_temp_file().await;
-        // 203 records = 3 × 64 + 8 + 2 + 1: four statement sizes, and
-        // publishes that straddle statements.
         let sizes = [1, 70, 5, 64, 63];
         let names: Vec<Vec<String>> =
             sizes.iter().enumerate().map(|(p, &n)| (0..n).map(|r| format!("p{p}r{r}")).collect()).collect();
@@ -899,6 +928,28 @@ mod tests {
         );
         log.appender.pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn the_writers_connection_commits_as_durably_as_the_pool_and_waits_as_long() {
+        for (level, code) in
+            [(SqliteSynchronous::Normal, 1), (SqliteSynchronous::Full, 2), (SqliteSynchronous::Extra, 3)]
+        {
+            let (log, dir) =
+                log_in_temp_file_with(|o| o.synchronous(level).busy_timeout(Duration::from_millis(1_234))).await;
+            let mut writer = writer_of(&log);
+            let (a, answer) = append(&["k"]);
+            writer.write(&mut vec![a]).await;
+            assert_eq!(answer.await.expect("answered"), Ok(()));
+            let conn = writer.conn.as_ref().expect("the writer's connection is open");
+            let synchronous: i64 = conn.pragma_query_value(None, "synchronous", |r| r.get(0)).expect("synchronous");
+            assert_eq!(synchronous, code, "{level:?}");
+            let busy: i64 = conn.pragma_query_value(None, "busy_timeout", |r| r.get(0)).expect("busy_timeout");
+            assert_eq!(busy, 1_234);
+            assert_eq!(keys_on_the_log(&log).await, [b"k".to_vec()]);
+            log.appender.pool.close().await;
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 
     #[tokio::test]
