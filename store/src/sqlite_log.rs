@@ -65,8 +65,12 @@
 //!   makes a batch's transaction in place: through the pool, each of its
 //!   statements was a round trip to sqlx's SQLite thread, and as a task of
 //!   the runtime serving requests the writer also waited behind them for a
-//!   worker at each one, while every call waits for its commit. Everything
-//!   else (reads, dead letters, the schema) goes through the pool. A publish
+//!   worker at each one, while every call waits for its commit. A
+//!   [`SqliteLogReader`] reads records through a connection of its own
+//!   too, in place (through the pool, sqlx's thread handed every row over
+//!   on its own): in WAL mode a read does not wait for the writer, and
+//!   reads at most the `max` records asked for. Everything else (a project's tail,
+//!   dead letters, the schema) goes through the pool. A publish
 //!   works from any thread, inside a tokio runtime or not. If the writer is
 //!   gone, a publish waiting on it gets [`PortError::Transient`] (its records
 //!   may or may not have committed), and the next publish starts a new one.
@@ -258,6 +262,7 @@ impl SqliteLog {
             dlq_topic: self.dlq_topic.clone(),
             published: Arc::clone(&self.appender.published),
             positions: BTreeMap::from([(PARTITION, 0)]),
+            conn: Mutex::new(None),
         }
     }
 
@@ -461,7 +466,7 @@ impl Writer {
     /// dropped before commit, which rolls it back: nothing of the batch stays.
     async fn commit(&mut self, batch: &[Append]) -> PortResult<()> {
         if self.conn.is_none() {
-            self.conn = Some(self.connect().await?);
+            self.conn = Some(connect_like(&self.pool).await?);
         }
         // This process's turn first, so a fold's commit hands the lock
         // straight over.
@@ -469,35 +474,36 @@ impl Writer {
         let conn = self.conn.as_mut().ok_or_else(|| PortError::Transient("no connection to the log's file".into()))?;
         // IMMEDIATE takes the write lock up front: offsets are then handed
         // out in commit order (see the module doc).
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(write_err)?;
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(conn_err)?;
         {
-            let mut insert = tx.prepare_cached(INSERT).map_err(write_err)?;
+            let mut insert = tx.prepare_cached(INSERT).map_err(conn_err)?;
             for (key, payload) in batch.iter().flat_map(|a| &a.records) {
-                insert.execute(rusqlite::params![self.topic, PARTITION, key, payload]).map_err(write_err)?;
+                insert.execute(rusqlite::params![self.topic, PARTITION, key, payload]).map_err(conn_err)?;
             }
         }
-        tx.commit().map_err(write_err)
+        tx.commit().map_err(conn_err)
     }
+}
 
-    /// The writer's connection to the pool's file, made as the pool makes
-    /// its own: the same `synchronous` level (what a commit survives) and
-    /// busy timeout, read from one of the pool's connections.
-    async fn connect(&self) -> PortResult<rusqlite::Connection> {
-        let (synchronous, busy_ms): (i64, i64) =
-            sqlx::query_as("SELECT s.synchronous, b.timeout FROM pragma_synchronous() s, pragma_busy_timeout() b")
-                .fetch_one(&self.pool)
-                .await
-                .map_err(log_err)?;
-        let path = self.pool.connect_options().get_filename().to_path_buf();
-        let conn = rusqlite::Connection::open_with_flags(
-            &path,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(write_err)?;
-        conn.pragma_update(None, "synchronous", synchronous).map_err(write_err)?;
-        conn.busy_timeout(Duration::from_millis(u64::try_from(busy_ms).unwrap_or(0))).map_err(write_err)?;
-        Ok(conn)
-    }
+/// A connection of its own to `pool`'s file (rusqlite), made as the pool
+/// makes its own: the same `synchronous` level (what a commit survives) and
+/// busy timeout, read from one of the pool's connections. The writer appends
+/// through one, each reader reads through one.
+async fn connect_like(pool: &SqlitePool) -> PortResult<rusqlite::Connection> {
+    let (synchronous, busy_ms): (i64, i64) =
+        sqlx::query_as("SELECT s.synchronous, b.timeout FROM pragma_synchronous() s, pragma_busy_timeout() b")
+            .fetch_one(pool)
+            .await
+            .map_err(log_err)?;
+    let path = pool.connect_options().get_filename().to_path_buf();
+    let conn = rusqlite::Connection::open_with_flags(
+        &path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(conn_err)?;
+    conn.pragma_update(None, "synchronous", synchronous).map_err(conn_err)?;
+    conn.busy_timeout(Duration::from_millis(u64::try_from(busy_ms).unwrap_or(0))).map_err(conn_err)?;
+    Ok(conn)
 }
 
 /// Where `topic` ends: offsets are row ids, not contiguous, so the end is
@@ -560,6 +566,12 @@ pub struct SqliteLogReader {
     published: Arc<Notify>,
     /// The next offset to read, per partition.
     positions: BTreeMap<i32, i64>,
+    /// The reader's own connection to the file, for its reads of records
+    /// (through the pool, sqlx's thread hands every row over on its own),
+    /// opened by the first read and again after a failed one. Only ever
+    /// reached through `&mut self` (the mutex makes the reader `Sync`, as
+    /// a connection is not, and is never locked).
+    conn: Mutex<Option<rusqlite::Connection>>,
 }
 
 impl SqliteLogReader {
@@ -567,33 +579,61 @@ impl SqliteLogReader {
         &self.topic
     }
 
-    /// Up to `max` records at or after the current positions, without waiting.
-    async fn read(&self, max: usize) -> PortResult<Vec<LogRecord>> {
-        let mut out = Vec::new();
-        for (&partition, &from) in &self.positions {
-            let left = max.saturating_sub(out.len());
-            if left == 0 {
-                break;
-            }
-            let rows = sqlx::query(
-                r#"SELECT "offset", key, payload, appended_at FROM log_records
-                   WHERE topic = ?1 AND "partition" = ?2 AND "offset" >= ?3
-                   ORDER BY "offset" LIMIT ?4"#,
-            )
-            .bind(&self.topic)
-            .bind(partition)
-            .bind(from)
-            .bind(i64::try_from(left).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .instrument(info_span!("datastore", op = "sqlite.poll", partition))
-            .await
-            .map_err(log_err)?;
-            for row in &rows {
-                out.push(record_of(partition, row)?);
-            }
+    /// Up to `max` records at or after the current positions, without
+    /// waiting: one statement per partition on the reader's own connection,
+    /// on the calling thread (a read of the local file that waits for no
+    /// lock in WAL mode; handing it to a blocking thread cost more CPU per
+    /// call than the read, see BENCHMARKS.md).
+    async fn read(&mut self, max: usize) -> PortResult<Vec<LogRecord>> {
+        let slot = self.conn.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let conn = match slot.take() {
+            Some(conn) => conn,
+            None => connect_like(&self.pool).await?,
+        };
+        let read = info_span!("datastore", op = "sqlite.poll")
+            .in_scope(|| read_records(&conn, &self.topic, &self.positions, max));
+        // A connection that failed is not trusted with the next read.
+        if read.is_ok() {
+            *self.conn.get_mut().unwrap_or_else(PoisonError::into_inner) = Some(conn);
         }
-        Ok(out)
+        read
     }
+}
+
+/// The records of `topic` from `positions` on, up to `max`, in offset order
+/// within each partition.
+fn read_records(
+    conn: &rusqlite::Connection,
+    topic: &str,
+    positions: &BTreeMap<i32, i64>,
+    max: usize,
+) -> PortResult<Vec<LogRecord>> {
+    let mut select = conn
+        .prepare_cached(
+            r#"SELECT "offset", key, payload, appended_at FROM log_records
+               WHERE topic = ?1 AND "partition" = ?2 AND "offset" >= ?3
+               ORDER BY "offset" LIMIT ?4"#,
+        )
+        .map_err(conn_err)?;
+    let mut out = Vec::new();
+    for (&partition, &from) in positions {
+        let left = max.saturating_sub(out.len());
+        if left == 0 {
+            break;
+        }
+        let limit = i64::try_from(left).unwrap_or(i64::MAX);
+        let mut rows = select.query(rusqlite::params![topic, partition, from, limit]).map_err(conn_err)?;
+        while let Some(row) = rows.next().map_err(conn_err)? {
+            out.push(LogRecord {
+                partition,
+                offset: row.get(0).map_err(conn_err)?,
+                key: row.get(1).map_err(conn_err)?,
+                payload: row.get(2).map_err(conn_err)?,
+                timestamp: append_time(row.get(3).map_err(conn_err)?),
+            });
+        }
+    }
+    Ok(out)
 }
 
 #[async_trait]
@@ -615,11 +655,12 @@ impl LogReader for SqliteLogReader {
         // Like Kafka's reader, a poll returns at least one record if any is there.
         let max = max.max(1);
         let deadline = Instant::now() + wait;
+        let notify = Arc::clone(&self.published);
         loop {
             // Registered before the read, so a publish that commits between
             // the read and the wait still wakes us (`notify_waiters` reaches
             // every `Notified` created before it).
-            let published = self.published.notified();
+            let published = notify.notified();
             let records = self.read(max).await?;
             if !records.is_empty() {
                 for r in &records {
@@ -692,17 +733,19 @@ impl LogReader for SqliteLogReader {
 }
 
 fn record_of(partition: i32, row: &SqliteRow) -> PortResult<LogRecord> {
-    let appended_at: Option<String> = row.try_get("appended_at").map_err(log_err)?;
     Ok(LogRecord {
         partition,
         offset: row.try_get("offset").map_err(log_err)?,
         key: row.try_get("key").map_err(log_err)?,
         payload: row.try_get("payload").map_err(log_err)?,
-        // A stamp that does not parse is as good as none.
-        timestamp: appended_at
-            .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
-            .map(|t| t.with_timezone(&chrono::Utc)),
+        timestamp: append_time(row.try_get("appended_at").map_err(log_err)?),
     })
+}
+
+/// A record's append time as stored; a stamp that does not parse is as good
+/// as none.
+fn append_time(stored: Option<String>) -> Option<chrono::DateTime<chrono::Utc>> {
+    stored.and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok()).map(|t| t.with_timezone(&chrono::Utc))
 }
 
 /// [`SqliteLog::take_over`] with the old file attached as `prior`.
@@ -773,10 +816,9 @@ const SQLITE_NOMEM: i32 = 7;
 const SQLITE_IOERR: i32 = 10;
 const SQLITE_FULL: i32 = 13;
 
-/// Sorts a driver error into transient or permanent, once for this adapter.
-/// [`log_err`] for the writer's own connection: the same classes of
-/// SQLite result codes are transient.
-fn write_err(e: rusqlite::Error) -> PortError {
+/// [`log_err`] for the writer's and the readers' own connections: the same
+/// classes of SQLite result codes are transient.
+fn conn_err(e: rusqlite::Error) -> PortError {
     match e.sqlite_error().map(|f| f.extended_code) {
         Some(code) => match code & 0xff {
             SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_IOERR | SQLITE_FULL => {
@@ -788,6 +830,7 @@ fn write_err(e: rusqlite::Error) -> PortError {
     }
 }
 
+/// Sorts a driver error into transient or permanent, once for this adapter.
 fn log_err(e: sqlx::Error) -> PortError {
     match &e {
         sqlx::Error::Database(d) => {
