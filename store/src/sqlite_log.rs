@@ -69,9 +69,9 @@
 //!   [`SqliteLogReader`] reads records through a connection of its own
 //!   too, in place (through the pool, sqlx's thread handed every row over
 //!   on its own): in WAL mode a read does not wait for the writer, and
-//!   reads at most the `max` records asked for. Everything else (a project's tail,
-//!   dead letters, the schema) goes through the pool. A publish
-//!   works from any thread, inside a tokio runtime or not. If the writer is
+//!   reads at most the `max` records asked for. Everything else (a
+//!   project's tail, dead letters, the schema) goes through the pool. A
+//!   publish works from any thread, inside a tokio runtime or not. If the writer is
 //!   gone, a publish waiting on it gets [`PortError::Transient`] (its records
 //!   may or may not have committed), and the next publish starts a new one.
 //! - [`LogReader::poll`] waits for the first record without a broker to push
@@ -586,15 +586,15 @@ impl SqliteLogReader {
     /// call than the read, see BENCHMARKS.md).
     async fn read(&mut self, max: usize) -> PortResult<Vec<LogRecord>> {
         let slot = self.conn.get_mut().unwrap_or_else(PoisonError::into_inner);
-        let conn = match slot.take() {
+        let conn = match slot {
             Some(conn) => conn,
-            None => connect_like(&self.pool).await?,
+            None => slot.insert(connect_like(&self.pool).await?),
         };
         let read = info_span!("datastore", op = "sqlite.poll")
-            .in_scope(|| read_records(&conn, &self.topic, &self.positions, max));
+            .in_scope(|| read_records(conn, &self.topic, &self.positions, max));
         // A connection that failed is not trusted with the next read.
-        if read.is_ok() {
-            *self.conn.get_mut().unwrap_or_else(PoisonError::into_inner) = Some(conn);
+        if read.is_err() {
+            *slot = None;
         }
         read
     }
@@ -820,12 +820,7 @@ const SQLITE_FULL: i32 = 13;
 /// classes of SQLite result codes are transient.
 fn conn_err(e: rusqlite::Error) -> PortError {
     match e.sqlite_error().map(|f| f.extended_code) {
-        Some(code) => match code & 0xff {
-            SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_IOERR | SQLITE_FULL => {
-                PortError::Transient(e.to_string())
-            }
-            _ => PortError::Permanent(e.to_string()),
-        },
+        Some(code) => by_result_code(code, e.to_string()),
         None => PortError::Permanent(e.to_string()),
     }
 }
@@ -834,13 +829,7 @@ fn conn_err(e: rusqlite::Error) -> PortError {
 fn log_err(e: sqlx::Error) -> PortError {
     match &e {
         sqlx::Error::Database(d) => {
-            let code = d.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
-            match code & 0xff {
-                SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_IOERR | SQLITE_FULL => {
-                    PortError::Transient(e.to_string())
-                }
-                _ => PortError::Permanent(e.to_string()),
-            }
+            by_result_code(d.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0), e.to_string())
         }
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -848,6 +837,15 @@ fn log_err(e: sqlx::Error) -> PortError {
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::BeginFailed => PortError::Transient(e.to_string()),
         _ => PortError::Permanent(e.to_string()),
+    }
+}
+
+/// An error with an SQLite (extended) result code: transient when its
+/// primary code is worth retrying.
+fn by_result_code(code: i32, message: String) -> PortError {
+    match code & 0xff {
+        SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_IOERR | SQLITE_FULL => PortError::Transient(message),
+        _ => PortError::Permanent(message),
     }
 }
 
