@@ -36,7 +36,8 @@
 //! runs only that one, its concurrent clients for
 //! `TOLLGATE_BENCH_PROFILE_SECS` (default 20) and nothing else, so a
 //! sampling profiler attached to the process (`perf record -g -p <pid>`)
-//! sees only it; the process prints its pid first.
+//! sees only it; the process prints its pid first, and afterwards the
+//! variant's sequential latency (p50, p99), measured as a full run does.
 //!
 //! Run it with `cargo bench --bench in_process` (or `scripts/bench`). Under
 //! `cargo test --all-targets` it returns at once. It never asserts: it prints
@@ -478,12 +479,22 @@ async fn profile(which: &str) -> AnyResult<()> {
             async move { post_json(&h, &u, &s, &b).await }
         }
     };
+    let op_latency = op.clone();
     throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
     eprintln!("in_process: profiling {which}: pid {} for {secs} s", std::process::id());
     let rate = throughput(CLIENTS, secs, op).await;
     eprintln!(
         "in_process: {which}: {:.0} req/s ({} in {:.2} s, {} errors)",
         rate.per_sec, rate.done, rate.secs, rate.errors
+    );
+    // Then the sequential latency, as a full run measures it.
+    let lat = sequential(HTTP_WARMUP, HTTP_N, op_latency).await;
+    eprintln!(
+        "in_process: {which}: sequential p50 {:.3} ms, p99 {:.3} ms ({} requests, {} errors)",
+        lat.p50 / 1e3,
+        lat.p99 / 1e3,
+        lat.n,
+        lat.errors
     );
     running.stop().await;
     let _ = std::fs::remove_dir_all(&dir);

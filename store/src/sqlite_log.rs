@@ -124,6 +124,11 @@ const QUEUE_DEPTH: usize = 4_096;
 /// topic, `?2` the partition.
 const INSERT: &str = r#"INSERT INTO log_records (topic, "partition", key, payload) VALUES (?1, ?2, ?3, ?4)"#;
 
+/// A partition's records from an offset on ([`read_records`]).
+const READ: &str = r#"SELECT "offset", key, payload, appended_at FROM log_records
+    WHERE topic = ?1 AND "partition" = ?2 AND "offset" >= ?3
+    ORDER BY "offset""#;
+
 /// The one partition of every topic.
 const PARTITION: i32 = 0;
 const SCHEMA: [&str; 4] = [
@@ -602,28 +607,27 @@ impl SqliteLogReader {
 
 /// The records of `topic` from `positions` on, up to `max`, in offset order
 /// within each partition.
+///
+/// The statement has no `LIMIT`: the rows come in the index's order and the
+/// loop stops at `max`. A bound `LIMIT` made SQLite plan the statement for
+/// its value, so every read with another `max` than the last (the linger's
+/// second read of a step, for one) parsed and planned it again.
 fn read_records(
     conn: &rusqlite::Connection,
     topic: &str,
     positions: &BTreeMap<i32, i64>,
     max: usize,
 ) -> PortResult<Vec<LogRecord>> {
-    let mut select = conn
-        .prepare_cached(
-            r#"SELECT "offset", key, payload, appended_at FROM log_records
-               WHERE topic = ?1 AND "partition" = ?2 AND "offset" >= ?3
-               ORDER BY "offset" LIMIT ?4"#,
-        )
-        .map_err(conn_err)?;
+    let mut select = conn.prepare_cached(READ).map_err(conn_err)?;
     let mut out = Vec::new();
     for (&partition, &from) in positions {
-        let left = max.saturating_sub(out.len());
-        if left == 0 {
+        if out.len() >= max {
             break;
         }
-        let limit = i64::try_from(left).unwrap_or(i64::MAX);
-        let mut rows = select.query(rusqlite::params![topic, partition, from, limit]).map_err(conn_err)?;
-        while let Some(row) = rows.next().map_err(conn_err)? {
+        let mut rows = select.query(rusqlite::params![topic, partition, from]).map_err(conn_err)?;
+        while out.len() < max
+            && let Some(row) = rows.next().map_err(conn_err)?
+        {
             out.push(LogRecord {
                 partition,
                 offset: row.get(0).map_err(conn_err)?,
@@ -934,6 +938,30 @@ mod tests {
         assert_eq!(keys_on_the_log(&log).await, [b"d1".to_vec(), b"d2".to_vec(), b"e1".to_vec()]);
 
         log.appender.pool.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Reads of any size, from any offset, run the statement as it was
+    /// prepared once: none is parsed and planned again (a bound `LIMIT` did
+    /// that at every read whose size differed from the last).
+    #[tokio::test]
+    async fn reads_of_any_size_reuse_the_prepared_statement() {
+        let (log, dir) = log_in_temp_file().await;
+        let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+        for k in &keys {
+            log.appender.append(vec![(k.as_bytes().to_vec(), b"p".to_vec())]).await.expect("append");
+        }
+        let conn = connect_like(&log.appender.pool).await.expect("connect");
+        let topic = log.usage_topic().to_owned();
+        // Offsets are row ids: 1 to 20.
+        for (from, max) in [(0_i64, 5000_usize), (0, 3), (5, 7), (1, 1), (0, 20), (12, 4999)] {
+            let records = read_records(&conn, &topic, &BTreeMap::from([(PARTITION, from)]), max).expect("read");
+            let offsets: Vec<i64> = records.iter().map(|r| r.offset).collect();
+            let end = (from.max(1) + i64::try_from(max).expect("max")).min(21);
+            assert_eq!(offsets, (from.max(1)..end).collect::<Vec<_>>(), "from {from}, at most {max}");
+        }
+        let select = conn.prepare_cached(READ).expect("cached");
+        assert_eq!(select.get_status(rusqlite::StatementStatus::RePrepare), 0, "re-prepared");
         let _ = std::fs::remove_dir_all(dir);
     }
 
