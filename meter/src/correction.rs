@@ -67,10 +67,10 @@ pub struct Counted {
     /// The IANA name of the project's zone when it was folded.
     pub tz: String,
     /// Voided: it counts for nothing, and cannot be corrected again.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub voided: bool,
     /// The correction that last changed it.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub corrected_by: Option<EventId>,
 }
 

@@ -78,59 +78,69 @@ impl Outcome {
 named!(Outcome, "outcome", Outcome::ALL);
 
 /// One usage fact, as it is on the log.
+///
+/// Its JSON (what the dedup set keeps of a folded call or tokens event, see
+/// [`crate::correction::Counted`]) leaves out every part that is empty
+/// (`None`, `[]`, `false`, a zero estimate, no gateway) and reads it back as
+/// empty, so rows written with every part spelled out read the same.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageFact {
     pub id: EventId,
     pub project_id: ProjectId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_id: Option<ApiKeyId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub actor_id: Option<String>,
     /// A signed-in user, as the gateway names it (`user:<subject>`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_id: Option<String>,
     pub occurred_at: DateTime<Utc>,
     pub kind: EventKind,
     pub outcome: Outcome,
     pub rows: u64,
     /// Token components by provider and model (tokens events).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tokens: Vec<TokenUsage>,
     /// Bytes added (> 0) or removed (< 0) by a write (storage_delta), or
     /// held (storage_snapshot).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_bytes: Option<i64>,
     /// The meter a tokens event feeds; `None` is the AI meter (`llm_tokens`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub meter_type: Option<MeterType>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation_id: Option<ReservationId>,
     /// The gateway instance that emitted it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub gateway: String,
     /// When the gateway accepted it: the clock its lateness is judged by
     /// (`None` on events written before schema v3; readers then use the
     /// log's own timestamp of the record).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub received_at: Option<DateTime<Utc>>,
     /// On a request event: whether its check admitted the call.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admitted: Option<bool>,
     /// On an admitted request event: when its reservation lapses unsettled.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_until: Option<DateTime<Utc>>,
     /// On an admitted request event: the counters its reservation holds.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<Counter>,
     /// On an admitted request event: what its reservation holds on each of
     /// those counters besides one call (zero: nothing estimated).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "crate::admission::Estimate::is_zero")]
     pub estimate: crate::admission::Estimate,
     /// On a request event: the quotas its check found over their limit.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub breaches: Vec<LoggedBreach>,
     /// On a correction: the event it amends or voids.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub corrects: Option<EventId>,
     /// On a correction: void the corrected event (else amend it).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub void: bool,
 }
 

@@ -197,6 +197,43 @@ fn calls_of(s: &ModelStore, project: &str) -> (i64, i64) {
     (day[Field::Calls.index()], day[Field::Rows.index()])
 }
 
+/// What the dedup set keeps of a call, as rows written before the stored
+/// form left out its empty parts spell it: every part, `null`, `[]`,
+/// `false` and a zero estimate included.
+const SPELLED_OUT: &str = r#"{"fact":{"id":"c1","project_id":"p2","api_key_id":"k1","agent_id":null,"actor_id":"u1","user_id":null,"occurred_at":"2026-07-07T12:31:00Z","kind":"call","outcome":"success","rows":10,"tokens":[],"storage_bytes":null,"meter_type":null,"reservation_id":null,"gateway":"","received_at":"2026-07-07T12:31:00Z","admitted":null,"lease_until":null,"held":[],"estimate":{"tokens":0,"cost":0},"breaches":[],"corrects":null,"void":false},"tz":"Asia/Kathmandu","voided":false,"corrected_by":null}"#;
+
+#[test]
+fn the_stored_form_leaves_out_empty_parts_and_reads_rows_that_spell_them_out() {
+    let tz = chrono_tz::Asia::Kathmandu;
+    let counted = Counted::of(&call("p2", "c1", 10), tz);
+    let stored = Counted::encode(counted.as_ref());
+    for empty in ["null", "[]", "false", "\"gateway\"", "\"estimate\""] {
+        assert!(!stored.contains(empty), "{empty} in {stored}");
+    }
+    assert!(stored.len() * 2 < SPELLED_OUT.len(), "{} bytes: {stored}", stored.len());
+    assert_eq!(Counted::decode(&stored).expect("compact"), counted);
+    assert_eq!(Counted::decode(SPELLED_OUT).expect("spelled out"), counted);
+    // What is not empty is kept, a void and its correction included.
+    let full = Counted {
+        voided: true,
+        corrected_by: Some(eid("x1")),
+        fact: UsageFact {
+            user_id: Some("user:ann".into()),
+            storage_bytes: Some(-4),
+            meter_type: Some(MeterType::LlmTokens),
+            admitted: Some(false),
+            lease_until: Some(utc(AT)),
+            estimate: meter::Estimate { tokens: 7, cost: 9 },
+            corrects: Some(eid("c0")),
+            void: true,
+            gateway: "g1".into(),
+            ..tokens("p2", "t1", 5, 6)
+        },
+        ..Counted::of(&tokens("p2", "t1", 5, 6), tz).expect("tokens events are counted")
+    };
+    assert_eq!(Counted::decode(&Counted::encode(Some(&full))).expect("full"), Some(full));
+}
+
 #[test]
 fn an_amend_replaces_the_quantities_and_a_void_takes_everything_back() {
     let base = [call("p1", "c1", 10), call("p1", "c2", 5)];
