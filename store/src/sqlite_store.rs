@@ -126,6 +126,9 @@ fn ts(at: DateTime<Utc>) -> PortResult<String> {
 /// an error, not a row cut short.
 fn json_rows(rows: &Rows) -> PortResult<String> {
     let n = rows.len();
+    if let Some((name, _)) = rows.names.iter().zip(&rows.cols).find(|(_, c)| c.len() != n) {
+        return Err(PortError::Permanent(format!("a batch's column {name} does not have its {n} rows")));
+    }
     let cols = rows
         .cols
         .iter()
@@ -143,9 +146,6 @@ fn json_rows(rows: &Rows) -> PortResult<String> {
             })
         })
         .collect::<PortResult<Vec<_>>>()?;
-    if let Some((name, _)) = rows.names.iter().zip(&cols).find(|(_, c)| c.len() != n) {
-        return Err(PortError::Permanent(format!("a batch's column {name} does not have its {n} rows")));
-    }
     serde_json::to_string(&Table(&cols, n)).map_err(|e| PortError::Permanent(format!("encoding a batch: {e}")))
 }
 
@@ -156,18 +156,6 @@ enum Cells<'a> {
     Bool(&'a [bool]),
     Owned(Vec<String>),
     OptOwned(Vec<Option<String>>),
-}
-
-impl Cells<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Cells::Text(v) => v.len(),
-            Cells::Int(v) => v.len(),
-            Cells::Bool(v) => v.len(),
-            Cells::Owned(v) => v.len(),
-            Cells::OptOwned(v) => v.len(),
-        }
-    }
 }
 
 /// The batch's `n` rows, each the array of its cells (every column has

@@ -286,6 +286,25 @@ pub enum Col {
     OptBytes(Vec<Option<Vec<u8>>>),
 }
 
+impl Col {
+    /// How many cells it has.
+    pub fn len(&self) -> usize {
+        match self {
+            Col::Text(v) => v.len(),
+            Col::Int(v) => v.len(),
+            Col::Bool(v) => v.len(),
+            Col::Time(v) => v.len(),
+            Col::OptTime(v) => v.len(),
+            Col::Bytes(v) => v.len(),
+            Col::OptBytes(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A batch of rows bound as a table: `{rows}` in a query is a subquery
 /// whose columns have these names. Built column by column.
 #[derive(Debug, Clone, Default)]
@@ -335,16 +354,7 @@ impl Rows {
 
     /// How many rows (every column has as many).
     pub fn len(&self) -> usize {
-        match self.cols.first() {
-            None => 0,
-            Some(Col::Text(v)) => v.len(),
-            Some(Col::Int(v)) => v.len(),
-            Some(Col::Bool(v)) => v.len(),
-            Some(Col::Time(v)) => v.len(),
-            Some(Col::OptTime(v)) => v.len(),
-            Some(Col::Bytes(v)) => v.len(),
-            Some(Col::OptBytes(v)) => v.len(),
-        }
+        self.cols.first().map_or(0, Col::len)
     }
 
     pub fn is_empty(&self) -> bool {
