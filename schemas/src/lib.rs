@@ -39,4 +39,4 @@ pub use registry::{
     SchemaVersion, audit_schema_version, audit_schema_versions, find_audit_schema, find_usage_schema, usage_schema,
     usage_schema_version, usage_schema_versions,
 };
-pub use single_object::{decode_event, decode_usage, encode_event, encode_usage};
+pub use single_object::{decode_event, decode_event_via_value, decode_usage, encode_event, encode_usage};
