@@ -93,16 +93,24 @@ pub fn decode_event_via_value(bytes: &[u8]) -> Result<UsageEvent, SchemaError> {
 /// [`SchemaError::Encode`] if the event does not fit the current schema.
 pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
     // Straight from serde through the schema (no `Value` tree, no schema
-    // resolution per record): this is on every check's path. The usage
-    // schema defines each named type once, in place, so the writer needs no
-    // table of names; enum symbols are written by the Rust variant's index,
-    // which a test holds to the schema's symbol order.
+    // resolution per record): this is on every check's path. A test holds
+    // it to what apache-avro writes through a value.
     let current = usage_schema_version();
     let mut out = Vec::with_capacity(128);
     out.extend_from_slice(&MARKER);
     out.extend_from_slice(&current.fingerprint.to_le_bytes());
-    write_avro_datum_ref(&current.schema, event, &mut out).map_err(|e| SchemaError::Encode(e.to_string()))?;
-    Ok(out)
+    match fast_schema(current) {
+        Some(schema) => {
+            let mut config = serde_avro_fast::ser::SerializerConfig::new(schema);
+            serde_avro_fast::to_datum(event, out, &mut config).map_err(|e| SchemaError::Encode(e.to_string()))
+        }
+        // Enum symbols are written by the Rust variant's index, which a
+        // test holds to the schema's symbol order.
+        None => {
+            write_avro_datum_ref(&current.schema, event, &mut out).map_err(|e| SchemaError::Encode(e.to_string()))?;
+            Ok(out)
+        }
+    }
 }
 
 /// Decodes a single-object usage event of any known schema version, resolved
