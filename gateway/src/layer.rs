@@ -78,6 +78,8 @@ use meter::{ApiKey, EventKind, Outcome, PermitId, ProjectId, ReservationId, Usag
 use tower::{Layer, Service};
 use tracing::warn;
 
+use store::outbox::Finishing;
+
 use crate::error::{ApiError, ApiResult, remaining_headers};
 use crate::service::admission::{self, Admission, RequestEvent};
 use crate::service::recording;
@@ -321,11 +323,8 @@ where
     };
     let fact = call_fact(&state, &admission, actor, success, rows);
     guard.disarm();
-    if let Some(recorded) = record_call(&state, request, fact, res.status().as_u16())
-        && let Err(e) = recorded.await
-    {
-        warn!(error = %e, "layer: call not recorded");
-        metrics::counter!("tollgate_layer_record_failures_total").increment(1);
+    if let Some(recorded) = record_call(&state, request, fact, res.status().as_u16()) {
+        recorded.await;
     }
 
     res.headers_mut().extend(remaining_headers(&admission.remaining));
@@ -416,16 +415,18 @@ pub struct RowStream;
 /// delta that no fold ever drops): the recording runs here as far as it
 /// goes without waiting, and whatever of it has to wait goes on in a task of
 /// its own, which logs and counts a failure. So a view and a log that answer
-/// at once (the memory view, a log that only queues) cost no task. The task
-/// to wait for, if one was needed; `None` outside a runtime (nothing to run
-/// it, nothing recorded). The check's request event, when the call still
-/// holds it, is published in the same publish, ahead of the call's.
+/// at once (the memory view, a log that only queues) cost no task. The rest
+/// of the recording, if it has to wait ([`Finishing`]: awaited, it runs in
+/// the caller's task; dropped first, in a task of its own); `None` outside a
+/// runtime (nothing to run it, nothing recorded). The check's request event,
+/// when the call still holds it, is published in the same publish, ahead of
+/// the call's.
 fn record_call(
     state: &Arc<AppState>,
     request: Option<RequestEvent>,
     fact: UsageFact,
     status: u16,
-) -> Option<tokio::task::JoinHandle<()>> {
+) -> Option<Finishing<()>> {
     let rt = tokio::runtime::Handle::try_current().ok()?;
     let s = state.clone();
     let mut job: BoxFuture<()> = Box::pin(async move {
@@ -444,7 +445,7 @@ fn record_call(
     let mut cx = Context::from_waker(std::task::Waker::noop());
     match job.as_mut().poll(&mut cx) {
         Poll::Ready(()) => None,
-        Poll::Pending => Some(rt.spawn(job)),
+        Poll::Pending => Some(Finishing::new(job, rt)),
     }
 }
 

@@ -29,11 +29,14 @@
 //!
 //! ## How
 //!
-//! Each publish is a *job*: a task that sends its records, sleeps
-//! ([`RETRY_MIN`], doubling to [`RETRY_MAX`]) and sends again those that
-//! failed transiently, until none is left. The publish waits for its job (and
-//! for the jobs of its records that were already queued) up to the timeout;
-//! giving up waiting does not stop the job. A record with an id (a usage
+//! Each publish is a *job*: it sends its records, sleeps ([`RETRY_MIN`],
+//! doubling to [`RETRY_MAX`]) and sends again those that failed
+//! transiently, until none is left. The publish runs its job in its own task
+//! (no task per publish while the log answers) and waits for it (and for the
+//! jobs of its records that were already queued) up to the timeout; giving
+//! up waiting, or being dropped, does not stop the job: it goes on in a task
+//! of its own ([`Finishing`]). A job queued without waiting
+//! ([`Outbox::queue`]) is a task from the start. A record with an id (a usage
 //! fact: project and event id) that is already queued is not queued again:
 //! its publish waits for the job that holds it, so a client retrying through
 //! an outage does not fill the queue with copies. [`Outbox::flush`] waits for
@@ -56,7 +59,10 @@
 //! log refused for good), each labelled with the log (`kafka`, `sqlite`).
 
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -199,13 +205,14 @@ impl<T: Transport> Shared<T> {
         self.transport.unreachable().or_else(|| self.failing.lock().unwrap_or_else(PoisonError::into_inner).clone())
     }
 
-    /// Sends `records` until none is left to retry; answers the job.
+    /// Sends `records` until none is left to retry; answers the job (to
+    /// the publishes waiting on its records) and returns the answer.
     async fn run(
         self: Arc<Self>,
         job: u64,
         mut records: Vec<OutRecord>,
         answer: watch::Sender<Option<PortResult<()>>>,
-    ) {
+    ) -> PortResult<()> {
         let mut outcome = Ok(());
         let mut delay = RETRY_MIN;
         // The ids this job holds in `by_id`, to forget them one by one at
@@ -249,7 +256,7 @@ impl<T: Transport> Shared<T> {
         }
         // Answered before the ids are forgotten: a publish that finds one of
         // them meanwhile gets this answer at once.
-        let _ = answer.send(Some(outcome));
+        let _ = answer.send(Some(outcome.clone()));
         let this_job = answer.subscribe();
         let mut q = self.queue();
         for id in &ids {
@@ -263,6 +270,7 @@ impl<T: Transport> Shared<T> {
         // lower mark last, leaving a flush waiting for a job long done.
         self.low_water.send_replace(q.low_water());
         drop(q);
+        outcome
     }
 }
 
@@ -321,13 +329,24 @@ impl<T: Transport> Outbox<T> {
         if records.is_empty() {
             return Ok(());
         }
-        let answers = self.enqueue(records)?;
+        let (answers, job) = self.enqueue(records)?;
         let down = self.shared.unreachable();
         let timeout = match down {
             Some(_) => self.shared.options.timeout.min(DOWN_WAIT),
             None => self.shared.options.timeout,
         };
-        match tokio::time::timeout(timeout, wait_all(answers)).await {
+        // The job runs here; cut short by the timeout (or by this publish
+        // being dropped), it goes on in a task of its own.
+        let mut job = job;
+        let all = async {
+            let mine = match job.as_mut() {
+                Some(job) => job.await,
+                None => Ok(()),
+            };
+            let theirs = wait_all(answers).await;
+            mine.and(theirs)
+        };
+        match tokio::time::timeout(timeout, all).await {
             Ok(outcome) => outcome,
             Err(_) => Err(PortError::Transient(match down {
                 Some(why) => format!("log unavailable ({why}); the records are queued and published when it is back"),
@@ -349,11 +368,14 @@ impl<T: Transport> Outbox<T> {
         if records.is_empty() {
             return Ok(());
         }
+        // Dropped, the job goes on in a task of its own.
         self.enqueue(records).map(drop)
     }
 
-    /// Starts a job for the records not queued yet; the answers to wait for.
-    fn enqueue(&self, records: Vec<OutRecord>) -> PortResult<Vec<Answer>> {
+    /// Makes a job of the records not queued yet: the answers of the jobs
+    /// already holding the others, and the new job, to run (or drop, which
+    /// spawns it).
+    fn enqueue(&self, records: Vec<OutRecord>) -> PortResult<(Vec<Answer>, Option<Job>)> {
         let name = self.shared.transport.name();
         let mut q = self.shared.queue();
         let mut answers = Vec::new();
@@ -369,7 +391,7 @@ impl<T: Transport> Outbox<T> {
             }
         }
         if mine.is_empty() {
-            return Ok(answers);
+            return Ok((answers, None));
         }
         let capacity = self.shared.options.queue;
         if q.records + mine.len() > capacity {
@@ -393,10 +415,9 @@ impl<T: Transport> Outbox<T> {
                 q.by_id.insert(id.clone(), rx.clone());
             }
         }
-        answers.push(rx);
+        drop(rx);
         drop(q);
-        runtime.spawn(Arc::clone(&self.shared).run(job, mine, tx));
-        Ok(answers)
+        Ok((answers, Some(Finishing::new(Arc::clone(&self.shared).run(job, mine, tx), runtime))))
     }
 
     /// Waits until every job started before this call has finished, at most
@@ -415,6 +436,46 @@ impl<T: Transport> Outbox<T> {
         }
     }
 }
+
+/// A future that is not abandoned when its awaiter is: awaited, it runs in
+/// the awaiting task (no task of its own while it is awaited to the end);
+/// dropped before it is done, it goes on to its end in a task of its own on
+/// the runtime it was made on, its output discarded.
+pub struct Finishing<T: Send + 'static> {
+    rest: Option<Pin<Box<dyn Future<Output = T> + Send + 'static>>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl<T: Send + 'static> Finishing<T> {
+    pub fn new(future: impl Future<Output = T> + Send + 'static, runtime: tokio::runtime::Handle) -> Self {
+        Finishing { rest: Some(Box::pin(future)), runtime }
+    }
+}
+
+impl<T: Send + 'static> Future for Finishing<T> {
+    type Output = T;
+
+    /// # Panics
+    ///
+    /// Polled again after it returned its output (as any future may).
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(rest) = self.rest.as_mut() else { panic!("`Finishing` polled after its end") };
+        let out = std::task::ready!(rest.as_mut().poll(cx));
+        self.rest = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for Finishing<T> {
+    fn drop(&mut self) {
+        if let Some(rest) = self.rest.take() {
+            drop(self.runtime.spawn(rest));
+        }
+    }
+}
+
+/// A publish's job, run by the publish itself ([`Outbox::enqueue`]).
+type Job = Finishing<PortResult<()>>;
 
 /// The first failure among the answers, once all have one.
 async fn wait_all(answers: Vec<Answer>) -> PortResult<()> {
@@ -514,6 +575,25 @@ mod tests {
         assert_eq!(o.queued(), 0);
         o.publish(Vec::new()).await.expect("nothing to publish is fine");
         o.flush(Duration::ZERO).await.expect("nothing to flush");
+    }
+
+    /// A publish runs its job in its own task; dropped mid-way (its caller
+    /// went away), the job goes on without it and the record is taken.
+    #[tokio::test(start_paused = true)]
+    async fn a_publish_dropped_while_the_log_waits_still_puts_its_records_on_the_log() {
+        let (log, o) = outbox(10);
+        log.frozen.store(true, Ordering::SeqCst);
+        let publish = o.publish(vec![rec("a")]);
+        assert!(tokio::time::timeout(Duration::from_millis(50), publish).await.is_err(), "the log is frozen");
+        assert_eq!(*log.attempts.lock().expect("lock"), 1, "the attempt was made before the drop");
+        assert!(taken(&log).is_empty());
+        assert_eq!(o.queued(), 1, "still queued");
+
+        log.frozen.store(false, Ordering::SeqCst);
+        log.thawed.notify_waiters();
+        o.flush(Duration::from_secs(5)).await.expect("the dropped publish's job finished");
+        assert_eq!(taken(&log), ["a"]);
+        assert_eq!(o.queued(), 0);
     }
 
     #[tokio::test(start_paused = true)]
