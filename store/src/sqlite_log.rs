@@ -79,9 +79,9 @@
 //!   [`SqliteLog::reader`] wakes readers of the same process as soon as a
 //!   batch commits; writers in other processes (or other [`SqliteLog`]
 //!   values) are noticed by re-reading every [`POLL_INTERVAL`].
-//! - Every record carries its append time (`appended_at`, set by SQLite
-//!   itself at the insert, to the millisecond, like a broker's log-append
-//!   timestamp): the [`LogRecord::timestamp`] the projector takes as the
+//! - Every record carries its append time (`appended_at`, set by the
+//!   writer, one for each transaction, to the millisecond, like a broker's
+//!   log-append timestamp of a batch): the [`LogRecord::timestamp`] the projector takes as the
 //!   receipt of a fact the gateway did not stamp. Records of a file written
 //!   before the column existed have none.
 //! - Dead letters go to `log_dead_letters`: the original key and bytes, the
@@ -121,8 +121,19 @@ pub const MAX_BATCH_RECORDS: usize = 5_000;
 const QUEUE_DEPTH: usize = 4_096;
 
 /// The writer's one statement, prepared once per connection: `?1` is the
-/// topic, `?2` the partition.
-const INSERT: &str = r#"INSERT INTO log_records (topic, "partition", key, payload) VALUES (?1, ?2, ?3, ?4)"#;
+/// topic, `?2` the partition, `?5` the append time, one for the whole
+/// transaction (as a Kafka batch has one log-append time), written as the
+/// column's default writes it: the default's `strftime` per row was a
+/// twelfth of the writer's time.
+const INSERT: &str =
+    r#"INSERT INTO log_records (topic, "partition", key, payload, appended_at) VALUES (?1, ?2, ?3, ?4, ?5)"#;
+
+/// [`INSERT`]'s append time: the system's clock, as SQLite's `'now'`, in
+/// the column default's format (`%Y-%m-%dT%H:%M:%fZ`: RFC 3339 in UTC with
+/// milliseconds, which compares as text).
+fn append_stamp(at: chrono::DateTime<chrono::Utc>) -> String {
+    at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
 
 /// A partition's records from an offset on ([`read_records`]).
 const READ: &str = r#"SELECT "offset", key, payload, appended_at FROM log_records
@@ -482,8 +493,9 @@ impl Writer {
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(conn_err)?;
         {
             let mut insert = tx.prepare_cached(INSERT).map_err(conn_err)?;
+            let at = append_stamp(chrono::Utc::now());
             for (key, payload) in batch.iter().flat_map(|a| &a.records) {
-                insert.execute(rusqlite::params![self.topic, PARTITION, key, payload]).map_err(conn_err)?;
+                insert.execute(rusqlite::params![self.topic, PARTITION, key, payload, at]).map_err(conn_err)?;
             }
         }
         tx.commit().map_err(conn_err)
@@ -857,6 +869,7 @@ fn by_result_code(code: i32, message: String) -> PortError {
 mod tests {
     use std::path::PathBuf;
 
+    use chrono::Timelike;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
     use super::*;
@@ -883,6 +896,28 @@ mod tests {
         let log = SqliteLog::new(pool, "t.");
         log.ensure_schema().await.expect("schema");
         (log, dir)
+    }
+
+    /// The writer stamps records as the column's default does: the same
+    /// text for the same instant, so stamps of both kinds compare in order.
+    #[test]
+    fn the_append_stamp_is_the_column_defaults_text() {
+        let conn = rusqlite::Connection::open_in_memory().expect("open");
+        for at in ["2026-12-05T20:45:01.123456Z", "2026-01-01T00:00:00Z", "1999-12-31T23:59:59.999Z"] {
+            let at = chrono::DateTime::parse_from_rfc3339(at).expect("time").with_timezone(&chrono::Utc);
+            let sqlite: String = conn
+                .query_row(
+                    "SELECT strftime('%Y-%m-%dT%H:%M:%fZ', ?1)",
+                    [at.format("%Y-%m-%d %H:%M:%S%.3f").to_string()],
+                    |r| r.get(0),
+                )
+                .expect("strftime");
+            assert_eq!(append_stamp(at), sqlite);
+            assert_eq!(
+                append_time(Some(append_stamp(at))),
+                Some(at.with_nanosecond(at.nanosecond() / 1_000_000 * 1_000_000).expect("ms"))
+            );
+        }
     }
 
     fn writer_of(log: &SqliteLog) -> Writer {
