@@ -164,12 +164,11 @@ pub(crate) fn unframe<T: DeserializeOwned>(
         }
         return Ok(value);
     }
-    unframe_via_value(bytes, find, current, what)
+    read_via_value(bytes, body, writer, current, what)
 }
 
 /// As [`unframe`], always through an Avro value resolved to `current`: the
-/// reference the direct path is held to (tests), and the path of every
-/// version but the current one.
+/// reference the direct path is held to (tests).
 pub(crate) fn unframe_via_value<T: DeserializeOwned>(
     bytes: &[u8],
     find: fn(u64) -> Option<&'static SchemaVersion>,
@@ -178,6 +177,19 @@ pub(crate) fn unframe_via_value<T: DeserializeOwned>(
 ) -> Result<T, SchemaError> {
     let (fingerprint, body) = split_header(bytes)?;
     let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
+    read_via_value(bytes, body, writer, current, what)
+}
+
+/// Reads the single object `bytes` (its datum `body`, written with
+/// `writer`) through an Avro value resolved to `current`: the path of every
+/// version but the current one.
+fn read_via_value<T: DeserializeOwned>(
+    bytes: &[u8],
+    body: &[u8],
+    writer: &SchemaVersion,
+    current: &SchemaVersion,
+    what: (&str, &str),
+) -> Result<T, SchemaError> {
     // Resolution is only needed when the writer used another version.
     let reader = (writer.fingerprint != current.fingerprint).then_some(&current.schema);
     let malformed = |e: apache_avro::Error| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version));

@@ -31,11 +31,11 @@
 //!
 //! Each publish is a *job*: it sends its records, sleeps ([`RETRY_MIN`],
 //! doubling to [`RETRY_MAX`]) and sends again those that failed
-//! transiently, until none is left. The publish runs its job in its own task
-//! (no task per publish while the log answers) and waits for it (and for the
-//! jobs of its records that were already queued) up to the timeout; giving
-//! up waiting, or being dropped, does not stop the job: it goes on in a task
-//! of its own ([`Finishing`]). A job queued without waiting
+//! transiently, until none is left. The publish runs its job in the
+//! caller's task (no task per publish while the log answers) and waits for
+//! it (and for the jobs of its records that were already queued) up to the
+//! timeout; giving up waiting, or being dropped, does not stop the job: it
+//! goes on in a task of its own ([`Finishing`]). A job queued without waiting
 //! ([`Outbox::queue`]) is a task from the start. A record with an id (a usage
 //! fact: project and event id) that is already queued is not queued again:
 //! its publish waits for the job that holds it, so a client retrying through
@@ -329,7 +329,7 @@ impl<T: Transport> Outbox<T> {
         if records.is_empty() {
             return Ok(());
         }
-        let (answers, job) = self.enqueue(records)?;
+        let (answers, mut job) = self.enqueue(records)?;
         let down = self.shared.unreachable();
         let timeout = match down {
             Some(_) => self.shared.options.timeout.min(DOWN_WAIT),
@@ -337,7 +337,6 @@ impl<T: Transport> Outbox<T> {
         };
         // The job runs here; cut short by the timeout (or by this publish
         // being dropped), it goes on in a task of its own.
-        let mut job = job;
         let all = async {
             let mine = match job.as_mut() {
                 Some(job) => job.await,

@@ -81,8 +81,8 @@
 //!   values) are noticed by re-reading every [`POLL_INTERVAL`].
 //! - Every record carries its append time (`appended_at`, set by the
 //!   writer, one for each transaction, to the millisecond, like a broker's
-//!   log-append timestamp of a batch): the [`LogRecord::timestamp`] the projector takes as the
-//!   receipt of a fact the gateway did not stamp. Records of a file written
+//!   log-append timestamp of a batch): the [`LogRecord::timestamp`] the
+//!   projector takes as the receipt of a fact the gateway did not stamp. Records of a file written
 //!   before the column existed have none.
 //! - Dead letters go to `log_dead_letters`: the original key and bytes, the
 //!   reason, and the source topic, partition and offset, under the
