@@ -3,7 +3,8 @@
 //!
 //! [`Ledger::fold_batch`] is **one transaction** with a fixed number of
 //! statements per batch, never one per event: one or two per partition for
-//! the fence, one for the time zones, one for the dedup set, one for the
+//! the fence, one for the time zones, one for the dedup set (in a savepoint,
+//! made again when some of its events were there already), one for the
 //! prices its tokens events name (every version: meter prices each fact as
 //! of its receipt), one upsert of the sums, one for their unpriced rows, one
 //! for their breakdown by model (`model_usage`), four for the storage
@@ -205,7 +206,9 @@ async fn zones<B: Backend>(c: &mut B::Connection, plan: &BatchFold<'_>) -> PortR
 }
 
 /// (3) The dedup set: the candidates' ids it did not know yet, which it now
-/// does (RETURNING reports only the rows actually inserted).
+/// does. When it takes as many rows as there are candidates (they are
+/// distinct), they were all new; else it is undone to its savepoint and
+/// made again with RETURNING, which reports only the rows inserted.
 ///
 /// Each id is kept with what its event counts ([`Counted`]: a call or
 /// tokens event, which a correction may amend or void; `''` for the rest).
@@ -218,22 +221,36 @@ async fn dedup<B: Backend>(
     if candidates.is_empty() {
         return Ok(HashSet::new());
     }
-    let counted = candidates.iter().map(|f| {
-        let tz = zones.get(&f.project_id).copied().unwrap_or(Tz::UTC);
-        Counted::encode(Counted::of(f, tz).as_ref())
-    });
-    let rows = Rows::new()
-        .text("project_id", candidates.iter().map(|f| f.project_id.as_str()))
-        .text("event_id", candidates.iter().map(|f| f.id.as_str()))
-        .time("occurred_at", candidates.iter().map(|f| f.occurred_at))
-        .text("counted", counted);
+    let rows = || {
+        let counted = candidates.iter().map(|f| {
+            let tz = zones.get(&f.project_id).copied().unwrap_or(Tz::UTC);
+            Counted::encode(Counted::of(f, tz).as_ref())
+        });
+        Rows::new()
+            .text("project_id", candidates.iter().map(|f| f.project_id.as_str()))
+            .text("event_id", candidates.iter().map(|f| f.id.as_str()))
+            .time("occurred_at", candidates.iter().map(|f| f.occurred_at))
+            .text("counted", counted)
+    };
     // `WHERE true` keeps SQLite from reading ON CONFLICT as a join's ON.
-    let stmt = Stmt::new(
-        "INSERT INTO processed_events (project_id, event_id, occurred_at, counted) \
-         SELECT * FROM {rows} AS t WHERE true ON CONFLICT DO NOTHING RETURNING project_id, event_id",
-    )
-    .rows(rows);
-    Ok(each(&B::fetch(c, stmt).await?, ids::<B>)?.into_iter().collect())
+    const INSERT: &str = "INSERT INTO processed_events (project_id, event_id, occurred_at, counted) \
+                          SELECT * FROM {rows} AS t WHERE true ON CONFLICT DO NOTHING";
+    // Nearly always every candidate is new, and the count says so without
+    // a row back per event (SQLite's driver hands each row over on its own,
+    // from its thread to this one). On PostgreSQL, an insert that met
+    // another transaction's row for the same id waits for it and skips it,
+    // so the count falls short and the RETURNING form sorts it out.
+    B::execute(c, Stmt::new("SAVEPOINT dedup")).await?;
+    let inserted = B::execute(c, Stmt::new(INSERT).rows(rows())).await?;
+    if usize::try_from(inserted).is_ok_and(|n| n == candidates.len()) {
+        B::execute(c, Stmt::new("RELEASE SAVEPOINT dedup")).await?;
+        return Ok(candidates.iter().map(|f| (f.project_id.clone(), f.id.clone())).collect());
+    }
+    B::execute(c, Stmt::new("ROLLBACK TO SAVEPOINT dedup")).await?;
+    let stmt = Stmt::new(format!("{INSERT} RETURNING project_id, event_id")).rows(rows());
+    let new = each(&B::fetch(c, stmt).await?, ids::<B>)?.into_iter().collect();
+    B::execute(c, Stmt::new("RELEASE SAVEPOINT dedup")).await?;
+    Ok(new)
 }
 
 /// (3b) What the dedup set holds of the events the batch's corrections
