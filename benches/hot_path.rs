@@ -9,7 +9,10 @@
 //!   sequentially, and a plain Redis `PING` for reference;
 //! - baseline B: an axum hello-world, driven by the same HTTP client as the
 //!   check: sequential latency and 64-client throughput;
-//! - `/v1/check` through `gateway::app` with the real adapters;
+//! - `/v1/check` through `gateway::app` with the real adapters; its
+//!   throughput and process CPU against hello-world's also interleaved (8
+//!   pairs of 1-s slices, alternating, `support::interleave`), the ratio the
+//!   machine's drift between two separate measurements does not move;
 //! - baseline C: a raw rdkafka producer (the same configuration as
 //!   `store::KafkaConfig::producer`) versus `/v1/events`.
 //!
@@ -54,7 +57,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const ALLOCATOR: &str = if cfg!(feature = "mimalloc") { "mimalloc" } else { "system (glibc)" };
 
 mod support;
-use support::{AnyResult, Latency, NullLog, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
+use support::{
+    AnyResult, Interleaved, Latency, NullLog, Rate, bench_main, interleave, loadavg, ms, sequential, serve, throughput,
+};
 
 const ADMIN: &str = "admin-token-bench";
 const GATEWAY: &str = "gateway-token-bench";
@@ -73,6 +78,10 @@ const EVENTS_BATCH: usize = 500;
 const EVENTS_CLIENTS: usize = 4;
 /// Checks watched on a MONITOR connection to count Redis commands per check.
 const MONITOR_CHECKS: usize = 1_000;
+/// `/v1/check` and hello-world interleaved: this many pairs of slices, each
+/// slice this long.
+const INTERLEAVED_PAIRS: usize = 8;
+const SLICE_SECS: f64 = 1.0;
 
 fn main() {
     bench_main("hot_path", run);
@@ -138,6 +147,8 @@ struct Results {
     check: Latency,
     hello_rate: Rate,
     check_rate: Rate,
+    /// `/v1/check` and hello-world in alternating slices.
+    check_interleaved: Interleaved,
     redis_cmds_per_check: Option<(f64, f64)>,
     script_rate: Rate,
     nolog_check: Latency,
@@ -346,6 +357,23 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
         })
         .await
     };
+    eprintln!("hot_path: /v1/check and hello-world interleaved ({INTERLEAVED_PAIRS} pairs of {SLICE_SECS} s slices)");
+    let check_interleaved = {
+        let op = |url: &String| {
+            let (h, u, b) = (http.clone(), url.clone(), check_body.clone());
+            move || {
+                let (h, u, b) = (h.clone(), u.clone(), b.clone());
+                async move { post_json(&h, &u, &b).await }
+            }
+        };
+        // A pause before each slice lets the request events the checks
+        // publish in the background go out before the next slice starts.
+        let settle = async || {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            true
+        };
+        interleave(CLIENTS, INTERLEAVED_PAIRS, SLICE_SECS, op(&hello_url), op(&check_url), settle).await
+    };
     // Let the background publishes of the checks' request events drain.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
@@ -546,6 +574,7 @@ async fn measure(db_url: &str, redis_prefix: &str, topic_prefix: &str) -> AnyRes
         check: check_lat,
         hello_rate,
         check_rate,
+        check_interleaved,
         redis_cmds_per_check,
         record_bytes,
         raw_pipelined,
@@ -826,6 +855,16 @@ fn report(r: &Results) -> String {
         r.hello_rate.per_sec,
         verdict(tput >= 0.35)
     ));
+    let i = &r.check_interleaved;
+    let (lo, hi) = i.pair_range();
+    s.push_str(&format!(
+        "| the same, interleaved ({INTERLEAVED_PAIRS} pairs of {SLICE_SECS}-s slices, in equal time) | {:.3} ({:.0} / \
+         {:.0} req/s; pairs {lo:.3}–{hi:.3}) | 0.35 | {} |\n",
+        i.ratio(),
+        i.side(1).0,
+        i.side(0).0,
+        verdict(i.ratio() >= 0.35)
+    ));
     // The process holds the clients, the gateway and the producer; the
     // broker, Redis and PostgreSQL are processes of their own.
     match (r.check_rate.cpu_us_per_op(), r.hello_rate.cpu_us_per_op()) {
@@ -839,6 +878,9 @@ fn report(r: &Results) -> String {
         _ => s.push_str(
             "| process CPU per check ≤ 3 × hello-world's per request | not measured (no /proc/self/stat) | 3 | - |\n",
         ),
+    }
+    if let Some(ratio) = i.cpu_ratio() {
+        s.push_str(&format!("| the same, interleaved | {ratio:.2} | 3 | {} |\n", verdict(ratio <= 3.0)));
     }
     let publish = r.events.per_sec / r.raw_pipelined.per_sec;
     s.push_str(&format!(

@@ -29,7 +29,12 @@
 //! each variant hello-world's throughput is measured again, the same way;
 //! each variant's ratio is given against that one and against the median
 //! of the run's hello-world measurements, since hello-world's throughput
-//! alone moves by up to 2× within one run on this machine.
+//! alone moves by up to 2× within one run on this machine. Since session 26
+//! the embedded Layer and the no-op-log Layer are also measured
+//! **interleaved** with hello-world: 8 pairs of 1-s slices, alternating,
+//! each pair in the other order from the one before, with the projector
+//! let fold everything logged before each slice; their ratio in equal time
+//! is the one the machine's drift does not move (`support::interleave`).
 //!
 //! To profile one variant,
 //! `TOLLGATE_BENCH_PROFILE=hello|layer|layer_task|sync_normal|no_projector|null_log`
@@ -46,7 +51,9 @@
 //! the Layer's and the client's) goes to mimalloc instead of the system
 //! allocator, and the report goes to `target/bench-in-process-mimalloc.md`.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -67,7 +74,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod support;
-use support::{AnyResult, Latency, NullLog, Rate, bench_main, loadavg, ms, sequential, serve, throughput};
+use support::{
+    AnyResult, Interleaved, Latency, NullLog, Rate, bench_main, interleave, loadavg, ms, sequential, serve, throughput,
+};
 
 /// Sequential HTTP requests per latency measurement (after warm-up).
 const HTTP_N: usize = 5_000;
@@ -76,6 +85,10 @@ const HTTP_WARMUP: usize = 500;
 const CLIENTS: usize = 64;
 const THROUGHPUT_WARMUP_SECS: f64 = 1.0;
 const THROUGHPUT_SECS: f64 = 5.0;
+/// Interleaved throughput: this many pairs of slices, each slice this long
+/// (after the variant's own measurements, with the same clients).
+const INTERLEAVED_PAIRS: usize = 8;
+const SLICE_SECS: f64 = 1.0;
 /// The quota's limit: never reached, so every call is admitted.
 const HUGE_LIMIT: u64 = 1_000_000_000_000;
 
@@ -129,6 +142,8 @@ struct Variant {
     /// (hello-world alone has moved between 34,000 and 72,000 req/s within
     /// one run here, so one measurement of it makes a poor baseline).
     hello_before: Option<Rate>,
+    /// Its throughput and hello-world's, measured in alternating slices.
+    interleaved: Option<Interleaved>,
 }
 
 /// Sequential latency, then throughput, of POST `url`.
@@ -152,7 +167,77 @@ async fn measure(http: &reqwest::Client, url: &str, secret: &str, body: &Value) 
     eprintln!("in_process:   {CLIENTS} clients for {THROUGHPUT_SECS} s (after {THROUGHPUT_WARMUP_SECS} s warm-up)");
     throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
     let rate = throughput(CLIENTS, THROUGHPUT_SECS, op).await;
-    Variant { lat, rate, answered: answered.load(Ordering::Relaxed), log_records: None, hello_before: None }
+    Variant {
+        lat,
+        rate,
+        answered: answered.load(Ordering::Relaxed),
+        log_records: None,
+        hello_before: None,
+        interleaved: None,
+    }
+}
+
+/// POSTs of `body` to `url` with `secret`, as an operation to time.
+fn poster(
+    http: &reqwest::Client,
+    url: &str,
+    secret: &str,
+    body: &Value,
+) -> impl Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Clone + Send + Sync + 'static {
+    let (h, u, s, b) = (http.clone(), url.to_owned(), secret.to_owned(), body.clone());
+    move || {
+        let (h, u, s, b) = (h.clone(), u.clone(), s.clone(), b.clone());
+        Box::pin(async move { post_json(&h, &u, &s, &b).await })
+    }
+}
+
+/// A read-only view of the embedded log's file with the store's attached:
+/// enough to ask whether the projector has folded every usage record.
+async fn fold_watch(log: &Path, store: &Path) -> AnyResult<SqlitePool> {
+    let store = store.to_string_lossy().into_owned();
+    let options = SqliteConnectOptions::new().filename(log).read_only(true);
+    Ok(SqlitePoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            let store = store.clone();
+            Box::pin(async move {
+                sqlx::query("ATTACH DATABASE ? AS store").bind(store).execute(conn).await?;
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await?)
+}
+
+/// Whether the projector's offsets (in the attached store) are past the
+/// last usage record of every partition of the log; `None` if it cannot
+/// be read.
+async fn folded_all(watch: &SqlitePool) -> Option<bool> {
+    let behind: i64 = sqlx::query_scalar(
+        r#"SELECT count(*) FROM
+             (SELECT "partition" AS p, max("offset") AS last FROM log_records
+              WHERE topic = 'tollgate.usage' GROUP BY "partition") AS l
+           WHERE l.last >= COALESCE((SELECT o.next_offset FROM store.consumer_offsets AS o
+                                     WHERE o.consumer = 'tollgate-projector' AND o.topic = 'tollgate.usage'
+                                       AND o."partition" = l.p), 0)"#,
+    )
+    .fetch_one(watch)
+    .await
+    .ok()?;
+    Some(behind == 0)
+}
+
+/// Waits (up to 10 s) until the projector watched by `watch` has folded
+/// every usage record logged so far; false if it had not by then.
+async fn fold_caught_up(watch: &SqlitePool) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while folded_all(watch).await != Some(true) {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    true
 }
 
 /// A project, an API key (its secret is returned) and an enforce `calls`
@@ -335,13 +420,38 @@ async fn start(path: &Path, backend: Backend) -> AnyResult<(AppState, Running)> 
 
 /// A Tollgate on `backend` in `path`, the hello-world app under its layer,
 /// and the measurements of it (and the admission headers of a probe).
-async fn layered(http: &reqwest::Client, path: &Path, backend: Backend, body: &Value) -> AnyResult<(Variant, String)> {
+///
+/// With `hello` (hello-world's URL and the key it is sent), its throughput
+/// is then also measured interleaved with hello-world's ([`interleave`]).
+async fn layered(
+    http: &reqwest::Client,
+    path: &Path,
+    backend: Backend,
+    body: &Value,
+    hello: Option<(&str, &str)>,
+) -> AnyResult<(Variant, String)> {
     let log_path = log_file(path, &backend);
+    let folds = matches!(backend, Backend::Memory | Backend::View(_));
     let (state, running) = start(path, backend).await?;
     let secret = project_with_quota(&state, "bench-in-process").await?;
     let url = format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?);
     let headers = probe(http, &url, &secret, body).await?;
     let mut v = measure(http, &url, &secret, body).await;
+    if let Some((hello_url, hello_secret)) = hello {
+        eprintln!("in_process:   interleaved with hello-world, {INTERLEAVED_PAIRS} pairs of {SLICE_SECS} s slices");
+        let watch = if folds { Some(fold_watch(&log_path, path).await?) } else { None };
+        let (h, l) = (poster(http, hello_url, hello_secret, body), poster(http, &url, &secret, body));
+        let settle = async || match &watch {
+            Some(w) => fold_caught_up(w).await,
+            None => true,
+        };
+        let i = interleave(CLIENTS, INTERLEAVED_PAIRS, SLICE_SECS, h, l, settle).await;
+        v.answered += i.done[1];
+        v.interleaved = Some(i);
+        if let Some(w) = watch {
+            w.close().await;
+        }
+    }
     v.answered += 1; // the probe
     // Let the background request-event publishes drain, then stop the projector.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -523,6 +633,7 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
         throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
         throughput(CLIENTS, THROUGHPUT_SECS, op).await
     };
+    let interleaved = Some((hello_url.as_str(), secret_shape.as_str()));
     let with_hello = |before: Rate, (mut v, headers): (Variant, String)| {
         v.hello_before = Some(before);
         (v, headers)
@@ -531,13 +642,13 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     eprintln!("in_process: TollgateLayer over the embedded view (SQLite store and log, in-memory view)");
     let before = hello_again().await;
     let (layer, layer_headers) =
-        with_hello(before, layered(&http, &dir.join("memory.db"), Backend::Memory, &body).await?);
+        with_hello(before, layered(&http, &dir.join("memory.db"), Backend::Memory, &body, interleaved).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer with the Redis view (SQLite store and log)");
     let redis = match redis_view(redis_prefix).await {
         Ok(view) => {
             let before = hello_again().await;
-            layered(&http, &dir.join("redis.db"), Backend::View(view), &body)
+            layered(&http, &dir.join("redis.db"), Backend::View(view), &body, None)
                 .await
                 .map(|v| with_hello(before, v).0)
                 .map_err(|e| e.to_string())
@@ -551,25 +662,27 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite with synchronous = NORMAL");
     let before = hello_again().await;
     let (sync_normal, _) =
-        with_hello(before, layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body).await?);
+        with_hello(before, layered(&http, &dir.join("normal.db"), Backend::SyncNormal, &body, None).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, the log in the store's file");
     let before = hello_again().await;
-    let (one_file, _) = with_hello(before, layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body).await?);
+    let (one_file, _) =
+        with_hello(before, layered(&http, &dir.join("onefile.db"), Backend::OneFile, &body, None).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, the projector a task of the serving runtime");
     let before = hello_again().await;
     let (shared_runtime, _) =
-        with_hello(before, layered(&http, &dir.join("task.db"), Backend::SharedRuntime, &body).await?);
+        with_hello(before, layered(&http, &dir.join("task.db"), Backend::SharedRuntime, &body, None).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, SQLite log, no projector");
     let before = hello_again().await;
     let (no_projector, _) =
-        with_hello(before, layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body).await?);
+        with_hello(before, layered(&http, &dir.join("noproj.db"), Backend::NoProjector, &body, None).await?);
 
     eprintln!("in_process: diagnostics: TollgateLayer, in-memory view, no-op log");
     let before = hello_again().await;
-    let (null_log, _) = with_hello(before, layered(&http, &dir.join("nulllog.db"), Backend::NullLog, &body).await?);
+    let (null_log, _) =
+        with_hello(before, layered(&http, &dir.join("nulllog.db"), Backend::NullLog, &body, interleaved).await?);
 
     Ok(Results {
         load_before,
@@ -628,6 +741,22 @@ fn hello_median(r: &Results, variants: &[(&str, &Variant)]) -> f64 {
         n if n % 2 == 1 => all[n / 2],
         n => (all[n / 2 - 1] + all[n / 2]) / 2.0,
     }
+}
+
+fn interleaved_row(name: &str, i: &Interleaved) -> String {
+    let (h, h_lo, h_hi) = i.side(0);
+    let (v, v_lo, v_hi) = i.side(1);
+    let (r_lo, r_hi) = i.pair_range();
+    let cpu = i.cpu_ratio().map_or_else(|| "–".to_owned(), |c| format!("{c:.2}"));
+    let late =
+        if i.unsettled > 0 { format!(", {} slices began before it caught up", i.unsettled) } else { String::new() };
+    format!(
+        "| {name} | {h:.0} ({h_lo:.0}–{h_hi:.0}) | {v:.0} ({v_lo:.0}–{v_hi:.0}) | **{:.3}** | {r_lo:.3}–{r_hi:.3} | \
+         {cpu} | {:.2} s in all, {:.0} ms at most{late} |\n",
+        i.ratio(),
+        i.waited.as_secs_f64(),
+        i.longest_wait.as_secs_f64() * 1e3,
+    )
 }
 
 fn log_note(v: &Variant) -> String {
@@ -695,6 +824,19 @@ fn report(r: &Results) -> String {
     s.push_str(&ratio_rows(SHARED_RUNTIME, &r.shared_runtime, &r.hello, median));
     s.push_str(&ratio_rows(NO_PROJECTOR, &r.no_projector, &r.hello, median));
     s.push_str(&ratio_rows(NULL_LOG, &r.null_log, &r.hello, median));
+
+    s.push_str(&format!(
+        "\n### Interleaved with hello-world\n\n{INTERLEAVED_PAIRS} pairs of {SLICE_SECS}-s slices of {CLIENTS} \
+         clients, each pair in the other order from the one before; before each slice the projector is let fold \
+         every record logged so far (that wait is in neither side's time).\n\n\
+         | Variant | hello-world req/s (slices) | variant req/s (slices) | variant / hello-world, in equal time | \
+         pairs' ratios | process CPU per request / hello-world's | waited for the fold |\n|---|---|---|---|---|---|---|\n"
+    ));
+    for (name, v) in [(LAYER, &r.layer), (NULL_LOG, &r.null_log)] {
+        if let Some(i) = &v.interleaved {
+            s.push_str(&interleaved_row(name, i));
+        }
+    }
 
     let again: Vec<String> =
         variants.iter().filter_map(|(_, v)| v.hello_before.as_ref()).map(|h| format!("{:.0}", h.per_sec)).collect();

@@ -149,6 +149,101 @@ where
     Rate { per_sec: done as f64 / elapsed, done, errors: bad.load(Ordering::Relaxed), secs: elapsed, cpu_secs }
 }
 
+/// A baseline and a variant measured in alternating slices ([`interleave`]):
+/// the machine's speed, which drifts by up to 2× within one run here, is
+/// then the same for both, on average, in every pair.
+#[derive(Debug, Clone, Default)]
+pub struct Interleaved {
+    /// (baseline, variant) operations per second of each pair, in order.
+    pub pairs: Vec<(f64, f64)>,
+    /// Each side's completed operations and process CPU seconds (`None`
+    /// when `/proc/self/stat` cannot be read), summed over its slices.
+    pub done: [u64; 2],
+    pub cpu_secs: [Option<f64>; 2],
+    /// Time spent settling before the slices (in neither side's time), and
+    /// the longest such wait.
+    pub waited: Duration,
+    pub longest_wait: Duration,
+    /// Slices that began unsettled (the settling step gave up).
+    pub unsettled: usize,
+}
+
+impl Interleaved {
+    /// The variant's operations over the baseline's, in equal time.
+    pub fn ratio(&self) -> f64 {
+        let (b, v) = self.pairs.iter().fold((0.0, 0.0), |(b, v), (x, y)| (b + x, v + y));
+        if b > 0.0 { v / b } else { 0.0 }
+    }
+
+    /// The variant's process CPU per operation over the baseline's.
+    pub fn cpu_ratio(&self) -> Option<f64> {
+        let per_op = |i: usize| Some(self.cpu_secs[i]? / (self.done[i] > 0).then_some(self.done[i] as f64)?);
+        let (b, v) = (per_op(0)?, per_op(1)?);
+        (b > 0.0).then(|| v / b)
+    }
+
+    /// The lowest and highest of the pairs' ratios.
+    pub fn pair_range(&self) -> (f64, f64) {
+        let ratios = self.pairs.iter().map(|(b, v)| if *b > 0.0 { v / b } else { 0.0 });
+        ratios.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), r| (lo.min(r), hi.max(r)))
+    }
+
+    /// The mean, lowest and highest rate of one side's slices (0: the
+    /// baseline, 1: the variant).
+    pub fn side(&self, i: usize) -> (f64, f64, f64) {
+        let xs: Vec<f64> = self.pairs.iter().map(|p| if i == 0 { p.0 } else { p.1 }).collect();
+        let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (xs.iter().sum::<f64>() / xs.len().max(1) as f64, lo, hi)
+    }
+}
+
+/// A baseline and a variant in alternating slices of `slice_secs` with
+/// `clients` clients, `pairs` pairs, each pair in the other order from the
+/// one before (baseline, variant, variant, baseline, …), so a steady drift
+/// of the machine's speed favours neither. Before every slice `settle`
+/// runs (say, until a projector has folded what the variant logged, so
+/// that no slice does another's work); it returns false if it gave up.
+pub async fn interleave<B, BF, V, VF>(
+    clients: usize,
+    pairs: usize,
+    slice_secs: f64,
+    baseline: B,
+    variant: V,
+    mut settle: impl AsyncFnMut() -> bool,
+) -> Interleaved
+where
+    B: Fn() -> BF + Clone + Send + Sync + 'static,
+    BF: Future<Output = bool> + Send,
+    V: Fn() -> VF + Clone + Send + Sync + 'static,
+    VF: Future<Output = bool> + Send,
+{
+    let mut out = Interleaved { cpu_secs: [Some(0.0), Some(0.0)], ..Interleaved::default() };
+    for pair in 0..pairs {
+        let mut rates = [0.0; 2];
+        for slot in 0..2 {
+            let start = Instant::now();
+            if !settle().await {
+                out.unsettled += 1;
+            }
+            let waited = start.elapsed();
+            out.waited += waited;
+            out.longest_wait = out.longest_wait.max(waited);
+            let side = (pair + slot) % 2;
+            let rate = if side == 0 {
+                throughput(clients, slice_secs, baseline.clone()).await
+            } else {
+                throughput(clients, slice_secs, variant.clone()).await
+            };
+            rates[side] = rate.per_sec;
+            out.done[side] += rate.done;
+            out.cpu_secs[side] = out.cpu_secs[side].zip(rate.cpu_secs).map(|(a, b)| a + b);
+        }
+        out.pairs.push((rates[0], rates[1]));
+    }
+    out
+}
+
 /// The 1, 5 and 15 minute load averages (Linux), to judge how quiet the machine was.
 pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
