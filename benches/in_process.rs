@@ -582,13 +582,7 @@ async fn profile(which: &str) -> AnyResult<()> {
             (format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?), secret, running)
         }
     };
-    let op = {
-        let (h, u, s, b) = (http.clone(), url.clone(), secret.clone(), body.clone());
-        move || {
-            let (h, u, s, b) = (h.clone(), u.clone(), s.clone(), b.clone());
-            async move { post_json(&h, &u, &s, &b).await }
-        }
-    };
+    let op = poster(&http, &url, &secret, &body);
     let op_latency = op.clone();
     throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
     eprintln!("in_process: profiling {which}: pid {} for {secs} s", std::process::id());
@@ -625,11 +619,7 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
     // Hello-world's throughput again, just before each variant's.
     let hello_again = async || {
         eprintln!("in_process:   hello-world again, {CLIENTS} clients for {THROUGHPUT_SECS} s");
-        let (h, u, s, b) = (http.clone(), hello_url.clone(), secret_shape.clone(), body.clone());
-        let op = move || {
-            let (h, u, s, b) = (h.clone(), u.clone(), s.clone(), b.clone());
-            async move { post_json(&h, &u, &s, &b).await }
-        };
+        let op = poster(&http, &hello_url, &secret_shape, &body);
         throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
         throughput(CLIENTS, THROUGHPUT_SECS, op).await
     };

@@ -57,9 +57,9 @@
 //!
 //! If recording fails, the service's response is still sent (the call has
 //! happened; refusing it now would help nobody), with a warning and
-//! `tollgate_layer_record_failures_total`. Recording runs as far as it goes
-//! at once and the rest in a task of its own, so a client that disconnects
-//! mid-way cannot leave a settle without its publish. If the service's future is dropped or panics before it answers,
+//! `tollgate_layer_record_failures_total`. Recording runs in the request's
+//! task, and what is left of it when a client disconnects mid-way goes on
+//! in a task of its own, so that cannot leave a settle without its publish. If the service's future is dropped or panics before it answers,
 //! the reservation is released at once instead of waiting for its lease.
 //!
 //! The layer works with whatever ports the [`AppState`] holds: the embedded
@@ -413,10 +413,9 @@ pub struct RowStream;
 /// Records a call's fact so that settle and publish cannot be cut apart by
 /// the client going away (a settle without its publish would leave a pending
 /// delta that no fold ever drops): the recording runs here as far as it
-/// goes without waiting, and whatever of it has to wait goes on in a task of
-/// its own, which logs and counts a failure. So a view and a log that answer
-/// at once (the memory view, a log that only queues) cost no task. The rest
-/// of the recording, if it has to wait ([`Finishing`]: awaited, it runs in
+/// goes without waiting, and logs and counts a failure. So a view and a log
+/// that answer at once (the memory view, a log that only queues) cost
+/// nothing more. The rest of the recording, if it has to wait ([`Finishing`]: awaited, it runs in
 /// the caller's task; dropped first, in a task of its own); `None` outside a
 /// runtime (nothing to run it, nothing recorded). The check's request event,
 /// when the call still holds it, is published in the same publish, ahead of
@@ -441,7 +440,8 @@ fn record_call(
         }
     });
     // Polled once here with a waker that does nothing: if it has to wait,
-    // the task polls it again at once with its own.
+    // whoever runs the rest (the caller awaiting it, or the task it is
+    // spawned into when dropped) polls it again at once with its own.
     let mut cx = Context::from_waker(std::task::Waker::noop());
     match job.as_mut().poll(&mut cx) {
         Poll::Ready(()) => None,

@@ -150,8 +150,7 @@ pub(crate) fn unframe<T: DeserializeOwned>(
     current: &SchemaVersion,
     what: (&str, &str),
 ) -> Result<T, SchemaError> {
-    let (fingerprint, body) = split_header(bytes)?;
-    let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
+    let (writer, body) = writer_of(bytes, find)?;
     if writer.fingerprint == current.fingerprint
         && let Some(schema) = fast_schema(writer)
     {
@@ -175,9 +174,18 @@ pub(crate) fn unframe_via_value<T: DeserializeOwned>(
     current: &SchemaVersion,
     what: (&str, &str),
 ) -> Result<T, SchemaError> {
-    let (fingerprint, body) = split_header(bytes)?;
-    let writer = find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?;
+    let (writer, body) = writer_of(bytes, find)?;
     read_via_value(bytes, body, writer, current, what)
+}
+
+/// The version a single object was written with (by its header's
+/// fingerprint, among those `find` knows) and its datum.
+fn writer_of(
+    bytes: &[u8],
+    find: fn(u64) -> Option<&'static SchemaVersion>,
+) -> Result<(&'static SchemaVersion, &[u8]), SchemaError> {
+    let (fingerprint, body) = split_header(bytes)?;
+    Ok((find(fingerprint).ok_or(SchemaError::UnknownFingerprint(fingerprint))?, body))
 }
 
 /// Reads the single object `bytes` (its datum `body`, written with
