@@ -4,7 +4,7 @@
 //! reference), so they are decided here, once, for the HTTP routes and the
 //! tower Layer alike.
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use meter::{BreachKind, FieldError, PortError};
 
@@ -75,24 +75,27 @@ impl ApiError {
     }
 }
 
-/// The `X-Quota-*` headers of an answer to a caller with quotas.
-pub fn remaining_headers(r: &Remaining) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    let mut set = |name: &'static str, value: String| {
-        if let Ok(h) = HeaderValue::from_str(&value) {
-            headers.insert(name, h);
-        }
-    };
+const REMAINING_CALLS: HeaderName = HeaderName::from_static("x-quota-remaining-calls");
+const REMAINING_ROWS: HeaderName = HeaderName::from_static("x-quota-remaining-rows");
+const QUOTA_RESET: HeaderName = HeaderName::from_static("x-quota-reset");
+
+/// Sets the `X-Quota-*` headers of an answer to a caller with quotas in
+/// the answer's own `headers` (nothing is built to be copied over, and the
+/// names are constants).
+pub fn put_remaining(headers: &mut HeaderMap, r: &Remaining) {
     if let Some(c) = r.calls {
-        set("x-quota-remaining-calls", c.to_string());
+        headers.insert(REMAINING_CALLS, HeaderValue::from(c));
     }
     if let Some(rows) = r.rows {
-        set("x-quota-remaining-rows", rows.to_string());
+        headers.insert(REMAINING_ROWS, HeaderValue::from(rows));
     }
     if let Some(t) = r.reset {
-        set("x-quota-reset", t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+        let value = t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        // An RFC 3339 time is visible ASCII: a valid value, taken as it is.
+        if let Ok(h) = HeaderValue::try_from(value) {
+            headers.insert(QUOTA_RESET, h);
+        }
     }
-    headers
 }
 
 /// The error of a refused check (429 `QUOTA_EXCEEDED` with `Retry-After`,
@@ -157,7 +160,7 @@ fn refusal(r: &Refusal) -> ApiError {
         }))),
     };
     let mut e = e;
-    e.headers.extend(remaining_headers(&r.remaining));
+    put_remaining(&mut e.headers, &r.remaining);
     e
 }
 
@@ -246,3 +249,25 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod remaining_tests {
+    use chrono::TimeZone;
+
+    use super::*;
+
+    #[test]
+    fn put_remaining_sets_each_header_it_has_a_value_for_and_no_other() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-quota-remaining-calls", HeaderValue::from_static("stale"));
+        let reset = chrono::Utc.with_ymd_and_hms(2026, 12, 7, 0, 0, 0).single();
+        put_remaining(&mut headers, &Remaining { calls: Some(41), rows: None, reset });
+        assert_eq!(headers.get("x-quota-remaining-calls").and_then(|v| v.to_str().ok()), Some("41"));
+        assert_eq!(headers.get("x-quota-reset").and_then(|v| v.to_str().ok()), Some("2026-12-07T00:00:00Z"));
+        assert!(headers.get("x-quota-remaining-rows").is_none());
+        assert_eq!(headers.len(), 2, "replaced, not appended");
+
+        put_remaining(&mut headers, &Remaining { calls: None, rows: Some(0), reset: None });
+        assert_eq!(headers.get("x-quota-remaining-rows").and_then(|v| v.to_str().ok()), Some("0"));
+    }
+}

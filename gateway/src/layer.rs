@@ -80,7 +80,7 @@ use tracing::warn;
 
 use store::outbox::Finishing;
 
-use crate::error::{ApiError, ApiResult, remaining_headers};
+use crate::error::{ApiError, ApiResult, put_remaining};
 use crate::service::admission::{self, Admission, RequestEvent};
 use crate::service::recording;
 use crate::state::{AppState, new_event_id};
@@ -309,7 +309,7 @@ where
         if let Some(r) = request.take() {
             r.send();
         }
-        res.headers_mut().extend(remaining_headers(&admission.remaining));
+        put_remaining(res.headers_mut(), &admission.remaining);
         explain_header(&mut res, &admission);
         res.headers_mut().remove(header::CONTENT_LENGTH);
         let settle = StreamSettle { state, admission, actor, status: res.status().as_u16(), done: false };
@@ -327,7 +327,7 @@ where
         recorded.await;
     }
 
-    res.headers_mut().extend(remaining_headers(&admission.remaining));
+    put_remaining(res.headers_mut(), &admission.remaining);
     explain_header(&mut res, &admission);
     hold(res, held)
 }

@@ -11,7 +11,7 @@ use crate::dto::Body;
 use crate::dto::check::{CallLimits, CheckBody, CheckResponse, PermitView};
 use crate::dto::errors::ErrorBody;
 use crate::dto::events::{EventsAccepted, EventsBody, Reported};
-use crate::error::{ApiResult, remaining_headers};
+use crate::error::{ApiResult, put_remaining};
 use crate::service::admission::{self, CheckRequest, Checked};
 use crate::service::recording;
 use crate::state::AppState;
@@ -60,7 +60,9 @@ pub async fn check(_: GatewayAuth, State(s): State<AppState>, Body(body): Body<C
                 degraded: degraded.then_some(true),
                 explain: explain.as_deref().map(crate::dto::check::explained),
             };
-            (remaining_headers(&remaining), Json(body)).into_response()
+            let mut res = Json(body).into_response();
+            put_remaining(res.headers_mut(), &remaining);
+            res
         }
     })
 }
