@@ -35,6 +35,11 @@
 //! each pair in the other order from the one before, with the projector
 //! let fold everything logged before each slice; their ratio in equal time
 //! is the one the machine's drift does not move (`support::interleave`).
+//! Since session 27 the two are then measured so again, each in a new
+//! process of this benchmark (`TOLLGATE_BENCH_FRESH=layer|null_log` runs
+//! only that, and prints its row): hello-world alone measured 46,000–53,000
+//! req/s in a new process here and about 38,000 once the first Layer had
+//! run, so the run's history could have been in the ratio.
 //!
 //! To profile one variant,
 //! `TOLLGATE_BENCH_PROFILE=hello|layer|layer_task|sync_normal|no_projector|null_log`
@@ -518,11 +523,82 @@ struct Results {
     shared_runtime: Variant,
     no_projector: Variant,
     null_log: Variant,
+    /// The embedded and no-op-log Layers interleaved with hello-world, each
+    /// in a fresh process ([`fresh`]): their report rows, or why not.
+    fresh: Vec<(&'static str, Result<String, String>)>,
+}
+
+/// Set to `layer` or `null_log`, the process measures only that Layer
+/// interleaved with hello-world and prints its report row ([`fresh`]).
+const FRESH_ENV: &str = "TOLLGATE_BENCH_FRESH";
+/// What the row printed by [`fresh`] begins with.
+const FRESH_MARK: &str = "FRESH\t";
+
+/// The report row of [`fresh`]`(which)`, run in a new process of this
+/// benchmark: a full run's variants leave state behind them (servers,
+/// pooled connections, views, a larger heap) in which hello-world measured
+/// 25 % slower than in a new process, and the Layers did not.
+async fn in_own_process(which: &str) -> Result<String, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this benchmark's path: {e}"))?;
+    let out = tokio::process::Command::new(exe)
+        .arg("--bench")
+        .env(FRESH_ENV, which)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await
+        .map_err(|e| format!("could not run it: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout.lines().find_map(|l| l.strip_prefix(FRESH_MARK)) {
+        Some(row) if out.status.success() => Ok(format!("{row}\n")),
+        _ => Err(format!("it printed no result ({})", out.status)),
+    }
+}
+
+/// Measures one Layer (`layer`: embedded; `null_log`: the no-op log) and
+/// hello-world interleaved, in this process and nothing else before them
+/// but a warm-up of each; prints the report row after [`FRESH_MARK`].
+async fn fresh(which: &str) -> AnyResult<()> {
+    let (backend, name) = match which {
+        "layer" => (Backend::Memory, LAYER),
+        "null_log" => (Backend::NullLog, NULL_LOG),
+        other => return Err(format!("{FRESH_ENV}: {other:?} is not layer or null_log").into()),
+    };
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
+    let secret_shape = format!("tg_{}", random_token(40));
+    let body = json!({ "api_key": secret_shape });
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-fresh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("fresh.db");
+    let log_path = log_file(&path, &backend);
+    let folds = matches!(backend, Backend::Memory);
+    let hello_url = format!("{}/hello", serve(hello_app()).await?);
+    let (state, running) = start(&path, backend).await?;
+    let secret = project_with_quota(&state, "bench-fresh").await?;
+    let url = format!("{}/hello", serve(hello_app().layer(TollgateLayer::new(state))).await?);
+    let (h, l) = (poster(&http, &hello_url, &secret_shape, &body), poster(&http, &url, &secret, &body));
+    throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, h.clone()).await;
+    throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, l.clone()).await;
+    let watch = if folds { Some(fold_watch(&log_path, &path).await?) } else { None };
+    let settle = async || match &watch {
+        Some(w) => fold_caught_up(w).await,
+        None => true,
+    };
+    let i = interleave(CLIENTS, INTERLEAVED_PAIRS, SLICE_SECS, h, l, settle).await;
+    println!("{FRESH_MARK}{}", interleaved_row(name, &i).trim_end());
+    if let Some(w) = watch {
+        w.close().await;
+    }
+    running.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
 }
 
 async fn run() -> AnyResult<()> {
     if let Ok(which) = std::env::var("TOLLGATE_BENCH_PROFILE") {
         return profile(&which).await;
+    }
+    if let Ok(which) = std::env::var(FRESH_ENV) {
+        return fresh(&which).await;
     }
     let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
@@ -538,7 +614,11 @@ async fn run() -> AnyResult<()> {
         eprintln!("in_process: could not remove {}: {e}", dir.display());
     }
 
-    let r = result?;
+    let mut r = result?;
+    for (which, name) in [("layer", LAYER), ("null_log", NULL_LOG)] {
+        eprintln!("in_process: {name}, interleaved with hello-world in a process of its own");
+        r.fresh.push((name, in_own_process(which).await));
+    }
     let report = report(&r);
     println!("\n{report}");
     let target =
@@ -688,6 +768,7 @@ async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before
         shared_runtime,
         no_projector,
         null_log,
+        fresh: Vec::new(),
     })
 }
 
@@ -825,6 +906,21 @@ fn report(r: &Results) -> String {
     for (name, v) in [(LAYER, &r.layer), (NULL_LOG, &r.null_log)] {
         if let Some(i) = &v.interleaved {
             s.push_str(&interleaved_row(name, i));
+        }
+    }
+
+    s.push_str(&format!(
+        "\n### Interleaved with hello-world, each in a process of its own\n\nAs above, in a new process of this \
+         benchmark per Layer, in which hello-world and that Layer are all that ran (a second of warm-up each): \
+         the variants measured before them in a full run leave servers, pooled connections, views and a larger \
+         heap behind, and hello-world measures slower in that process than in a new one.\n\n\
+         | Variant | hello-world req/s (slices) | variant req/s (slices) | variant / hello-world, in equal time | \
+         pairs' ratios | process CPU per request / hello-world's | waited for the fold |\n|---|---|---|---|---|---|---|\n"
+    ));
+    for (name, row) in &r.fresh {
+        match row {
+            Ok(row) => s.push_str(row),
+            Err(why) => s.push_str(&format!("| {name} | {why} | | | | | |\n")),
         }
     }
 
