@@ -59,8 +59,9 @@
 //! happened; refusing it now would help nobody), with a warning and
 //! `tollgate_layer_record_failures_total`. Recording runs in the request's
 //! task, and what is left of it when a client disconnects mid-way goes on
-//! in a task of its own, so that cannot leave a settle without its publish. If the service's future is dropped or panics before it answers,
-//! the reservation is released at once instead of waiting for its lease.
+//! in a task of its own, so that cannot leave a settle without its publish.
+//! If the service's future is dropped or panics before it answers, the
+//! reservation is released at once instead of waiting for its lease.
 //!
 //! The layer works with whatever ports the [`AppState`] holds: the embedded
 //! view and store, or Redis, PostgreSQL and Kafka.
@@ -412,12 +413,13 @@ pub struct RowStream;
 
 /// Records a call's fact so that settle and publish cannot be cut apart by
 /// the client going away (a settle without its publish would leave a pending
-/// delta that no fold ever drops): the recording runs here as far as it
-/// goes without waiting, and logs and counts a failure. So a view and a log
-/// that answer at once (the memory view, a log that only queues) cost
-/// nothing more. The rest of the recording, if it has to wait ([`Finishing`]: awaited, it runs in
-/// the caller's task; dropped first, in a task of its own); `None` outside a
-/// runtime (nothing to run it, nothing recorded). The check's request event,
+/// delta that no fold ever drops). The recording runs here as far as it
+/// goes without waiting, so a view and a log that answer at once (the
+/// memory view, a log that only queues) cost no task; a failure is logged
+/// and counted. Returns the rest of the recording if it has to wait
+/// ([`Finishing`]: awaited, it runs in the caller's task; dropped first, in
+/// a task of its own); `None` when it is done, or outside a runtime
+/// (nothing to run it, nothing recorded). The check's request event,
 /// when the call still holds it, is published in the same publish, ahead of
 /// the call's.
 fn record_call(
