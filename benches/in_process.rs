@@ -528,6 +528,16 @@ struct Results {
     fresh: Vec<(&'static str, Result<String, String>)>,
 }
 
+/// The HTTP client of every measurement, a key of the shape Tollgate's
+/// take (hello-world's), and hot_path's check body with it; the key itself
+/// goes in `Authorization: Bearer`.
+fn client() -> AnyResult<(reqwest::Client, String, Value)> {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
+    let secret_shape = format!("tg_{}", random_token(40));
+    let body = json!({ "api_key": secret_shape });
+    Ok((http, secret_shape, body))
+}
+
 /// Set to `layer` or `null_log`, the process measures only that Layer
 /// interleaved with hello-world and prints its report row ([`fresh`]).
 const FRESH_ENV: &str = "TOLLGATE_BENCH_FRESH";
@@ -563,9 +573,7 @@ async fn fresh(which: &str) -> AnyResult<()> {
         "null_log" => (Backend::NullLog, NULL_LOG),
         other => return Err(format!("{FRESH_ENV}: {other:?} is not layer or null_log").into()),
     };
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
-    let secret_shape = format!("tg_{}", random_token(40));
-    let body = json!({ "api_key": secret_shape });
+    let (http, secret_shape, body) = client()?;
     let dir = std::env::temp_dir().join(format!("tollgate-bench-fresh-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("fresh.db");
@@ -635,9 +643,7 @@ async fn run() -> AnyResult<()> {
 /// Runs one variant's concurrent clients for a while, for a profiler.
 async fn profile(which: &str) -> AnyResult<()> {
     let secs: f64 = std::env::var("TOLLGATE_BENCH_PROFILE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20.0);
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
-    let secret_shape = format!("tg_{}", random_token(40));
-    let body = json!({ "api_key": secret_shape });
+    let (http, secret_shape, body) = client()?;
     let dir = std::env::temp_dir().join(format!("tollgate-bench-profile-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let backend = match which {
@@ -687,10 +693,7 @@ async fn profile(which: &str) -> AnyResult<()> {
 
 async fn measure_all(dir: &Path, redis_prefix: &str, workers: usize, load_before: String) -> AnyResult<Results> {
     // One client for every HTTP measurement, as in hot_path.
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
-    // hot_path's check body; the key itself goes in `Authorization: Bearer`.
-    let secret_shape = format!("tg_{}", random_token(40));
-    let body = json!({ "api_key": secret_shape });
+    let (http, secret_shape, body) = client()?;
 
     eprintln!("in_process: hello-world");
     let hello_url = format!("{}/hello", serve(hello_app()).await?);
