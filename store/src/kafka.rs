@@ -287,10 +287,10 @@ impl KafkaLog {
     pub fn new(config: &KafkaConfig) -> PortResult<Self> {
         let state = Arc::new(ProducerState::default());
         let settings = config.producer_config();
+        let producer = settings.create_with_context(Tracking(Arc::clone(&state))).map_err(kafka_err)?;
         let sender = KafkaSender {
-            waited: Slot::new(&settings, &state)?,
-            queued: Slot::new(&settings, &state)?,
             settings,
+            producer: Arc::new(RwLock::new(Arc::new(producer))),
             state,
             topic: config.usage_topic(),
         };
@@ -312,7 +312,7 @@ impl KafkaLog {
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) -> PortResult<()> {
         let sender = self.outbox.transport();
         sender
-            .producer(&sender.waited)?
+            .producer()?
             .send(FutureRecord::to(&sender.topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
             .await
             .map(|_| ())
@@ -400,6 +400,8 @@ pub struct ProducerState {
     /// librdkafka reported every broker connection down since the last
     /// successful delivery (not an outage by itself: see [`KafkaLog`]).
     all_down: AtomicBool,
+    /// A fatal error was reported: the producer must be replaced.
+    fatal: AtomicBool,
 }
 
 impl ProducerState {
@@ -418,10 +420,9 @@ impl ProducerState {
         *d = why;
     }
 
-    /// A delivery report of the producer in `slot`: success says the broker
-    /// is up, a failure that it is not (a timed-out record, a lost
-    /// connection).
-    fn delivered(&self, slot: &Slot, outcome: Result<(), &KafkaError>) {
+    /// A delivery report: success says the broker is up, a failure that it
+    /// is not (a timed-out record, a lost connection).
+    fn delivered(&self, outcome: Result<(), &KafkaError>) {
         match outcome {
             Ok(()) => {
                 self.all_down.store(false, Ordering::SeqCst);
@@ -431,7 +432,7 @@ impl ProducerState {
             }
             Err(e) => {
                 if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
-                    slot.fatal.store(true, Ordering::SeqCst);
+                    self.fatal.store(true, Ordering::SeqCst);
                 }
                 self.set_down(Some(format!("delivery failed: {e}")));
             }
@@ -439,96 +440,60 @@ impl ProducerState {
     }
 }
 
-/// A producer's client context: librdkafka's global errors reach the
-/// [`ProducerState`] (and the log) through it, and a fatal one marks the
-/// producer for replacement.
-struct Tracking {
-    state: Arc<ProducerState>,
-    fatal: Arc<AtomicBool>,
-}
+/// The producer's client context: librdkafka's global errors reach the
+/// [`ProducerState`] (and the log) through it.
+struct Tracking(Arc<ProducerState>);
 
 impl ClientContext for Tracking {
     fn error(&self, error: KafkaError, reason: &str) {
-        let state = &self.state;
         match error.rdkafka_error_code() {
-            Some(RDKafkaErrorCode::AllBrokersDown) => state.all_down.store(true, Ordering::SeqCst),
+            Some(RDKafkaErrorCode::AllBrokersDown) => self.0.all_down.store(true, Ordering::SeqCst),
             // librdkafka's wording for a refused or failed connect.
             Some(RDKafkaErrorCode::BrokerTransportFailure)
-                if state.all_down.load(Ordering::SeqCst) && reason.contains("Connect to") =>
+                if self.0.all_down.load(Ordering::SeqCst) && reason.contains("Connect to") =>
             {
-                state.set_down(Some(format!("all brokers down: {reason}")));
+                self.0.set_down(Some(format!("all brokers down: {reason}")));
             }
             Some(RDKafkaErrorCode::Fatal) => {
-                self.fatal.store(true, Ordering::SeqCst);
-                state.set_down(Some(format!("fatal producer error: {reason}")));
+                self.0.fatal.store(true, Ordering::SeqCst);
+                self.0.set_down(Some(format!("fatal producer error: {reason}")));
             }
             _ => warn!(error = %error, reason, "kafka producer error"),
         }
     }
 }
 
-/// One producer of the usage log, replaced whole after a fatal error.
-struct Slot {
-    producer: RwLock<Arc<FutureProducer<Tracking>>>,
-    /// A fatal error was reported: the producer must be replaced.
-    fatal: Arc<AtomicBool>,
-}
-
-impl Slot {
-    fn new(settings: &ClientConfig, state: &Arc<ProducerState>) -> PortResult<Slot> {
-        let fatal = Arc::new(AtomicBool::new(false));
-        let producer = Slot::create(settings, state, &fatal)?;
-        Ok(Slot { producer: RwLock::new(producer), fatal })
-    }
-
-    fn create(
-        settings: &ClientConfig,
-        state: &Arc<ProducerState>,
-        fatal: &Arc<AtomicBool>,
-    ) -> PortResult<Arc<FutureProducer<Tracking>>> {
-        let context = Tracking { state: Arc::clone(state), fatal: Arc::clone(fatal) };
-        Ok(Arc::new(settings.create_with_context(context).map_err(kafka_err)?))
-    }
-}
-
 /// One attempt at putting records on the usage topic, for the outbox.
-///
-/// Two producers: one for the publishes that wait (a call's event, a batch
-/// of `/v1/events`) and one for the outbox's pump, which sends what was
-/// queued without waiting (a check's request event) one attempt at a time.
-/// Why two: an idempotent librdkafka producer sends nothing more to a
-/// partition while five or more of its records are in flight there, and
-/// while it waits, with records queued past their `linger.ms`, its broker
-/// thread polls in a loop without pause (session 28 measured a quarter of a
-/// core at 9,000 checks/s). The pump never hands its producer a record
-/// while an attempt is on its way, so that producer never waits that way;
-/// the waited publishes, on a producer of their own, do not break that.
-/// The two producers' records of one project may land in either order (the
-/// fold and the seed do not depend on it). A queued record sent again after
-/// a failure goes out on the waited publishes' producer.
 struct KafkaSender {
     settings: ClientConfig,
-    waited: Slot,
-    queued: Slot,
+    /// Replaced whole after a fatal error.
+    producer: Arc<RwLock<Arc<FutureProducer<Tracking>>>>,
     state: Arc<ProducerState>,
     topic: String,
 }
 
 impl KafkaSender {
-    /// The producer in `slot`: a new one if the last reported a fatal error.
-    fn producer(&self, slot: &Slot) -> PortResult<Arc<FutureProducer<Tracking>>> {
-        if slot.fatal.swap(false, Ordering::SeqCst) {
+    /// The producer to send with: a new one if the last reported a fatal error.
+    fn producer(&self) -> PortResult<Arc<FutureProducer<Tracking>>> {
+        if self.state.fatal.swap(false, Ordering::SeqCst) {
             warn!("kafka producer: replacing the producer after a fatal error");
-            let fresh = Slot::create(&self.settings, &self.state, &slot.fatal)?;
-            *slot.producer.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
+            let fresh =
+                Arc::new(self.settings.create_with_context(Tracking(Arc::clone(&self.state))).map_err(kafka_err)?);
+            *self.producer.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
             return Ok(fresh);
         }
-        Ok(Arc::clone(&slot.producer.read().unwrap_or_else(PoisonError::into_inner)))
+        Ok(Arc::clone(&self.producer.read().unwrap_or_else(PoisonError::into_inner)))
+    }
+}
+
+#[async_trait]
+impl Transport for KafkaSender {
+    fn name(&self) -> &'static str {
+        "kafka"
     }
 
-    /// One attempt with the producer in `slot`.
-    async fn send_with(&self, slot: &Slot, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        let producer = match self.producer(slot) {
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        let producer = match self.producer() {
             Ok(p) => p,
             Err(e) => return records.iter().map(|_| Err(e.clone())).collect(),
         };
@@ -546,11 +511,11 @@ impl KafkaSender {
                 Err(e) => Err(kafka_err(e)),
                 Ok(delivery) => match delivery.await {
                     Ok(Ok(_)) => {
-                        self.state.delivered(slot, Ok(()));
+                        self.state.delivered(Ok(()));
                         Ok(())
                     }
                     Ok(Err((e, _))) => {
-                        self.state.delivered(slot, Err(&e));
+                        self.state.delivered(Err(&e));
                         Err(kafka_err(e))
                     }
                     Err(_) => Err(PortError::Transient("the producer dropped a delivery report".into())),
@@ -558,21 +523,6 @@ impl KafkaSender {
             });
         }
         out
-    }
-}
-
-#[async_trait]
-impl Transport for KafkaSender {
-    fn name(&self) -> &'static str {
-        "kafka"
-    }
-
-    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        self.send_with(&self.waited, records).await
-    }
-
-    async fn send_queued(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        self.send_with(&self.queued, records).await
     }
 
     fn unreachable(&self) -> Option<String> {
