@@ -528,9 +528,9 @@ struct Results {
     fresh: Vec<(&'static str, Result<String, String>)>,
 }
 
-/// The HTTP client of every measurement, a key of the shape Tollgate's
-/// take (hello-world's), and hot_path's check body with it; the key itself
-/// goes in `Authorization: Bearer`.
+/// The HTTP client of every measurement, a random key shaped like the keys
+/// Tollgate issues (hello-world is sent the same), and hot_path's check body
+/// with it; the key itself goes in `Authorization: Bearer`.
 fn client() -> AnyResult<(reqwest::Client, String, Value)> {
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build()?;
     let secret_shape = format!("tg_{}", random_token(40));
