@@ -35,8 +35,16 @@
 //! caller's task (no task per publish while the log answers) and waits for
 //! it (and for the jobs of its records that were already queued) up to the
 //! timeout; giving up waiting, or being dropped, does not stop the job: it
-//! goes on in a task of its own ([`Finishing`]). A job queued without waiting
-//! ([`Outbox::queue`]) is a task from the start. A record with an id (a usage
+//! goes on in a task of its own ([`Finishing`]). Jobs queued without waiting
+//! ([`Outbox::queue`]) are sent by a *pump*, one task that sends every such
+//! job queued so far in one attempt, waits for it (at most [`QUEUED_WAIT`])
+//! and starts again with what was queued meanwhile: no task per job, and
+//! under load one attempt of them on its way at a time, so the transport is
+//! not handed records one by one while its last ones are still on their way
+//! (an idempotent librdkafka producer with five or more records in flight to
+//! a partition sends nothing more until they are answered, and polls in a
+//! loop meanwhile). A job whose records must be sent again goes on in a task
+//! of its own, so an outage does not hold the pump up. A record with an id (a usage
 //! fact: project and event id) that is already queued is not queued again:
 //! its publish waits for the job that holds it, so a client retrying through
 //! an outage does not fill the queue with copies. [`Outbox::flush`] waits for
@@ -80,6 +88,13 @@ pub const RETRY_MAX: Duration = Duration::from_secs(1);
 /// enough for the acknowledgement of a log that just came back (the state
 /// changes only with the next success), short enough to be "at once".
 pub const DOWN_WAIT: Duration = Duration::from_millis(100);
+
+/// The longest a record queued without a waiting publish waits for the
+/// pump's attempt on its way before it goes out in the next one: the log
+/// normally answers well within it (records queued meanwhile then go
+/// together, and a producer is never handed more while its last ones are on
+/// their way), and a slow answer holds nothing back longer than this.
+pub const QUEUED_WAIT: Duration = Duration::from_millis(10);
 
 /// How a log's publishes wait and queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +166,11 @@ struct Queue {
     records: usize,
     /// The answer of the job holding each queued record that has an id.
     by_id: HashMap<String, Answer>,
+    /// Jobs queued without a waiting publish ([`Outbox::queue`]) and not
+    /// sent yet: the pump sends them together.
+    batch: Vec<Queued>,
+    /// A pump is running (and sends what `batch` holds).
+    pumping: bool,
 }
 
 impl Queue {
@@ -205,61 +225,90 @@ impl<T: Transport> Shared<T> {
         self.transport.unreachable().or_else(|| self.failing.lock().unwrap_or_else(PoisonError::into_inner).clone())
     }
 
-    /// Sends `records` until none is left to retry; answers the job (to
-    /// the publishes waiting on its records) and returns the answer.
-    async fn run(
-        self: Arc<Self>,
-        job: u64,
-        mut records: Vec<OutRecord>,
-        answer: watch::Sender<Option<PortResult<()>>>,
-    ) -> PortResult<()> {
-        let mut outcome = Ok(());
-        let mut delay = RETRY_MIN;
-        // The ids this job holds in `by_id`, to forget them one by one at
-        // the end rather than by a pass over every queued record.
-        let ids: Vec<String> = records.iter().filter_map(|r| r.id.clone()).collect();
-        loop {
-            let results = self.transport.send(&records).await;
-            let mut results = results.into_iter();
-            let mut retry = Vec::new();
-            let mut why = None;
-            let mut settled = 0;
-            for r in records {
-                match results.next().unwrap_or_else(|| Err(PortError::Transient("no outcome for the record".into()))) {
-                    Ok(()) => settled += 1,
-                    Err(PortError::Transient(w)) => {
-                        why = Some(w);
-                        retry.push(r);
-                    }
-                    Err(e) => {
-                        error!(log = self.transport.name(), error = %e, "record refused by the log for good; dropped");
-                        metrics::counter!("tollgate_publish_dropped_total", "log" => self.transport.name())
-                            .increment(1);
-                        settled += 1;
-                        outcome = Err(e);
-                    }
+    /// Sorts one attempt's outcomes: counts the records acknowledged or
+    /// refused for good (the latter into `outcome`), notes whether the log
+    /// answers, and returns the records to send again.
+    fn sorted(
+        &self,
+        records: Vec<OutRecord>,
+        results: Vec<PortResult<()>>,
+        outcome: &mut PortResult<()>,
+    ) -> Vec<OutRecord> {
+        let mut results = results.into_iter();
+        let mut retry = Vec::new();
+        let mut why = None;
+        let mut settled = 0;
+        for r in records {
+            match results.next().unwrap_or_else(|| Err(PortError::Transient("no outcome for the record".into()))) {
+                Ok(()) => settled += 1,
+                Err(PortError::Transient(w)) => {
+                    why = Some(w);
+                    retry.push(r);
+                }
+                Err(e) => {
+                    error!(log = self.transport.name(), error = %e, "record refused by the log for good; dropped");
+                    metrics::counter!("tollgate_publish_dropped_total", "log" => self.transport.name()).increment(1);
+                    settled += 1;
+                    *outcome = Err(e);
                 }
             }
-            self.settled(settled);
-            if retry.is_empty() {
-                if settled > 0 {
-                    self.set_failing(None);
-                }
-                break;
+        }
+        self.settled(settled);
+        if retry.is_empty() {
+            if settled > 0 {
+                self.set_failing(None);
             }
+        } else {
             self.set_failing(why);
             metrics::counter!("tollgate_publish_failures_total", "log" => self.transport.name())
                 .increment(retry.len() as u64);
+        }
+        retry
+    }
+
+    /// Sends `records` until none is left to retry, pausing `delay` before
+    /// the first resend and doubling it (to [`RETRY_MAX`]) after each;
+    /// returns `outcome` with any refusal for good put in.
+    async fn deliver(
+        &self,
+        mut records: Vec<OutRecord>,
+        mut outcome: PortResult<()>,
+        mut delay: Duration,
+    ) -> PortResult<()> {
+        loop {
+            let results = self.transport.send(&records).await;
+            records = self.sorted(records, results, &mut outcome);
+            if records.is_empty() {
+                return outcome;
+            }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(RETRY_MAX);
-            records = retry;
         }
+    }
+
+    /// Sends a publish's records until none is left to retry; answers the
+    /// job (to the publishes waiting on its records) and returns the answer.
+    async fn run(self: Arc<Self>, job: Queued) -> PortResult<()> {
+        let Queued { job, records, ids, answer } = job;
+        let outcome = self.deliver(records, Ok(()), RETRY_MIN).await;
+        self.finish(job, &ids, &answer, outcome.clone());
+        outcome
+    }
+
+    /// Answers a finished job and forgets it.
+    fn finish(
+        &self,
+        job: u64,
+        ids: &[String],
+        answer: &watch::Sender<Option<PortResult<()>>>,
+        outcome: PortResult<()>,
+    ) {
         // Answered before the ids are forgotten: a publish that finds one of
         // them meanwhile gets this answer at once.
-        let _ = answer.send(Some(outcome.clone()));
+        let _ = answer.send(Some(outcome));
         let this_job = answer.subscribe();
         let mut q = self.queue();
-        for id in &ids {
+        for id in ids {
             if q.by_id.get(id).is_some_and(|a| a.same_channel(&this_job)) {
                 q.by_id.remove(id);
             }
@@ -269,9 +318,92 @@ impl<T: Transport> Shared<T> {
         // race, and the one that saw the other unfinished could send its
         // lower mark last, leaving a flush waiting for a job long done.
         self.low_water.send_replace(q.low_water());
-        drop(q);
-        outcome
     }
+
+    /// Sends the jobs queued without a waiting publish, all queued ones
+    /// together in one attempt, until none is queued: it waits for each
+    /// attempt, at most [`QUEUED_WAIT`], before it starts the next one with
+    /// what was queued meanwhile (an attempt it stops waiting for goes on in
+    /// a task of its own).
+    async fn pump(self: Arc<Self>, runtime: tokio::runtime::Handle) {
+        let mut running = Pumping { shared: Arc::clone(&self), done: false };
+        loop {
+            let jobs = {
+                let mut q = self.queue();
+                if q.batch.is_empty() {
+                    q.pumping = false;
+                    running.done = true;
+                    return;
+                }
+                std::mem::take(&mut q.batch)
+            };
+            let attempt = Finishing::new(Arc::clone(&self).attempt(jobs, runtime.clone()), runtime.clone());
+            // Timed out, the attempt is dropped, and so goes on on its own.
+            let _ = tokio::time::timeout(QUEUED_WAIT, attempt).await;
+        }
+    }
+
+    /// One attempt of the pump: sends the records of `jobs` together and
+    /// answers each job whose records were all taken or refused for good;
+    /// a job with records to send again goes on in a task of its own (the
+    /// log is failing), so it holds up no later attempt.
+    async fn attempt(self: Arc<Self>, jobs: Vec<Queued>, runtime: tokio::runtime::Handle) {
+        let mut records = Vec::with_capacity(jobs.iter().map(|j| j.records.len()).sum());
+        let mut sizes = Vec::with_capacity(jobs.len());
+        let mut rest = Vec::with_capacity(jobs.len());
+        for Queued { job, records: mine, ids, answer } in jobs {
+            sizes.push(mine.len());
+            records.extend(mine);
+            rest.push((job, ids, answer));
+        }
+        let mut results = self.transport.send(&records).await.into_iter();
+        let mut records = records.into_iter();
+        for ((job, ids, answer), n) in rest.into_iter().zip(sizes) {
+            let mine: Vec<OutRecord> = records.by_ref().take(n).collect();
+            let outcomes: Vec<PortResult<()>> = results.by_ref().take(n).collect();
+            let mut outcome = Ok(());
+            let retry = self.sorted(mine, outcomes, &mut outcome);
+            if retry.is_empty() {
+                self.finish(job, &ids, &answer, outcome);
+            } else {
+                let shared = Arc::clone(&self);
+                drop(runtime.spawn(async move {
+                    tokio::time::sleep(RETRY_MIN).await;
+                    let outcome = shared.deliver(retry, outcome, RETRY_MIN * 2).await;
+                    shared.finish(job, &ids, &answer, outcome);
+                }));
+            }
+        }
+    }
+}
+
+/// A pump that ends before its queue is empty (its runtime shut down)
+/// lets the next queued job start another.
+struct Pumping<T: Transport> {
+    shared: Arc<Shared<T>>,
+    /// It ended the normal way (and said so under the lock).
+    done: bool,
+}
+
+impl<T: Transport> Drop for Pumping<T> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.queue().pumping = false;
+        }
+    }
+}
+
+/// A job: its number, the records it sends, their ids (held in
+/// [`Queue::by_id`]) and where its answer goes.
+/// A job [`Outbox::enqueue`] made, with the runtime it finishes on.
+type NewJob = (Queued, tokio::runtime::Handle);
+
+#[derive(Debug)]
+struct Queued {
+    job: u64,
+    records: Vec<OutRecord>,
+    ids: Vec<String>,
+    answer: watch::Sender<Option<PortResult<()>>>,
 }
 
 /// A bounded queue of records on their way to a log; cheap to clone (clones
@@ -329,7 +461,8 @@ impl<T: Transport> Outbox<T> {
         if records.is_empty() {
             return Ok(());
         }
-        let (answers, mut job) = self.enqueue(records)?;
+        let (answers, job) = self.enqueue(records)?;
+        let mut job = job.map(|(job, runtime)| Finishing::new(Arc::clone(&self.shared).run(job), runtime));
         let down = self.shared.unreachable();
         let timeout = match down {
             Some(_) => self.shared.options.timeout.min(DOWN_WAIT),
@@ -362,19 +495,28 @@ impl<T: Transport> Outbox<T> {
 
     /// Queues `records` (see the module doc) without waiting for them: `Ok`
     /// once they are queued, an error when nothing was (a full queue, no
-    /// runtime to retry on).
+    /// runtime to retry on). Jobs queued this way are sent together, by
+    /// one pump at a time: while one attempt is on its way, the records
+    /// queued meanwhile wait for it and go in the next one.
     pub fn queue(&self, records: Vec<OutRecord>) -> PortResult<()> {
         if records.is_empty() {
             return Ok(());
         }
-        // Dropped, the job goes on in a task of its own.
-        self.enqueue(records).map(drop)
+        let Some((job, runtime)) = self.enqueue(records)?.1 else { return Ok(()) };
+        let mut q = self.shared.queue();
+        q.batch.push(job);
+        if !q.pumping {
+            q.pumping = true;
+            drop(q);
+            drop(runtime.spawn(Arc::clone(&self.shared).pump(runtime.clone())));
+        }
+        Ok(())
     }
 
     /// Makes a job of the records not queued yet: the answers of the jobs
-    /// already holding the others, and the new job, to run (or drop, which
-    /// spawns it).
-    fn enqueue(&self, records: Vec<OutRecord>) -> PortResult<(Vec<Answer>, Option<Job>)> {
+    /// already holding the others, and the new job, with the runtime to
+    /// finish it on.
+    fn enqueue(&self, records: Vec<OutRecord>) -> PortResult<(Vec<Answer>, Option<NewJob>)> {
         let name = self.shared.transport.name();
         let mut q = self.shared.queue();
         let mut answers = Vec::new();
@@ -408,15 +550,17 @@ impl<T: Transport> Outbox<T> {
         q.unfinished.insert(job);
         q.records += mine.len();
         self.shared.gauge(q.records);
-        let (tx, rx) = watch::channel(None);
+        let (answer, rx) = watch::channel(None);
+        let mut ids = Vec::new();
         for r in &mine {
             if let Some(id) = &r.id {
                 q.by_id.insert(id.clone(), rx.clone());
+                ids.push(id.clone());
             }
         }
         drop(rx);
         drop(q);
-        Ok((answers, Some(Finishing::new(Arc::clone(&self.shared).run(job, mine, tx), runtime))))
+        Ok((answers, Some((Queued { job, records: mine, ids, answer }, runtime))))
     }
 
     /// Waits until every job started before this call has finished, at most
@@ -473,9 +617,6 @@ impl<T: Send + 'static> Drop for Finishing<T> {
     }
 }
 
-/// A publish's job, run by the publish itself ([`Outbox::enqueue`]).
-type Job = Finishing<PortResult<()>>;
-
 /// The first failure among the answers, once all have one.
 async fn wait_all(answers: Vec<Answer>) -> PortResult<()> {
     let mut outcome = Ok(());
@@ -509,6 +650,8 @@ mod tests {
         scripted: Mutex<VecDeque<PortResult<()>>>,
         taken: Mutex<Vec<Vec<u8>>>,
         attempts: Mutex<usize>,
+        /// The records of each attempt, in order.
+        sent: Mutex<Vec<Vec<String>>>,
         knows_down: AtomicBool,
         /// Attempts wait for this before answering (a frozen log), while set.
         frozen: AtomicBool,
@@ -522,6 +665,8 @@ mod tests {
         }
         async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
             *self.attempts.lock().expect("lock") += 1;
+            let names = records.iter().map(|r| String::from_utf8_lossy(&r.payload).into_owned()).collect();
+            self.sent.lock().expect("lock").push(names);
             loop {
                 // Registered before the check, so a thaw in between wakes it.
                 let thawed = self.thawed.notified();
@@ -761,6 +906,129 @@ mod tests {
             }
             o.flush(Duration::from_millis(500)).await.unwrap_or_else(|e| panic!("round {round}: {e}"));
         }
+    }
+
+    /// Waits (in paused time) until the log has taken `n` records.
+    async fn until_taken(log: &FakeLog, n: usize) {
+        for _ in 0..1_000 {
+            if taken(log).len() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the log took {:?}, not {n} records", taken(log));
+    }
+
+    /// Records queued without waiting go out one attempt at a time: what is
+    /// queued while an attempt is on its way waits for it, and then goes
+    /// out together, in the order it was queued.
+    #[tokio::test(start_paused = true)]
+    async fn queued_records_wait_for_the_attempt_on_its_way_and_then_go_together() {
+        let (log, o) = outbox(10);
+        log.frozen.store(true, Ordering::SeqCst);
+        o.queue(vec![rec("a")]).expect("queued");
+        while *log.attempts.lock().expect("lock") < 1 {
+            tokio::task::yield_now().await;
+        }
+        o.queue(vec![rec("b")]).expect("queued");
+        o.queue(vec![rec("c"), rec("d")]).expect("queued");
+        tokio::time::sleep(QUEUED_WAIT / 2).await;
+        assert_eq!(*log.attempts.lock().expect("lock"), 1, "nothing more while the first attempt is on its way");
+        assert_eq!(o.queued(), 4);
+
+        log.frozen.store(false, Ordering::SeqCst);
+        log.thawed.notify_waiters();
+        o.flush(Duration::from_secs(5)).await.expect("flushed");
+        assert_eq!(*log.sent.lock().expect("lock"), [vec!["a"], vec!["b", "c", "d"]]);
+        assert_eq!(taken(&log), ["a", "b", "c", "d"]);
+        assert_eq!(o.queued(), 0);
+        // A queued record is not queued again while it waits, and a publish
+        // of it waits for the pump's attempt.
+        log.frozen.store(true, Ordering::SeqCst);
+        o.queue(vec![rec("e")]).expect("queued");
+        o.queue(vec![rec("e")]).expect("already queued");
+        let publish = tokio::spawn({
+            let o = o.clone();
+            async move { o.publish(vec![rec("e")]).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(o.queued(), 1);
+        log.frozen.store(false, Ordering::SeqCst);
+        log.thawed.notify_waiters();
+        publish.await.expect("the publish task").expect("acknowledged with the pump's attempt");
+        assert_eq!(taken(&log).iter().filter(|r| *r == "e").count(), 1);
+    }
+
+    /// A queued record the log did not take is sent again on its own, and
+    /// the records queued after it do not wait for it.
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_record_that_failed_does_not_hold_up_the_ones_after_it() {
+        let (log, o) = outbox(10);
+        log.scripted.lock().expect("lock").push_back(Err(PortError::Transient("timed out".into())));
+        o.queue(vec![rec("a")]).expect("queued");
+        while *log.attempts.lock().expect("lock") < 1 {
+            tokio::task::yield_now().await;
+        }
+        o.queue(vec![rec("b")]).expect("queued");
+        until_taken(&log, 1).await;
+        assert_eq!(taken(&log), ["b"], "b went out before a was sent again");
+        o.flush(Duration::from_secs(5)).await.expect("a was sent again and taken");
+        assert_eq!(taken(&log), ["b", "a"]);
+        assert_eq!(o.queued(), 0);
+        assert_eq!(*log.sent.lock().expect("lock"), [vec!["a"], vec!["b"], vec!["a"]]);
+    }
+
+    /// A record queued while the pump's attempt is on its way waits for it
+    /// at most [`QUEUED_WAIT`]: a log that answers slowly holds later
+    /// records back no longer than that, and each goes out once.
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_record_waits_for_a_slow_attempt_no_longer_than_queued_wait() {
+        let (log, o) = outbox(10);
+        log.frozen.store(true, Ordering::SeqCst);
+        o.queue(vec![rec("a")]).expect("queued");
+        while *log.attempts.lock().expect("lock") < 1 {
+            tokio::task::yield_now().await;
+        }
+        let queued_at = tokio::time::Instant::now();
+        o.queue(vec![rec("b")]).expect("queued");
+        while *log.attempts.lock().expect("lock") < 2 {
+            assert!(queued_at.elapsed() < Duration::from_secs(1), "b still waits for a's attempt");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let waited = queued_at.elapsed();
+        assert!(
+            waited >= QUEUED_WAIT - Duration::from_millis(1) && waited <= QUEUED_WAIT + Duration::from_millis(2),
+            "{waited:?}"
+        );
+        assert_eq!(*log.sent.lock().expect("lock"), [vec!["a"], vec!["b"]]);
+        log.frozen.store(false, Ordering::SeqCst);
+        log.thawed.notify_waiters();
+        o.flush(Duration::from_secs(5)).await.expect("both taken");
+        assert_eq!(taken(&log), ["a", "b"]);
+        assert_eq!(o.queued(), 0);
+    }
+
+    /// A pump that ends with its runtime leaves none running: the next
+    /// record queued (on another runtime) starts one and goes out.
+    #[test]
+    fn a_pump_ended_with_its_runtime_lets_the_next_queued_record_start_another() {
+        let (log, o) = outbox(10);
+        log.frozen.store(true, Ordering::SeqCst);
+        let first = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+        first.block_on(async {
+            o.queue(vec![rec("a")]).expect("queued");
+            while *log.attempts.lock().expect("lock") < 1 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(first);
+        log.frozen.store(false, Ordering::SeqCst);
+        let second = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+        second.block_on(async {
+            o.queue(vec![rec("b")]).expect("queued");
+            tokio::time::timeout(Duration::from_secs(5), until_taken(&log, 1)).await.expect("b went out");
+        });
+        assert_eq!(taken(&log), ["b"], "a was lost with its runtime, as a task of its own would be");
     }
 
     #[test]
