@@ -919,17 +919,23 @@ mod tests {
         panic!("the log took {:?}, not {n} records", taken(log));
     }
 
-    /// Records queued without waiting go out one attempt at a time: what is
-    /// queued while an attempt is on its way waits for it, and then goes
-    /// out together, in the order it was queued.
-    #[tokio::test(start_paused = true)]
-    async fn queued_records_wait_for_the_attempt_on_its_way_and_then_go_together() {
+    /// An outbox over a frozen log, with `a` queued and its attempt on its way.
+    async fn a_on_its_way_to_a_frozen_log() -> (Arc<FakeLog>, Outbox<Arc<FakeLog>>) {
         let (log, o) = outbox(10);
         log.frozen.store(true, Ordering::SeqCst);
         o.queue(vec![rec("a")]).expect("queued");
         while *log.attempts.lock().expect("lock") < 1 {
             tokio::task::yield_now().await;
         }
+        (log, o)
+    }
+
+    /// Records queued without waiting go out one attempt at a time: what is
+    /// queued while an attempt is on its way waits for it, and then goes
+    /// out together, in the order it was queued.
+    #[tokio::test(start_paused = true)]
+    async fn queued_records_wait_for_the_attempt_on_its_way_and_then_go_together() {
+        let (log, o) = a_on_its_way_to_a_frozen_log().await;
         o.queue(vec![rec("b")]).expect("queued");
         o.queue(vec![rec("c"), rec("d")]).expect("queued");
         tokio::time::sleep(QUEUED_WAIT / 2).await;
@@ -983,12 +989,7 @@ mod tests {
     /// records back no longer than that, and each goes out once.
     #[tokio::test(start_paused = true)]
     async fn a_queued_record_waits_for_a_slow_attempt_no_longer_than_queued_wait() {
-        let (log, o) = outbox(10);
-        log.frozen.store(true, Ordering::SeqCst);
-        o.queue(vec![rec("a")]).expect("queued");
-        while *log.attempts.lock().expect("lock") < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (log, o) = a_on_its_way_to_a_frozen_log().await;
         let queued_at = tokio::time::Instant::now();
         o.queue(vec![rec("b")]).expect("queued");
         while *log.attempts.lock().expect("lock") < 2 {
