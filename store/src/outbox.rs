@@ -44,11 +44,11 @@
 //! (an idempotent librdkafka producer with five or more records in flight to
 //! a partition sends nothing more until they are answered, and polls in a
 //! loop meanwhile). A job whose records must be sent again goes on in a task
-//! of its own, so an outage does not hold the pump up. A record with an id (a usage
-//! fact: project and event id) that is already queued is not queued again:
-//! its publish waits for the job that holds it, so a client retrying through
-//! an outage does not fill the queue with copies. [`Outbox::flush`] waits for
-//! every job started before it.
+//! of its own, so an outage does not hold the pump up. A record with an id
+//! (a usage fact: project and event id) that is already queued is not queued
+//! again: its publish waits for the job that holds it, so a client retrying
+//! through an outage does not fill the queue with copies. [`Outbox::flush`]
+//! waits for every job started before it.
 //!
 //! A record sent again after a failure may already be on the log (the ack
 //! was lost, not the record): the log then holds it twice, and the fold
@@ -393,11 +393,11 @@ impl<T: Transport> Drop for Pumping<T> {
     }
 }
 
-/// A job: its number, the records it sends, their ids (held in
-/// [`Queue::by_id`]) and where its answer goes.
 /// A job [`Outbox::enqueue`] made, with the runtime it finishes on.
 type NewJob = (Queued, tokio::runtime::Handle);
 
+/// A job: its number, the records it sends, their ids (held in
+/// [`Queue::by_id`]) and where its answer goes.
 #[derive(Debug)]
 struct Queued {
     job: u64,
