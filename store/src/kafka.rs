@@ -1,8 +1,8 @@
 //! The log on Kafka (any Kafka-protocol broker).
 //!
 //! [`KafkaLog`] publishes usage facts, Avro single-object encoded, keyed by
-//! project so one project's events stay in one partition, with idempotent
-//! producers and `acks=all`: `publish` is acknowledged only once
+//! project so one project's events stay ordered in one partition, with an
+//! idempotent producer and `acks=all`: `publish` is acknowledged only once
 //! every record has a successful delivery report. It never waits longer than
 //! the publish timeout, and not at all when the producer knows the broker is
 //! down; what is not acknowledged stays queued and is sent again until it is
@@ -263,16 +263,7 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// waits at most [`PublishOptions::timeout`] for its delivery reports, and
 /// not at all while the producer knows the broker is down; what is not
 /// acknowledged stays queued and is sent again until it is. Cheap to clone
-/// (clones share the producers and the queue).
-///
-/// **Two producers.** Waited publishes go on one with a 2-ms linger, so
-/// concurrent ones share produce requests. Records queued without a
-/// waiting publish (a check's request event) go out in the outbox pump's
-/// attempts; an attempt of at most [`EAGER_MAX`] records (little load) goes
-/// on a second producer with no linger, so it leaves at once, and a larger
-/// one on the first. Each producer keeps its own records in order; a
-/// request event and the events published around it may land in either
-/// order, and the fold does not depend on it.
+/// (clones share the producer and the queue).
 ///
 /// **What the producer knows.** Its [`ProducerState`] is down from the
 /// moment librdkafka reports every broker connection down *and* a
@@ -285,9 +276,8 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// publish that waits its whole timeout tells the queue (see the
 /// [`outbox`](crate::outbox)), and later ones answer at once until a record
 /// is acknowledged. A fatal producer error (the idempotent producer can no
-/// longer guarantee order or exactly-once for its records) replaces both
-/// producers with new ones at the next attempt; queued records go out on
-/// them.
+/// longer guarantee order or exactly-once for its records) replaces the
+/// producer with a new one at the next attempt; queued records go out on it.
 #[derive(Clone)]
 pub struct KafkaLog {
     outbox: Outbox<KafkaSender>,
@@ -297,13 +287,10 @@ impl KafkaLog {
     pub fn new(config: &KafkaConfig) -> PortResult<Self> {
         let state = Arc::new(ProducerState::default());
         let settings = config.producer_config();
-        let mut eager = settings.clone();
-        eager.set("linger.ms", "0");
-        let producers = Producers::new(&settings, &eager, &state)?;
+        let producer = settings.create_with_context(Tracking(Arc::clone(&state))).map_err(kafka_err)?;
         let sender = KafkaSender {
             settings,
-            eager,
-            producers: Arc::new(RwLock::new(Arc::new(producers))),
+            producer: Arc::new(RwLock::new(Arc::new(producer))),
             state,
             topic: config.usage_topic(),
         };
@@ -325,8 +312,7 @@ impl KafkaLog {
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) -> PortResult<()> {
         let sender = self.outbox.transport();
         sender
-            .producers()?
-            .batching
+            .producer()?
             .send(FutureRecord::to(&sender.topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
             .await
             .map(|_| ())
@@ -477,62 +463,42 @@ impl ClientContext for Tracking {
     }
 }
 
-/// The most records a pump's attempt may hold to go out on the eager
-/// producer. The pump holds one attempt on its way at a time, so the
-/// records of a check or two at a time mean little load: with no linger,
-/// each such attempt is one produce request that leaves at once. Under
-/// load an attempt holds many, and the batching producer's 2-ms linger
-/// gathers them into one request (the eager one would send the first
-/// record alone and the rest behind it: several requests, each a round of
-/// the broker's work). BENCHMARKS.md, session 30, has the measurements.
-pub const EAGER_MAX: usize = 8;
-
-/// The usage topic's producers, made and replaced together. Both are
-/// idempotent with `acks=all` ([`KafkaConfig::producer`]) and share one
-/// [`ProducerState`]; they differ in their linger only.
-struct Producers {
-    /// `linger.ms` 2: every waited publish, and a pump's attempt of more
-    /// than [`EAGER_MAX`] records.
-    batching: FutureProducer<Tracking>,
-    /// `linger.ms` 0: a pump's attempt of at most [`EAGER_MAX`] records.
-    eager: FutureProducer<Tracking>,
-}
-
-impl Producers {
-    fn new(batching: &ClientConfig, eager: &ClientConfig, state: &Arc<ProducerState>) -> PortResult<Producers> {
-        Ok(Producers {
-            batching: batching.create_with_context(Tracking(Arc::clone(state))).map_err(kafka_err)?,
-            eager: eager.create_with_context(Tracking(Arc::clone(state))).map_err(kafka_err)?,
-        })
-    }
-}
-
 /// One attempt at putting records on the usage topic, for the outbox.
 struct KafkaSender {
     settings: ClientConfig,
-    /// `settings` with no linger.
-    eager: ClientConfig,
     /// Replaced whole after a fatal error.
-    producers: Arc<RwLock<Arc<Producers>>>,
+    producer: Arc<RwLock<Arc<FutureProducer<Tracking>>>>,
     state: Arc<ProducerState>,
     topic: String,
 }
 
 impl KafkaSender {
-    /// The producers to send with: new ones if either reported a fatal error.
-    fn producers(&self) -> PortResult<Arc<Producers>> {
+    /// The producer to send with: a new one if the last reported a fatal error.
+    fn producer(&self) -> PortResult<Arc<FutureProducer<Tracking>>> {
         if self.state.fatal.swap(false, Ordering::SeqCst) {
-            warn!("kafka producer: replacing the producers after a fatal error");
-            let fresh = Arc::new(Producers::new(&self.settings, &self.eager, &self.state)?);
-            *self.producers.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
+            warn!("kafka producer: replacing the producer after a fatal error");
+            let fresh =
+                Arc::new(self.settings.create_with_context(Tracking(Arc::clone(&self.state))).map_err(kafka_err)?);
+            *self.producer.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
             return Ok(fresh);
         }
-        Ok(Arc::clone(&self.producers.read().unwrap_or_else(PoisonError::into_inner)))
+        Ok(Arc::clone(&self.producer.read().unwrap_or_else(PoisonError::into_inner)))
+    }
+}
+
+#[async_trait]
+impl Transport for KafkaSender {
+    fn name(&self) -> &'static str {
+        "kafka"
     }
 
-    /// Queues every record in `producer` first, then waits for each: one
-    /// batch on the wire, not one round trip per record.
-    async fn send_on(&self, producer: &FutureProducer<Tracking>, records: &[OutRecord]) -> Vec<PortResult<()>> {
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        let producer = match self.producer() {
+            Ok(p) => p,
+            Err(e) => return records.iter().map(|_| Err(e.clone())).collect(),
+        };
+        // Everything is queued in librdkafka first, then waited for: one
+        // batch on the wire, not one round trip per record.
         let queued: Vec<_> = records
             .iter()
             .map(|r| {
@@ -557,30 +523,6 @@ impl KafkaSender {
             });
         }
         out
-    }
-}
-
-#[async_trait]
-impl Transport for KafkaSender {
-    fn name(&self) -> &'static str {
-        "kafka"
-    }
-
-    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        match self.producers() {
-            Ok(p) => self.send_on(&p.batching, records).await,
-            Err(e) => records.iter().map(|_| Err(e.clone())).collect(),
-        }
-    }
-
-    /// A small attempt of the pump on the eager producer, a larger one on
-    /// the batching producer ([`EAGER_MAX`]).
-    async fn send_queued(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        match self.producers() {
-            Ok(p) if records.len() <= EAGER_MAX => self.send_on(&p.eager, records).await,
-            Ok(p) => self.send_on(&p.batching, records).await,
-            Err(e) => records.iter().map(|_| Err(e.clone())).collect(),
-        }
     }
 
     fn unreachable(&self) -> Option<String> {
