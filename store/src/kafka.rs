@@ -1,8 +1,8 @@
 //! The log on Kafka (any Kafka-protocol broker).
 //!
 //! [`KafkaLog`] publishes usage facts, Avro single-object encoded, keyed by
-//! project so one project's events stay ordered in one partition, with an
-//! idempotent producer and `acks=all`: `publish` is acknowledged only once
+//! project so one project's events stay in one partition, with idempotent
+//! producers and `acks=all`: `publish` is acknowledged only once
 //! every record has a successful delivery report. It never waits longer than
 //! the publish timeout, and not at all when the producer knows the broker is
 //! down; what is not acknowledged stays queued and is sent again until it is
@@ -263,7 +263,18 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// waits at most [`PublishOptions::timeout`] for its delivery reports, and
 /// not at all while the producer knows the broker is down; what is not
 /// acknowledged stays queued and is sent again until it is. Cheap to clone
-/// (clones share the producer and the queue).
+/// (clones share the producers and the queue).
+///
+/// **Two producers.** Waited publishes go on one with a 2-ms linger, so
+/// concurrent ones share produce requests. Records queued without a
+/// waiting publish (a check's request event) go out in the outbox pump's
+/// attempts; an attempt of at most [`EAGER_MAX`] records (little load) goes
+/// on a second producer with no linger, so it leaves at once, and a larger
+/// one on the first (so does every attempt until the second producer has
+/// its producer id, see [`Producers::eager`]). Each producer keeps its own
+/// records in order; a
+/// request event and the events published around it may land in either
+/// order, and the fold does not depend on it.
 ///
 /// **What the producer knows.** Its [`ProducerState`] is down from the
 /// moment librdkafka reports every broker connection down *and* a
@@ -276,8 +287,9 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// publish that waits its whole timeout tells the queue (see the
 /// [`outbox`](crate::outbox)), and later ones answer at once until a record
 /// is acknowledged. A fatal producer error (the idempotent producer can no
-/// longer guarantee order or exactly-once for its records) replaces the
-/// producer with a new one at the next attempt; queued records go out on it.
+/// longer guarantee order or exactly-once for its records) replaces both
+/// producers with new ones at the next attempt; queued records go out on
+/// them.
 #[derive(Clone)]
 pub struct KafkaLog {
     outbox: Outbox<KafkaSender>,
@@ -287,10 +299,13 @@ impl KafkaLog {
     pub fn new(config: &KafkaConfig) -> PortResult<Self> {
         let state = Arc::new(ProducerState::default());
         let settings = config.producer_config();
-        let producer = settings.create_with_context(Tracking(Arc::clone(&state))).map_err(kafka_err)?;
+        let mut eager = settings.clone();
+        eager.set("linger.ms", "0").set("statistics.interval.ms", EAGER_STATS_MS);
+        let producers = Producers::new(&settings, &eager, &state)?;
         let sender = KafkaSender {
             settings,
-            producer: Arc::new(RwLock::new(Arc::new(producer))),
+            eager,
+            producers: Arc::new(RwLock::new(Arc::new(producers))),
             state,
             topic: config.usage_topic(),
         };
@@ -307,12 +322,21 @@ impl KafkaLog {
         self.outbox.queued()
     }
 
+    /// Whether the producer of small queued attempts (no linger) has its
+    /// producer id, as its last statistics said; until it has, those go
+    /// on the batching producer.
+    pub fn eager_has_id(&self) -> bool {
+        let producers = self.outbox.transport().producers.read().unwrap_or_else(PoisonError::into_inner);
+        producers.eager_has_id.load(Ordering::SeqCst)
+    }
+
     /// Publishes raw bytes under a key (tests use it to put malformed
     /// records on the log); not queued: one attempt, waited for.
     pub async fn publish_raw(&self, key: &str, payload: &[u8]) -> PortResult<()> {
         let sender = self.outbox.transport();
         sender
-            .producer()?
+            .producers()?
+            .batching
             .send(FutureRecord::to(&sender.topic).key(key).payload(payload), Timeout::After(Duration::from_secs(30)))
             .await
             .map(|_| ())
@@ -441,64 +465,137 @@ impl ProducerState {
 }
 
 /// The producer's client context: librdkafka's global errors reach the
-/// [`ProducerState`] (and the log) through it.
-struct Tracking(Arc<ProducerState>);
+/// [`ProducerState`] (and the log) through it, and, for a producer with
+/// `statistics.interval.ms` set, whether it holds its producer id.
+struct Tracking {
+    state: Arc<ProducerState>,
+    /// The last statistics said the idempotent producer has its producer id
+    /// (state `Assigned`): a record it is handed goes out at once. A fresh
+    /// producer gets its id only 0.5–1 s after it is made (librdkafka asks
+    /// on a 500-ms timer, and again if no broker connection was up), and
+    /// holds every record back until then.
+    has_id: Arc<AtomicBool>,
+}
+
+impl Tracking {
+    fn new(state: &Arc<ProducerState>, has_id: &Arc<AtomicBool>) -> Tracking {
+        Tracking { state: Arc::clone(state), has_id: Arc::clone(has_id) }
+    }
+}
+
+/// The part of librdkafka's statistics [`Tracking`] reads.
+#[derive(serde::Deserialize)]
+struct Stats {
+    eos: Option<EosStats>,
+}
+
+#[derive(serde::Deserialize)]
+struct EosStats {
+    idemp_state: String,
+}
+
+/// Whether librdkafka's statistics (JSON) say the idempotent producer has
+/// its producer id.
+fn has_producer_id(statistics: &[u8]) -> bool {
+    serde_json::from_slice::<Stats>(statistics).ok().and_then(|s| s.eos).is_some_and(|e| e.idemp_state == "Assigned")
+}
 
 impl ClientContext for Tracking {
+    fn stats_raw(&self, statistics: &[u8]) {
+        self.has_id.store(has_producer_id(statistics), Ordering::SeqCst);
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
         match error.rdkafka_error_code() {
-            Some(RDKafkaErrorCode::AllBrokersDown) => self.0.all_down.store(true, Ordering::SeqCst),
+            Some(RDKafkaErrorCode::AllBrokersDown) => self.state.all_down.store(true, Ordering::SeqCst),
             // librdkafka's wording for a refused or failed connect.
             Some(RDKafkaErrorCode::BrokerTransportFailure)
-                if self.0.all_down.load(Ordering::SeqCst) && reason.contains("Connect to") =>
+                if self.state.all_down.load(Ordering::SeqCst) && reason.contains("Connect to") =>
             {
-                self.0.set_down(Some(format!("all brokers down: {reason}")));
+                self.state.set_down(Some(format!("all brokers down: {reason}")));
             }
             Some(RDKafkaErrorCode::Fatal) => {
-                self.0.fatal.store(true, Ordering::SeqCst);
-                self.0.set_down(Some(format!("fatal producer error: {reason}")));
+                self.state.fatal.store(true, Ordering::SeqCst);
+                self.state.set_down(Some(format!("fatal producer error: {reason}")));
             }
             _ => warn!(error = %error, reason, "kafka producer error"),
         }
     }
 }
 
+/// The most records a pump's attempt may hold to go out on the eager
+/// producer. The pump holds one attempt on its way at a time, so the
+/// records of a check or two at a time mean little load: with no linger,
+/// each such attempt is one produce request that leaves at once. Under
+/// load an attempt holds many, and the batching producer's 2-ms linger
+/// gathers them into one request (the eager one would send the first
+/// record alone and the rest behind it: several requests, each a round of
+/// the broker's work). BENCHMARKS.md, session 30, has the measurements.
+pub const EAGER_MAX: usize = 8;
+
+/// How often the eager producer reports its statistics: how soon after it
+/// has its producer id it is used.
+const EAGER_STATS_MS: &str = "100";
+
+/// The usage topic's producers, made and replaced together. Both are
+/// idempotent with `acks=all` ([`KafkaConfig::producer`]) and share one
+/// [`ProducerState`]; they differ in their linger, and the eager one
+/// reports statistics (whether it has its producer id).
+struct Producers {
+    /// `linger.ms` 2: every waited publish, and a pump's attempt of more
+    /// than [`EAGER_MAX`] records or made before the eager one has its id.
+    batching: FutureProducer<Tracking>,
+    /// `linger.ms` 0: a pump's attempt of at most [`EAGER_MAX`] records,
+    /// once its statistics said it has its producer id. Before that it
+    /// would hold them back for up to a second after the gateway started
+    /// (a check's request event then missing from the log for that long:
+    /// a gateway killed meanwhile would take its reservations with it).
+    eager: FutureProducer<Tracking>,
+    eager_has_id: Arc<AtomicBool>,
+}
+
+impl Producers {
+    fn new(batching: &ClientConfig, eager: &ClientConfig, state: &Arc<ProducerState>) -> PortResult<Producers> {
+        let (unread, eager_has_id) = (Arc::default(), Arc::default());
+        Ok(Producers {
+            batching: batching.create_with_context(Tracking::new(state, &unread)).map_err(kafka_err)?,
+            eager: eager.create_with_context(Tracking::new(state, &eager_has_id)).map_err(kafka_err)?,
+            eager_has_id,
+        })
+    }
+
+    /// The producer for a pump's attempt of `n` records.
+    fn for_queued(&self, n: usize) -> &FutureProducer<Tracking> {
+        if n <= EAGER_MAX && self.eager_has_id.load(Ordering::SeqCst) { &self.eager } else { &self.batching }
+    }
+}
+
 /// One attempt at putting records on the usage topic, for the outbox.
 struct KafkaSender {
     settings: ClientConfig,
+    /// `settings` with no linger.
+    eager: ClientConfig,
     /// Replaced whole after a fatal error.
-    producer: Arc<RwLock<Arc<FutureProducer<Tracking>>>>,
+    producers: Arc<RwLock<Arc<Producers>>>,
     state: Arc<ProducerState>,
     topic: String,
 }
 
 impl KafkaSender {
-    /// The producer to send with: a new one if the last reported a fatal error.
-    fn producer(&self) -> PortResult<Arc<FutureProducer<Tracking>>> {
+    /// The producers to send with: new ones if either reported a fatal error.
+    fn producers(&self) -> PortResult<Arc<Producers>> {
         if self.state.fatal.swap(false, Ordering::SeqCst) {
-            warn!("kafka producer: replacing the producer after a fatal error");
-            let fresh =
-                Arc::new(self.settings.create_with_context(Tracking(Arc::clone(&self.state))).map_err(kafka_err)?);
-            *self.producer.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
+            warn!("kafka producer: replacing the producers after a fatal error");
+            let fresh = Arc::new(Producers::new(&self.settings, &self.eager, &self.state)?);
+            *self.producers.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
             return Ok(fresh);
         }
-        Ok(Arc::clone(&self.producer.read().unwrap_or_else(PoisonError::into_inner)))
-    }
-}
-
-#[async_trait]
-impl Transport for KafkaSender {
-    fn name(&self) -> &'static str {
-        "kafka"
+        Ok(Arc::clone(&self.producers.read().unwrap_or_else(PoisonError::into_inner)))
     }
 
-    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
-        let producer = match self.producer() {
-            Ok(p) => p,
-            Err(e) => return records.iter().map(|_| Err(e.clone())).collect(),
-        };
-        // Everything is queued in librdkafka first, then waited for: one
-        // batch on the wire, not one round trip per record.
+    /// Queues every record in `producer` first, then waits for each: one
+    /// batch on the wire, not one round trip per record.
+    async fn send_on(&self, producer: &FutureProducer<Tracking>, records: &[OutRecord]) -> Vec<PortResult<()>> {
         let queued: Vec<_> = records
             .iter()
             .map(|r| {
@@ -523,6 +620,29 @@ impl Transport for KafkaSender {
             });
         }
         out
+    }
+}
+
+#[async_trait]
+impl Transport for KafkaSender {
+    fn name(&self) -> &'static str {
+        "kafka"
+    }
+
+    async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        match self.producers() {
+            Ok(p) => self.send_on(&p.batching, records).await,
+            Err(e) => records.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// A small attempt of the pump on the eager producer once it has its
+    /// producer id, a larger one on the batching producer ([`EAGER_MAX`]).
+    async fn send_queued(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        match self.producers() {
+            Ok(p) => self.send_on(p.for_queued(records.len()), records).await,
+            Err(e) => records.iter().map(|_| Err(e.clone())).collect(),
+        }
     }
 
     fn unreachable(&self) -> Option<String> {
@@ -890,5 +1010,29 @@ fn record_of<M: Message>(m: &M) -> LogRecord {
             .to_millis()
             .filter(|ms| *ms >= 0)
             .and_then(chrono::DateTime::<chrono::Utc>::from_timestamp_millis),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_producer_id;
+
+    /// The statistics librdkafka writes (cut down to the fields around the
+    /// one read): only the `Assigned` state counts as having an id.
+    #[test]
+    fn a_producer_has_its_id_only_in_the_assigned_state() {
+        let stats = |state: &str| {
+            format!(
+                r#"{{"name": "rdkafka#producer-2", "type": "producer", "ts": 1, "brokers": {{}}, "topics": {{}},
+                "eos": {{ "idemp_state": "{state}", "idemp_stateage": 12, "txn_state": "Init", "txn_stateage": 12,
+                "txn_may_enq": false, "producer_id": 7, "producer_epoch": 0, "epoch_cnt": 1 }}}}"#
+            )
+        };
+        assert!(has_producer_id(stats("Assigned").as_bytes()));
+        for state in ["Init", "RequestPID", "WaitTransport", "WaitPID", "DrainReset", "DrainBump"] {
+            assert!(!has_producer_id(stats(state).as_bytes()), "{state}");
+        }
+        assert!(!has_producer_id(br#"{"name": "rdkafka#producer-1", "type": "producer"}"#), "no eos section");
+        assert!(!has_producer_id(b"not json"));
     }
 }

@@ -145,6 +145,15 @@ pub trait Transport: Send + Sync + 'static {
     /// Tries once to put every record on the log, and answers the outcome
     /// of each, in order (a missing outcome counts as a transient failure).
     async fn send(&self, records: &[OutRecord]) -> Vec<PortResult<()>>;
+    /// [`Transport::send`] for one attempt of the pump: records queued
+    /// without a waiting publish ([`Outbox::queue`]), every one queued since
+    /// its last attempt, which the pump waits for (at most [`QUEUED_WAIT`])
+    /// before it sends the next. A transport may put these on their way
+    /// differently (the Kafka log sends a small one with no linger); by
+    /// default, as any other.
+    async fn send_queued(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+        self.send(records).await
+    }
     /// Why the log is known to be unreachable right now, if it is (a
     /// producer that lost every broker); `None` when nothing is known.
     fn unreachable(&self) -> Option<String> {
@@ -356,7 +365,7 @@ impl<T: Transport> Shared<T> {
             records.extend(mine);
             rest.push((job, ids, answer));
         }
-        let mut results = self.transport.send(&records).await.into_iter();
+        let mut results = self.transport.send_queued(&records).await.into_iter();
         let mut records = records.into_iter();
         for ((job, ids, answer), n) in rest.into_iter().zip(sizes) {
             let mine: Vec<OutRecord> = records.by_ref().take(n).collect();
@@ -652,6 +661,8 @@ mod tests {
         attempts: Mutex<usize>,
         /// The records of each attempt, in order.
         sent: Mutex<Vec<Vec<String>>>,
+        /// The records of each attempt made through `send_queued`.
+        sent_queued: Mutex<Vec<Vec<String>>>,
         knows_down: AtomicBool,
         /// Attempts wait for this before answering (a frozen log), while set.
         frozen: AtomicBool,
@@ -691,6 +702,11 @@ mod tests {
                     Ok(())
                 })
                 .collect()
+        }
+        async fn send_queued(&self, records: &[OutRecord]) -> Vec<PortResult<()>> {
+            let names = records.iter().map(|r| String::from_utf8_lossy(&r.payload).into_owned()).collect();
+            self.sent_queued.lock().expect("lock").push(names);
+            self.send(records).await
         }
         fn unreachable(&self) -> Option<String> {
             self.knows_down.load(Ordering::SeqCst).then(|| "all brokers down".to_owned())
@@ -963,6 +979,20 @@ mod tests {
         log.thawed.notify_waiters();
         publish.await.expect("the publish task").expect("acknowledged with the pump's attempt");
         assert_eq!(taken(&log).iter().filter(|r| *r == "e").count(), 1);
+    }
+
+    /// The pump's attempts go through `send_queued`, a waited publish's
+    /// through `send`, so a transport can tell them apart.
+    #[tokio::test(start_paused = true)]
+    async fn the_pump_sends_through_send_queued_and_a_publish_through_send() {
+        let (log, o) = outbox(10);
+        o.queue(vec![rec("a"), rec("b")]).expect("queued");
+        o.publish(vec![rec("c")]).await.expect("acknowledged");
+        o.flush(Duration::from_secs(5)).await.expect("flushed");
+        assert_eq!(*log.sent_queued.lock().expect("lock"), [vec!["a", "b"]]);
+        let mut sent = log.sent.lock().expect("lock").clone();
+        sent.sort();
+        assert_eq!(sent, [vec!["a", "b"], vec!["c"]]);
     }
 
     /// A queued record the log did not take is sent again on its own, and

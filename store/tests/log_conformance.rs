@@ -127,6 +127,11 @@ mod kafka {
     async fn a_producer_knows_at_once_that_its_broker_is_gone() {
         super::a_producer_knows_at_once_that_its_broker_is_gone().await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_eager_producer_gets_its_id_and_queued_facts_reach_the_log() {
+        super::the_eager_producer_gets_its_id_and_queued_facts_reach_the_log().await;
+    }
 }
 
 mod sqlite {
@@ -1157,6 +1162,32 @@ async fn a_producer_knows_at_once_that_its_broker_is_gone() {
     assert!(e.to_string().contains("log unavailable"), "{e}");
     assert!(started.elapsed() <= Duration::from_millis(100) + SLACK, "took {:?}", started.elapsed());
     assert_eq!(log.queued(), 2, "both facts stay queued");
+}
+
+/// The producer that takes the pump's small attempts (no linger) says
+/// when it has its producer id (its statistics): facts queued before then
+/// go on the other producer, and those queued after on it, and all reach
+/// the log.
+async fn the_eager_producer_gets_its_id_and_queued_facts_reach_the_log() {
+    let Some(h) = KafkaHarness::new().await else { return };
+    let log = KafkaLog::new(&h.config).expect("a fresh producer");
+    assert!(log.queue(&[fact("pe", 0)]).is_some_and(|r| r.is_ok()), "queued");
+    let started = Instant::now();
+    while !log.eager_has_id() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the eager producer never said it has its id");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for n in 1..4 {
+        assert!(log.queue(&[fact("pe", n)]).is_some_and(|r| r.is_ok()), "queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    log.flush(Duration::from_secs(30)).await.expect("every queued fact acknowledged");
+    let mut reader = reader_at(&h, 0).await;
+    let mut ids: Vec<String> =
+        decode(&read_n(reader.as_mut(), 4).await).into_iter().map(|f| f.id.as_str().to_owned()).collect();
+    assert_nothing_more(reader.as_mut()).await;
+    ids.sort();
+    assert_eq!(ids, ["pe-e0", "pe-e1", "pe-e2", "pe-e3"]);
 }
 
 /// The embedded log on a file whose write lock another connection can hold.
