@@ -272,9 +272,8 @@ pub fn kafka_err(e: KafkaError) -> PortError {
 /// on a second producer with no linger, so it leaves at once, and a larger
 /// one on the first (so does every attempt until the second producer has
 /// its producer id, see [`Producers::eager`]). Each producer keeps its own
-/// records in order; a
-/// request event and the events published around it may land in either
-/// order, and the fold does not depend on it.
+/// records in order; a request event and the events published around it
+/// may land in either order, and the fold does not depend on it.
 ///
 /// **What the producer knows.** Its [`ProducerState`] is down from the
 /// moment librdkafka reports every broker connection down *and* a
@@ -469,17 +468,17 @@ impl ProducerState {
 /// `statistics.interval.ms` set, whether it holds its producer id.
 struct Tracking {
     state: Arc<ProducerState>,
-    /// The last statistics said the idempotent producer has its producer id
-    /// (state `Assigned`): a record it is handed goes out at once. A fresh
-    /// producer gets its id only 0.5–1 s after it is made (librdkafka asks
-    /// on a 500-ms timer, and again if no broker connection was up), and
-    /// holds every record back until then.
-    has_id: Arc<AtomicBool>,
+    /// For a producer that reports statistics: the last ones said it has
+    /// its producer id (state `Assigned`), so a record it is handed goes out
+    /// at once. A fresh producer gets its id only 0.5–1 s after it is made
+    /// (librdkafka asks on a 500-ms timer, and again if no broker
+    /// connection was up), and holds every record back until then.
+    has_id: Option<Arc<AtomicBool>>,
 }
 
 impl Tracking {
-    fn new(state: &Arc<ProducerState>, has_id: &Arc<AtomicBool>) -> Tracking {
-        Tracking { state: Arc::clone(state), has_id: Arc::clone(has_id) }
+    fn new(state: &Arc<ProducerState>, has_id: Option<&Arc<AtomicBool>>) -> Tracking {
+        Tracking { state: Arc::clone(state), has_id: has_id.map(Arc::clone) }
     }
 }
 
@@ -502,7 +501,9 @@ fn has_producer_id(statistics: &[u8]) -> bool {
 
 impl ClientContext for Tracking {
     fn stats_raw(&self, statistics: &[u8]) {
-        self.has_id.store(has_producer_id(statistics), Ordering::SeqCst);
+        if let Some(has_id) = &self.has_id {
+            has_id.store(has_producer_id(statistics), Ordering::SeqCst);
+        }
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
@@ -556,10 +557,10 @@ struct Producers {
 
 impl Producers {
     fn new(batching: &ClientConfig, eager: &ClientConfig, state: &Arc<ProducerState>) -> PortResult<Producers> {
-        let (unread, eager_has_id) = (Arc::default(), Arc::default());
+        let eager_has_id = Arc::default();
         Ok(Producers {
-            batching: batching.create_with_context(Tracking::new(state, &unread)).map_err(kafka_err)?,
-            eager: eager.create_with_context(Tracking::new(state, &eager_has_id)).map_err(kafka_err)?,
+            batching: batching.create_with_context(Tracking::new(state, None)).map_err(kafka_err)?,
+            eager: eager.create_with_context(Tracking::new(state, Some(&eager_has_id))).map_err(kafka_err)?,
             eager_has_id,
         })
     }
