@@ -392,6 +392,10 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
+/// How long a gateway waits at start for its Kafka producers' ids before
+/// it serves anyway.
+const PRODUCER_ID_WAIT: Duration = Duration::from_secs(5);
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.admin_token.len() < 8 || args.gateway_token.len() < 8 {
         bail!("TOLLGATE_ADMIN_TOKEN and TOLLGATE_GATEWAY_TOKEN must be at least 8 characters");
@@ -403,12 +407,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         bail!("TOLLGATE_PUBLISH_TIMEOUT, TOLLGATE_STORE_TIMEOUT and TOLLGATE_PUBLISH_QUEUE must be positive");
     }
     let b = &args.backends;
+    // The producers first: each gets its producer id about half a second
+    // after it is made, while the rest starts (see below).
+    let mut kafka = b.kafka();
+    kafka.publish = PublishOptions { timeout: args.publish_timeout, queue: args.publish_queue };
+    let producers = KafkaLog::new(&kafka).context("creating the Kafka producer")?;
     let store = b.store().await?;
     b.topics().await?;
     let view = RedisView::connect(&b.redis_url, &b.redis_prefix).await.context("connecting to Redis")?;
-    let mut kafka = b.kafka();
-    kafka.publish = PublishOptions { timeout: args.publish_timeout, queue: args.publish_queue };
-    let log: Arc<dyn Log> = Arc::new(KafkaLog::new(&kafka).context("creating the Kafka producer")?);
+    let log: Arc<dyn Log> = Arc::new(producers.clone());
     let mut settings = Settings::new(args.admin_token, args.gateway_token);
     settings.lease = args.lease;
     settings.config_ttl = args.config_ttl;
@@ -446,6 +453,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     let state =
         AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail).with_permits(permits);
+    // No check before the producers can send its request event at once
+    // (KafkaLog::wait_for_ids): a gateway killed within a second of its
+    // start would otherwise take the reservations it granted with it.
+    if !producers.wait_for_ids(PRODUCER_ID_WAIT).await {
+        tracing::warn!(
+            waited_ms = PRODUCER_ID_WAIT.as_millis() as u64,
+            "the Kafka producers have no producer id yet (is the broker up?): serving anyway; \
+             events wait in this process until they have"
+        );
+    }
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");

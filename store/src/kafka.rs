@@ -297,9 +297,10 @@ pub struct KafkaLog {
 impl KafkaLog {
     pub fn new(config: &KafkaConfig) -> PortResult<Self> {
         let state = Arc::new(ProducerState::default());
-        let settings = config.producer_config();
+        let mut settings = config.producer_config();
+        settings.set("statistics.interval.ms", STATS_MS);
         let mut eager = settings.clone();
-        eager.set("linger.ms", "0").set("statistics.interval.ms", EAGER_STATS_MS);
+        eager.set("linger.ms", "0");
         let producers = Producers::new(&settings, &eager, &state)?;
         let sender = KafkaSender {
             settings,
@@ -327,6 +328,33 @@ impl KafkaLog {
     pub fn eager_has_id(&self) -> bool {
         let producers = self.outbox.transport().producers.read().unwrap_or_else(PoisonError::into_inner);
         producers.eager_has_id.load(Ordering::SeqCst)
+    }
+
+    /// Whether both producers have their producer ids, as their last
+    /// statistics said: a record handed to either goes out at once.
+    pub fn has_ids(&self) -> bool {
+        let producers = self.outbox.transport().producers.read().unwrap_or_else(PoisonError::into_inner);
+        producers.batching_has_id.load(Ordering::SeqCst) && producers.eager_has_id.load(Ordering::SeqCst)
+    }
+
+    /// Waits until both producers have their producer ids, at most
+    /// `within`; whether they have. A fresh producer gets its id 0.5–1 s
+    /// after it is made and holds every record back until then, so a
+    /// gateway waits for this before it answers its first check: a request
+    /// event published earlier would stay in this process for up to a
+    /// second, and a gateway killed meanwhile would take that reservation
+    /// with it. With the broker unreachable it waits all of `within`.
+    pub async fn wait_for_ids(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if self.has_ids() {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(ID_POLL).await;
+        }
     }
 
     /// Publishes raw bytes under a key (tests use it to put malformed
@@ -464,21 +492,21 @@ impl ProducerState {
 }
 
 /// The producer's client context: librdkafka's global errors reach the
-/// [`ProducerState`] (and the log) through it, and, for a producer with
-/// `statistics.interval.ms` set, whether it holds its producer id.
+/// [`ProducerState`] (and the log) through it, and, from its statistics
+/// (`statistics.interval.ms`), whether it holds its producer id.
 struct Tracking {
     state: Arc<ProducerState>,
-    /// For a producer that reports statistics: the last ones said it has
-    /// its producer id (state `Assigned`), so a record it is handed goes out
-    /// at once. A fresh producer gets its id only 0.5–1 s after it is made
-    /// (librdkafka asks on a 500-ms timer, and again if no broker
-    /// connection was up), and holds every record back until then.
-    has_id: Option<Arc<AtomicBool>>,
+    /// The producer's last statistics said it has its producer id (state
+    /// `Assigned`), so a record it is handed goes out at once. A fresh
+    /// producer gets its id only 0.5–1 s after it is made (librdkafka asks
+    /// on a 500-ms timer, and again if no broker connection was up), and
+    /// holds every record back until then.
+    has_id: Arc<AtomicBool>,
 }
 
 impl Tracking {
-    fn new(state: &Arc<ProducerState>, has_id: Option<&Arc<AtomicBool>>) -> Tracking {
-        Tracking { state: Arc::clone(state), has_id: has_id.map(Arc::clone) }
+    fn new(state: &Arc<ProducerState>, has_id: &Arc<AtomicBool>) -> Tracking {
+        Tracking { state: Arc::clone(state), has_id: Arc::clone(has_id) }
     }
 }
 
@@ -501,9 +529,7 @@ fn has_producer_id(statistics: &[u8]) -> bool {
 
 impl ClientContext for Tracking {
     fn stats_raw(&self, statistics: &[u8]) {
-        if let Some(has_id) = &self.has_id {
-            has_id.store(has_producer_id(statistics), Ordering::SeqCst);
-        }
+        self.has_id.store(has_producer_id(statistics), Ordering::SeqCst);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
@@ -534,18 +560,23 @@ impl ClientContext for Tracking {
 /// the broker's work). BENCHMARKS.md, session 30, has the measurements.
 pub const EAGER_MAX: usize = 8;
 
-/// How often the eager producer reports its statistics: how soon after it
-/// has its producer id it is used.
-const EAGER_STATS_MS: &str = "100";
+/// How often the producers report their statistics: how soon after one
+/// has its producer id it is known ([`KafkaLog::has_ids`]; the eager one
+/// is used from then on).
+const STATS_MS: &str = "100";
+
+/// How often [`KafkaLog::wait_for_ids`] looks.
+const ID_POLL: Duration = Duration::from_millis(10);
 
 /// The usage topic's producers, made and replaced together. Both are
-/// idempotent with `acks=all` ([`KafkaConfig::producer`]) and share one
-/// [`ProducerState`]; they differ in their linger, and the eager one
-/// reports statistics (whether it has its producer id).
+/// idempotent with `acks=all` ([`KafkaConfig::producer`]), share one
+/// [`ProducerState`] and report statistics (whether each has its producer
+/// id); they differ in their linger.
 struct Producers {
     /// `linger.ms` 2: every waited publish, and a pump's attempt of more
     /// than [`EAGER_MAX`] records or made before the eager one has its id.
     batching: FutureProducer<Tracking>,
+    batching_has_id: Arc<AtomicBool>,
     /// `linger.ms` 0: a pump's attempt of at most [`EAGER_MAX`] records,
     /// once its statistics said it has its producer id. Before that it
     /// would hold them back for up to a second after the gateway started
@@ -557,10 +588,11 @@ struct Producers {
 
 impl Producers {
     fn new(batching: &ClientConfig, eager: &ClientConfig, state: &Arc<ProducerState>) -> PortResult<Producers> {
-        let eager_has_id = Arc::default();
+        let (batching_has_id, eager_has_id) = (Arc::default(), Arc::default());
         Ok(Producers {
-            batching: batching.create_with_context(Tracking::new(state, None)).map_err(kafka_err)?,
-            eager: eager.create_with_context(Tracking::new(state, Some(&eager_has_id))).map_err(kafka_err)?,
+            batching: batching.create_with_context(Tracking::new(state, &batching_has_id)).map_err(kafka_err)?,
+            batching_has_id,
+            eager: eager.create_with_context(Tracking::new(state, &eager_has_id)).map_err(kafka_err)?,
             eager_has_id,
         })
     }

@@ -132,6 +132,16 @@ mod kafka {
     async fn the_eager_producer_gets_its_id_and_queued_facts_reach_the_log() {
         super::the_eager_producer_gets_its_id_and_queued_facts_reach_the_log().await;
     }
+
+    #[tokio::test]
+    async fn waiting_for_the_producer_ids_ends_when_both_have_theirs() {
+        super::waiting_for_the_producer_ids_ends_when_both_have_theirs().await;
+    }
+
+    #[tokio::test]
+    async fn waiting_for_the_producer_ids_with_no_broker_gives_up_in_time() {
+        super::waiting_for_the_producer_ids_with_no_broker_gives_up_in_time().await;
+    }
 }
 
 mod sqlite {
@@ -1188,6 +1198,38 @@ async fn the_eager_producer_gets_its_id_and_queued_facts_reach_the_log() {
     assert_nothing_more(reader.as_mut()).await;
     ids.sort();
     assert_eq!(ids, ["pe-e0", "pe-e1", "pe-e2", "pe-e3"]);
+}
+
+/// A fresh log's producers have no producer id at first (librdkafka asks
+/// for it half a second after a producer is made, and its first
+/// statistics come after 100 ms); `wait_for_ids` returns once both have
+/// theirs, and a fact published then is on the log.
+async fn waiting_for_the_producer_ids_ends_when_both_have_theirs() {
+    let Some(h) = KafkaHarness::new().await else { return };
+    let log = KafkaLog::new(&h.config).expect("a fresh producer");
+    assert!(!log.has_ids(), "no statistics yet, so no id known");
+    let started = Instant::now();
+    assert!(log.wait_for_ids(Duration::from_secs(10)).await, "both producers got their ids");
+    assert!(log.has_ids() && log.eager_has_id());
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(100), "returned before any statistics: {waited:?}");
+    log.publish(&[fact("pw", 0)]).await.expect("published");
+    let mut reader = reader_at(&h, 0).await;
+    let ids: Vec<String> =
+        decode(&read_n(reader.as_mut(), 1).await).into_iter().map(|f| f.id.as_str().to_owned()).collect();
+    assert_eq!(ids, ["pw-e0"]);
+}
+
+/// With nothing listening, the producers never get their ids: the wait
+/// gives up after the time it was given, not before and not much after.
+async fn waiting_for_the_producer_ids_with_no_broker_gives_up_in_time() {
+    let config = KafkaConfig::new(format!("127.0.0.1:{}", testkit::free_port()), "tg-noid.");
+    let log = KafkaLog::new(&config).expect("producer");
+    let started = Instant::now();
+    assert!(!log.wait_for_ids(Duration::from_millis(800)).await, "no broker, no id");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(800) && waited < Duration::from_millis(800) + SLACK, "{waited:?}");
+    assert!(!log.has_ids());
 }
 
 /// The embedded log on a file whose write lock another connection can hold.
