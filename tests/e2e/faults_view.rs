@@ -306,6 +306,38 @@ async fn faults_view_gateway_killed_holding_reservations() {
     drop(redis);
 }
 
+/// A gateway killed just after its first checks, with the view flushed:
+/// it listened only once its producers had their producer ids, so the
+/// request events of those checks left at once (a fresh producer holds
+/// records back until its id comes, 0.5–1 s after it is made), and the
+/// survivor's reseed reads their reservations back from the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_view_fresh_gateway_killed_after_its_first_checks() {
+    testkit::require!(Postgres, Kafka);
+    let redis = testkit::RedisServer::start().await;
+    let mut env = Env::with_redis(redis.url()).await;
+    env.extra_env.push(("TOLLGATE_LEASE".into(), "60s".into()));
+    let survivor = env.start_gateway().await;
+    let (pid, _, secret) = env.project_with_key(safe_timezone()).await;
+    env.quota(json!({"project_id": pid, "scope": "project", "metric": "calls", "window": "day", "limit": 3})).await;
+    let fresh = env.start_gateway().await;
+    let doomed = env.last_started();
+    for _ in 0..3 {
+        admitted(&env, &fresh, &secret).await;
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    env.kill(doomed);
+    env.gateways.retain(|g| *g != fresh);
+
+    let client = redis::Client::open(redis.url()).expect("redis client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to own redis");
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("flushall");
+    let r = check(&env.http, &survivor, &secret, json!({})).await;
+    assert_eq!(r.status().as_u16(), 429, "the killed gateway's three reservations, read back from the log");
+    drop(env);
+    drop(redis);
+}
+
 /// Redis unreachable: a check does what the policy says — `deny` (the
 /// default) answers 503 `VIEW_UNAVAILABLE`, `allow` admits uncounted — and
 /// each decision is counted on `/metrics` by policy.

@@ -277,6 +277,11 @@ impl Env {
         self.children.len() - 1
     }
 
+    /// The index for `kill` of the process started last.
+    pub fn last_started(&self) -> usize {
+        self.children.len() - 1
+    }
+
     /// SIGKILLs a child process.
     pub fn kill(&mut self, index: usize) {
         let (_, c) = &mut self.children[index];
