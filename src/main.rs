@@ -406,8 +406,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.publish_timeout.is_zero() || args.store_timeout.is_zero() || args.publish_queue == 0 {
         bail!("TOLLGATE_PUBLISH_TIMEOUT, TOLLGATE_STORE_TIMEOUT and TOLLGATE_PUBLISH_QUEUE must be positive");
     }
+    // The port first, so that a port taken fails the start at once and no
+    // other process can take it while the rest starts; connections wait in
+    // its backlog until the gateway serves (below).
+    let listener =
+        tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let b = &args.backends;
-    // The producers first: each gets its producer id about half a second
+    // The producers next: each gets its producer id about half a second
     // after it is made, while the rest starts (see below).
     let mut kafka = b.kafka();
     kafka.publish = PublishOptions { timeout: args.publish_timeout, queue: args.publish_queue };
@@ -453,8 +458,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     let state =
         AppState::new(store, Arc::new(view), log.clone(), clock, settings).with_log_tail(tail).with_permits(permits);
-    // No check before the producers can send its request event at once
-    // (KafkaLog::wait_for_ids): a gateway killed within a second of its
+    // No check answered before the producers can send its request event at
+    // once (KafkaLog::wait_for_ids): a gateway killed within a second of its
     // start would otherwise take the reservations it granted with it.
     if !producers.wait_for_ids(PRODUCER_ID_WAIT).await {
         tracing::warn!(
@@ -463,8 +468,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
              events wait in this process until they have"
         );
     }
-    let listener =
-        tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %listener.local_addr()?, "tollgate gateway listening");
     axum::serve(listener, gateway::app(state)).with_graceful_shutdown(shutdown_signal()).await?;
     let _ = stop.send(true);

@@ -194,9 +194,10 @@ impl Env {
     ///
     /// A port from [`free_port`] is free when picked, not when the child
     /// binds it: another test's listener (a projector's metrics endpoint
-    /// answers any GET) can take it in between. So the answer must be the
-    /// gateway's own `ok` while the child still runs; a child that exited
-    /// (it could not bind) is started again on another port.
+    /// answers `/healthz` with `ok` too) can take it in between. So the
+    /// answer must be `ok` from a server that also has the gateway's
+    /// `/openapi.json`, while the child still runs; a child that exited (it
+    /// could not bind) is started again on another port.
     pub async fn start_gateway(&mut self) -> String {
         for _attempt in 0..3 {
             let port = free_port();
@@ -225,6 +226,8 @@ impl Env {
                 if let Ok(r) = self.http.get(format!("{url}/healthz")).send().await
                     && r.status().is_success()
                     && r.text().await.is_ok_and(|t| t == "ok")
+                    && let Ok(api) = self.http.get(format!("{url}/openapi.json")).send().await
+                    && api.status().is_success()
                     && child.try_wait().ok().flatten().is_none()
                 {
                     self.children.push(("gateway".into(), child));
