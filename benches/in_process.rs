@@ -48,6 +48,12 @@
 //! sampling profiler attached to the process (`perf record -g -p <pid>`)
 //! sees only it; the process prints its pid first, and afterwards the
 //! variant's sequential latency (p50, p99), measured as a full run does.
+//! With `TOLLGATE_BENCH_PROFILE_COUNT=<n>` as well, it makes exactly `n`
+//! sequential requests instead and nothing else, for an instruction count:
+//! under `valgrind --tool=callgrind`, the difference of two counts' totals
+//! over the difference of their requests is what one request costs,
+//! whatever the set-up did, and the same for the same build and inputs
+//! whatever else the machine runs.
 //!
 //! Run it with `cargo bench --bench in_process` (or `scripts/bench`). Under
 //! `cargo test --all-targets` it returns at once. It never asserts: it prints
@@ -669,6 +675,13 @@ async fn profile(which: &str) -> AnyResult<()> {
         }
     };
     let op = poster(&http, &url, &secret, &body);
+    if let Some(n) = std::env::var("TOLLGATE_BENCH_PROFILE_COUNT").ok().and_then(|s| s.parse::<usize>().ok()) {
+        let lat = sequential(0, n, op).await;
+        eprintln!("in_process: {which}: {} sequential requests, {} errors", lat.n, lat.errors);
+        running.stop().await;
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(());
+    }
     let op_latency = op.clone();
     throughput(CLIENTS, THROUGHPUT_WARMUP_SECS, op.clone()).await;
     eprintln!("in_process: profiling {which}: pid {} for {secs} s", std::process::id());

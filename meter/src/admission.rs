@@ -219,7 +219,8 @@ pub fn dimension_for(quota: &Quota, caller: &Caller) -> Option<Dimension> {
 /// not from their settle.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Watched {
-    exact: std::collections::BTreeSet<(Dimension, WindowKind)>,
+    /// By dimension, so that a lookup borrows the dimension it is given.
+    exact: std::collections::BTreeMap<Dimension, std::collections::BTreeSet<WindowKind>>,
     all_keys: std::collections::BTreeSet<WindowKind>,
     any_actor: std::collections::BTreeSet<WindowKind>,
 }
@@ -231,27 +232,27 @@ impl Watched {
             let win = q.spec.window;
             match (q.spec.scope, q.spec.scope_ref.as_deref()) {
                 (Scope::Project, _) | (Scope::Agent, None) => {
-                    w.exact.insert((Dimension::Project, win));
+                    w.exact.entry(Dimension::Project).or_default().insert(win);
                 }
                 (Scope::ApiKey, None) => {
                     w.all_keys.insert(win);
                 }
                 (Scope::ApiKey, Some(r)) => {
                     if let Ok(k) = ApiKeyId::parse(r) {
-                        w.exact.insert((Dimension::ApiKey(k), win));
+                        w.exact.entry(Dimension::ApiKey(k)).or_default().insert(win);
                     }
                 }
                 (Scope::Agent, Some(r)) => {
-                    w.exact.insert((Dimension::Agent(r.to_owned()), win));
+                    w.exact.entry(Dimension::Agent(r.to_owned())).or_default().insert(win);
                 }
                 (Scope::Actor, None) => {
                     w.any_actor.insert(win);
                 }
                 (Scope::Actor, Some(r)) => {
-                    w.exact.insert((Dimension::Actor(r.to_owned()), win));
+                    w.exact.entry(Dimension::Actor(r.to_owned())).or_default().insert(win);
                 }
                 (Scope::User, Some(r)) => {
-                    w.exact.insert((Dimension::User(r.to_owned()), win));
+                    w.exact.entry(Dimension::User(r.to_owned())).or_default().insert(win);
                 }
                 (Scope::User, None) => {}
             }
@@ -271,7 +272,7 @@ impl Watched {
             Dimension::ApiKey(_) | Dimension::User(_) if own => true,
             Dimension::AllApiKeys => self.all_keys.contains(&window),
             Dimension::Actor(_) if self.any_actor.contains(&window) => true,
-            d => self.exact.contains(&(d.clone(), window)),
+            d => self.exact.get(d).is_some_and(|w| w.contains(&window)),
         }
     }
 }
