@@ -407,36 +407,40 @@ async fn admit_subject_timed(s: &AppState, subject: Subject, role: Option<Arc<Ro
     }
     let (project, caller) = match &subject {
         Subject::Key(k) => (
-            k.project_id.clone(),
+            &k.project_id,
             Caller { api_key: Some(k.id.clone()), agent: ctx.agent.clone(), actor: ctx.actor.clone(), user: None },
         ),
         Subject::User { project, user } => (
-            project.clone(),
+            project,
             Caller { api_key: None, agent: ctx.agent.clone(), actor: ctx.actor.clone(), user: Some(user.clone()) },
         ),
     };
     let cfg = s
-        .project_config(&project)
+        .project_config(project)
         .await?
         .ok_or_else(|| Error::unauthenticated("the caller's project no longer exists"))?;
-    let quotas: Arc<Vec<Quota>> = match &role {
+    // The project's quotas as the cache holds them (borrowed: no count of
+    // a shared `Arc` per check), with a role's own quota added to a copy.
+    let with_role: Option<Vec<Quota>> = match &role {
         Some(r) if r.quota.is_some() => {
             let mut q = (*cfg.quotas).clone();
             q.extend(meter::role::role_quotas(r, &caller));
-            Arc::new(q)
+            Some(q)
         }
-        _ => cfg.quotas.clone(),
+        _ => None,
     };
+    let quotas: &[Quota] = with_role.as_deref().unwrap_or(&cfg.quotas);
     let now = s.clock.now();
     let estimate = ctx.estimate.resolve(s, now).await?;
     // The slot first: a full pool refuses before anything is reserved or counted.
     let permit = match &ctx.permit {
-        Some(ask) => Some(take_permit(s, &project, &caller, ask, now).await?),
+        Some(ask) => Some(take_permit(s, project, &caller, ask, now).await?),
         None => None,
     };
     let input = CheckInput { caller, storage_delta: ctx.storage_delta, estimate };
-    let plan = meter::plan_check(&quotas, cfg.project.timezone, &input, now);
-    let result = reserve(s, &subject, &quotas, &project, &plan, &ctx, now).await;
+    let plan = meter::plan_check(quotas, cfg.project.timezone, &input, now);
+    // The caller goes on into the request event, not copied.
+    let result = reserve(s, input.caller, quotas, project, &plan, &ctx, now).await;
     match (result, permit) {
         (Ok(g), permit) => Ok(Granted { permit, ..g }),
         (Err(e), Some(p)) => {
@@ -487,30 +491,26 @@ async fn take_permit(
 /// what follows from it (the request event, monitor breaches, exceptions).
 async fn reserve(
     s: &AppState,
-    subject: &Subject,
+    caller: Caller,
     quotas: &[Quota],
     project: &ProjectId,
     plan: &CheckPlan,
     ctx: &Context,
     now: DateTime<Utc>,
 ) -> Result<Granted> {
-    let project = project.clone();
     let hold = Hold {
         reservation: new_reservation_id(),
         request_event: new_event_id("req"),
         lease_until: now + chrono::Duration::from_std(s.settings.lease).unwrap_or(chrono::Duration::seconds(60)),
     };
-    let outcome = observe(s, &project, plan, &hold, now).await?;
+    let outcome = observe(s, project, plan, &hold, now).await?;
     let verdict = outcome.as_ref().map(|o| meter::decide(quotas, plan, o, now));
     // Every check's request event is on the log, so a view rebuilt from it
     // holds the check's reservation again. Requests are key-authenticated
     // traffic only: a signed-in user's (no api key) counts no request.
-    let (key, user) = match subject {
-        Subject::Key(k) => (Some(k.id.clone()), None),
-        Subject::User { user, .. } => (None, Some(user.clone())),
-    };
     let logged = logged_request(quotas, plan, outcome.as_ref(), verdict.as_ref(), &hold);
-    let asker = Asker { project: project.clone(), key, user, agent: ctx.agent.clone(), actor: ctx.actor.clone() };
+    let Caller { api_key: key, user, agent, actor } = caller;
+    let asker = Asker { project: project.clone(), key, user, agent, actor };
     let fact = request_fact(s, asker, &hold, logged, now);
     let admitted = verdict.as_ref().is_none_or(|v| v.breach.is_none());
     let request = if ctx.hold_request && admitted {
@@ -540,7 +540,7 @@ async fn reserve(
         metrics::counter!("tollgate_monitor_breaches_total").increment(n);
     }
     if !verdict.unpriced.is_empty() {
-        file_exceptions(s, &project, quotas, &verdict.unpriced, now);
+        file_exceptions(s, project, quotas, &verdict.unpriced, now);
     }
     let remaining = Remaining::from(&verdict);
     match verdict.breach {
@@ -555,7 +555,7 @@ async fn reserve(
         }),
         Some(breach) => {
             metrics::counter!("tollgate_check_refusals_total", "metric" => breach.metric.as_str()).increment(1);
-            let refused = refusal(s, project, breach, remaining).await;
+            let refused = refusal(s, project.clone(), breach, remaining).await;
             Err(match explain {
                 Some(explain) => Error::Explained { error: Box::new(refused), explain },
                 None => refused,

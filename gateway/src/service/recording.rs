@@ -173,7 +173,8 @@ async fn settle_into_view(s: &AppState, facts: &[UsageFact]) -> Result<()> {
     let book =
         if facts.iter().any(|f| f.kind == EventKind::Tokens) { s.price_book().await? } else { Default::default() };
     // Settle into the view first, per project, so a fold never precedes it.
-    let mut by_project: BTreeMap<ProjectId, Vec<Settlement>> = BTreeMap::new();
+    // By project, the ids borrowed from the facts.
+    let mut by_project: BTreeMap<&ProjectId, Vec<Settlement>> = BTreeMap::new();
     let mut unpriced: BTreeMap<ProjectId, Vec<UnpricedRow>> = BTreeMap::new();
     for f in facts {
         let Some(cfg) = s.project_config(&f.project_id).await? else {
@@ -195,11 +196,8 @@ async fn settle_into_view(s: &AppState, facts: &[UsageFact]) -> Result<()> {
             }
         }
         let deltas = counters.into_iter().filter(|(c, _)| c.resets_at.is_none_or(|r| r > now)).collect();
-        by_project.entry(f.project_id.clone()).or_default().push(Settlement {
-            event: f.id.clone(),
-            reservation: f.reservation_id.clone(),
-            deltas,
-        });
+        let settlement = Settlement { event: f.id.clone(), reservation: f.reservation_id.clone(), deltas };
+        by_project.entry(&f.project_id).or_default().push(settlement);
     }
     // The unpriced rows go to the store before the events are acknowledged,
     // so a refusal over a blackout can name them at once; but not at the
@@ -207,8 +205,8 @@ async fn settle_into_view(s: &AppState, facts: &[UsageFact]) -> Result<()> {
     for (project, rows) in &unpriced {
         record_unpriced(s, project, rows).await;
     }
-    for (project, settlements) in &by_project {
-        if let Err(e) = s.view.settle(project, settlements, now).await {
+    for (project, settlements) in by_project {
+        if let Err(e) = s.view.settle(project, &settlements, now).await {
             // The log is the truth: the view catches up when the projector folds.
             warn!(error = %e, %project, "settle into view failed");
             metrics::counter!("tollgate_view_unavailable_total", "policy" => "settle").increment(1);
