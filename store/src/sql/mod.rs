@@ -13,7 +13,7 @@
 //!   time order); JSON is `jsonb` or text;
 //! - how a batch of rows is bound ([`Rows`], written `{rows}` in a query): one
 //!   array per column unpacked by `UNNEST` on PostgreSQL, one JSON array
-//!   unpacked by `json_each` on SQLite, so a batch of any size is a fixed
+//!   unpacked by `jsonb_each` on SQLite, so a batch of any size is a fixed
 //!   number of parameters;
 //! - how a writing transaction begins (SQLite's `BEGIN IMMEDIATE` takes the
 //!   file's write lock at once) and what serialises plans of one project
