@@ -261,8 +261,9 @@ where
             Err(never) => match never {},
         };
     }
-    // Both guards cost a check that takes no permit and is settled nothing
-    // but a few words: no copy of an id, no count of the shared state's.
+    // The release guard borrows the admission's ids, and a permit guard is
+    // made only for a call that took a permit: a call costs them no copy of
+    // an id and no count of the shared state's `Arc`.
     let guard =
         ReleaseGuard { state: &state, project: &admission.key.project_id, reservation: Some(&admission.reservation) };
     let held = permit.map(|p| PermitGuard { state: state.clone(), permit: Some(p.id) });
@@ -855,17 +856,17 @@ mod tests {
     /// A state over `log` with a project, a key and a `calls` quota of 10;
     /// the key's secret.
     async fn layered_state(log: Arc<dyn Log>) -> (AppState, String, std::path::PathBuf) {
+        layered_state_over(log, MemoryView::new()).await
+    }
+
+    /// [`layered_state`] over a view the test keeps a handle of.
+    async fn layered_state_over(log: Arc<dyn Log>, view: MemoryView) -> (AppState, String, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("tollgate-layer-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("dir");
         let store = SqliteStore::open(&dir.join("t.db")).await.expect("open");
         store.migrate().await.expect("migrate");
-        let state = AppState::new(
-            Arc::new(store),
-            Arc::new(MemoryView::new()),
-            log,
-            Arc::new(SystemClock),
-            Settings::new("adm", "gw"),
-        );
+        let state =
+            AppState::new(Arc::new(store), Arc::new(view), log, Arc::new(SystemClock), Settings::new("adm", "gw"));
         let starter = Starter {
             project: NewProject { name: "p".into(), timezone: chrono_tz::Tz::UTC },
             key: NewApiKey { name: "k".into(), ..NewApiKey::default() },
@@ -958,6 +959,43 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(log.kinds(), vec![vec![EventKind::Request]]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A caller that goes away while the service still works (its future
+    /// dropped, as hyper drops it when the connection closes) frees the
+    /// call's reservation at once, not at the end of its lease: the
+    /// release guard.
+    #[tokio::test]
+    async fn a_call_dropped_before_the_service_answers_frees_its_reservation() {
+        let view = MemoryView::new();
+        let log = Arc::new(PublishLog::default());
+        let (state, secret, dir) = layered_state_over(log, view.clone()).await;
+        let project = state.key_by_secret(&secret).await.expect("lookup").expect("key").project_id.clone();
+        let never = Arc::new(Semaphore::new(0));
+        let app = Router::new()
+            .route(
+                "/x",
+                get(move || {
+                    let never = never.clone();
+                    async move {
+                        let _permit = never.acquire().await.expect("semaphore");
+                        "never"
+                    }
+                }),
+            )
+            .layer(TollgateLayer::new(state));
+        let held = |view: &MemoryView| view.dump(&project).leases.values().map(|l| l.leases.len()).sum::<usize>();
+
+        let mut call = Box::pin(app.oneshot(get_with(&secret)));
+        assert!(tokio::time::timeout(Duration::from_millis(200), call.as_mut()).await.is_err(), "answered");
+        assert_eq!(held(&view), 1, "the call holds its reservation while the service works");
+        drop(call);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while held(&view) > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the reservation was left to its lease");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 
