@@ -876,6 +876,23 @@ mod tests {
         (state, made.secret, dir)
     }
 
+    /// The layer over a service that answers `ok` once it takes a permit
+    /// of `gate`.
+    fn gated_app(state: AppState, gate: Arc<Semaphore>) -> Router {
+        Router::new()
+            .route(
+                "/x",
+                get(move || {
+                    let gate = gate.clone();
+                    async move {
+                        let _permit = gate.acquire().await.expect("semaphore");
+                        "ok"
+                    }
+                }),
+            )
+            .layer(TollgateLayer::new(state))
+    }
+
     fn get_with(secret: &str) -> Request<Body> {
         Request::get("/x").header("authorization", format!("Bearer {secret}")).body(Body::empty()).expect("request")
     }
@@ -907,19 +924,7 @@ mod tests {
         let log = Arc::new(PublishLog::default());
         let (state, secret, dir) = layered_state(log.clone()).await;
         let go = Arc::new(Semaphore::new(0));
-        let wait = go.clone();
-        let app = Router::new()
-            .route(
-                "/x",
-                get(move || {
-                    let wait = wait.clone();
-                    async move {
-                        let _permit = wait.acquire().await.expect("semaphore");
-                        "ok"
-                    }
-                }),
-            )
-            .layer(TollgateLayer::new(state));
+        let app = gated_app(state, go.clone());
         let call = tokio::spawn(app.oneshot(get_with(&secret)));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while log.kinds().is_empty() {
@@ -972,19 +977,7 @@ mod tests {
         let log = Arc::new(PublishLog::default());
         let (state, secret, dir) = layered_state_over(log, view.clone()).await;
         let project = state.key_by_secret(&secret).await.expect("lookup").expect("key").project_id.clone();
-        let never = Arc::new(Semaphore::new(0));
-        let app = Router::new()
-            .route(
-                "/x",
-                get(move || {
-                    let never = never.clone();
-                    async move {
-                        let _permit = never.acquire().await.expect("semaphore");
-                        "never"
-                    }
-                }),
-            )
-            .layer(TollgateLayer::new(state));
+        let app = gated_app(state, Arc::new(Semaphore::new(0)));
         let held = |view: &MemoryView| view.dump(&project).leases.values().map(|l| l.leases.len()).sum::<usize>();
 
         let mut call = Box::pin(app.oneshot(get_with(&secret)));
