@@ -75,7 +75,7 @@ async fn api(app: &axum::Router, token: &str, uri: &str, body: Value) -> AnyResu
 /// Folds `FOLDED` call events for each key (a token use on every tenth),
 /// spread over the day so far, as the projector would.
 async fn fold_usage(ledger: &dyn meter::Ledger, pid: &str, keys: &[(String, String)]) -> AnyResult<()> {
-    let project = meter::ProjectId::parse(pid.to_owned())?;
+    let project = meter::ProjectId::parse(pid)?;
     let now = chrono::Utc::now();
     let mut facts = Vec::new();
     for (i, (kid, _)) in keys.iter().enumerate() {

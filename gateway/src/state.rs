@@ -630,7 +630,7 @@ pub fn random_token(len: usize) -> String {
 /// is greater, whichever thread makes them (a process-wide counter behind
 /// one mutex, `uuid`'s).
 pub fn new_id(prefix: &str) -> String {
-    prefixed(prefix, uuid::Uuid::now_v7())
+    prefixed(prefix, uuid::Uuid::now_v7(), str::to_owned)
 }
 
 thread_local! {
@@ -646,18 +646,28 @@ thread_local! {
 /// Nothing orders these ids: the log orders events, and a reservation's id
 /// is only a name.
 pub fn new_hot_id(prefix: &str) -> String {
-    let ctx = uuid::timestamp::context::ThreadLocalContext::new(&HOT_IDS);
-    prefixed(prefix, uuid::Uuid::new_v7(uuid::Timestamp::now(&ctx)))
+    hot_id(prefix, str::to_owned)
 }
 
-fn prefixed(prefix: &str, uuid: uuid::Uuid) -> String {
+/// [`new_hot_id`], handed to `make` from the stack (no heap block for an id
+/// that is parsed straight into its type).
+fn hot_id<R>(prefix: &str, make: impl FnOnce(&str) -> R) -> R {
+    let ctx = uuid::timestamp::context::ThreadLocalContext::new(&HOT_IDS);
+    prefixed(prefix, uuid::Uuid::new_v7(uuid::Timestamp::now(&ctx)), make)
+}
+
+/// `<prefix>_<the uuid in 32 lower hex digits>`, handed to `make`: written
+/// on the stack when it fits in the id alphabet's 128 characters (every
+/// prefix here is a short word), else in a `String`.
+fn prefixed<R>(prefix: &str, uuid: uuid::Uuid, make: impl FnOnce(&str) -> R) -> R {
     let mut buf = uuid::Uuid::encode_buffer();
     let hex = uuid.simple().encode_lower(&mut buf);
-    let mut id = String::with_capacity(prefix.len() + 1 + hex.len());
-    id.push_str(prefix);
-    id.push('_');
-    id.push_str(hex);
-    id
+    let mut id = arrayvec::ArrayString::<128>::new();
+    let fits = id.try_push_str(prefix).and_then(|()| id.try_push_str("_")).and_then(|()| id.try_push_str(hex));
+    match fits {
+        Ok(()) => make(&id),
+        Err(_) => make(&format!("{prefix}_{hex}")),
+    }
 }
 
 /// A new quota id. Invariant: [`new_id`] gives `<prefix>_<32 hex digits>`,
@@ -698,18 +708,18 @@ pub fn new_message_id() -> meter::MessageId {
 
 /// A new reservation id (same invariant as [`new_quota_id`]).
 pub fn new_reservation_id() -> ReservationId {
-    ReservationId::parse(new_hot_id("res")).expect("a new id is in the id alphabet")
+    hot_id("res", |s| ReservationId::parse(s)).expect("a new id is in the id alphabet")
 }
 
 /// A new permit id (same invariant as [`new_quota_id`]).
 pub fn new_permit_id() -> PermitId {
-    PermitId::parse(new_hot_id("pmt")).expect("a new id is in the id alphabet")
+    hot_id("pmt", |s| PermitId::parse(s)).expect("a new id is in the id alphabet")
 }
 
 /// A new event id with a type prefix (`req`, `evt`); same invariant as
 /// [`new_quota_id`] for a prefix in the id alphabet, as every caller's is.
 pub fn new_event_id(prefix: &'static str) -> EventId {
-    EventId::parse(new_hot_id(prefix)).expect("a new id is in the id alphabet")
+    hot_id(prefix, |s| EventId::parse(s)).expect("a new id is in the id alphabet")
 }
 
 /// Compares two secrets in time independent of where they differ.

@@ -172,7 +172,7 @@ mod tests {
     fn the_mode_and_usage_forms_refuse_fields_they_do_not_have() {
         assert!(fields("csrf=x&mode=monitor&from=quotas").quota_mode().is_ok());
         assert_eq!(fields("mode=monitor&limit=5").quota_mode().expect_err("refused").field, "limit");
-        let p = meter::ProjectId::parse("proj_a".to_owned()).expect("an id");
+        let p = meter::ProjectId::parse("proj_a").expect("an id");
         assert_eq!(fields("group_by=key&project_id=other").usage_query(&p).expect_err("refused").field, "project_id");
     }
 }

@@ -194,7 +194,7 @@ impl TryFrom<ExceptionParams> for ExceptionsQuery {
         let after = match p.after {
             None => None,
             Some(a) => Some(
-                QuotaId::parse(a.strip_prefix(EXCEPTION_PREFIX).unwrap_or(&a).to_owned())
+                QuotaId::parse(a.strip_prefix(EXCEPTION_PREFIX).unwrap_or(&a))
                     .map_err(|e| FieldError::new("after", e.to_string()))?,
             ),
         };
