@@ -75,10 +75,12 @@
 //!   gone, a publish waiting on it gets [`PortError::Transient`] (its records
 //!   may or may not have committed), and the next publish starts a new one.
 //! - [`LogReader::poll`] waits for the first record without a broker to push
-//!   it: a [`Notify`] shared by a log and the readers made by
-//!   [`SqliteLog::reader`] wakes readers of the same process as soon as a
-//!   batch commits; writers in other processes (or other [`SqliteLog`]
-//!   values) are noticed by re-reading every [`POLL_INTERVAL`].
+//!   it: a [`Notify`] per topic, shared by a log and the readers it made
+//!   of that topic ([`SqliteLog::reader`], [`SqliteLog::audit_reader`]),
+//!   wakes them as soon as a batch of that topic commits (a usage commit
+//!   wakes no audit reader); writers in other processes (or other
+//!   [`SqliteLog`] values) are noticed by re-reading every
+//!   [`POLL_INTERVAL`].
 //! - Every record carries its append time (`appended_at`, set by the
 //!   writer, one for each transaction, to the millisecond, like a broker's
 //!   log-append timestamp of a batch): the [`LogRecord::timestamp`] the
@@ -208,15 +210,21 @@ impl SqliteLog {
 
     /// [`SqliteLog::new`] with how publishes wait and queue.
     pub fn with_options(pool: SqlitePool, topic_prefix: &str, options: PublishOptions) -> SqliteLog {
-        let published = Arc::new(Notify::new());
         let appender = Appender {
             pool: pool.clone(),
             topic: format!("{topic_prefix}usage"),
-            published: Arc::clone(&published),
+            published: Arc::new(Notify::new()),
             writer: Arc::new(Mutex::new(None)),
         };
-        let audit =
-            Appender { pool, topic: format!("{topic_prefix}audit"), published, writer: Arc::new(Mutex::new(None)) };
+        // A notify of its own: a usage commit (one per group commit, under
+        // load thousands a second) does not wake the audit folder to read
+        // an audit topic nothing was appended to.
+        let audit = Appender {
+            pool,
+            topic: format!("{topic_prefix}audit"),
+            published: Arc::new(Notify::new()),
+            writer: Arc::new(Mutex::new(None)),
+        };
         SqliteLog {
             outbox: Outbox::new(appender.clone(), options),
             appender,
@@ -279,6 +287,7 @@ impl SqliteLog {
             published: Arc::clone(&self.appender.published),
             positions: BTreeMap::from([(PARTITION, 0)]),
             conn: Mutex::new(None),
+            reads: 0,
         }
     }
 
@@ -290,7 +299,11 @@ impl SqliteLog {
     /// log's audit publishes; its dead letters go to the same DLQ topic,
     /// naming the audit topic as their source.
     pub fn audit_reader(&self) -> SqliteLogReader {
-        SqliteLogReader { topic: self.audit.topic.clone(), ..self.reader() }
+        SqliteLogReader {
+            topic: self.audit.topic.clone(),
+            published: Arc::clone(&self.audit.published),
+            ..self.reader()
+        }
     }
 
     pub fn audit_topic(&self) -> &str {
@@ -589,6 +602,8 @@ pub struct SqliteLogReader {
     /// reached through `&mut self` (the mutex makes the reader `Sync`, as
     /// a connection is not, and is never locked).
     conn: Mutex<Option<rusqlite::Connection>>,
+    /// Reads of the file made so far (what a wake-up costs, for tests).
+    reads: u64,
 }
 
 impl SqliteLogReader {
@@ -602,6 +617,7 @@ impl SqliteLogReader {
     /// lock in WAL mode; handing it to a blocking thread cost more CPU per
     /// call than the read, see BENCHMARKS.md).
     async fn read(&mut self, max: usize) -> PortResult<Vec<LogRecord>> {
+        self.reads += 1;
         let slot = self.conn.get_mut().unwrap_or_else(PoisonError::into_inner);
         let conn = match slot {
             Some(conn) => conn,
@@ -1030,6 +1046,49 @@ mod tests {
             payloads.iter().all(|(k, p)| *p == [b"payload of ".as_slice(), k].concat()),
             "each payload with its key"
         );
+        log.appender.pool.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A reader waiting on the audit topic is not woken by the usage
+    /// topic's commits (under load thousands a second, each of which made
+    /// it read the file for nothing), and reads the audit topic's.
+    #[tokio::test]
+    async fn a_reader_is_woken_by_its_own_topics_commits_only() {
+        let (log, dir) = log_in_temp_file().await;
+        let mut audit = log.audit_reader();
+        let wait = Duration::from_millis(400);
+        let commits = 100;
+        let (empty, ()) = tokio::join!(audit.poll(10, wait), async {
+            for i in 0..commits {
+                log.publish_raw(&format!("k{i}"), b"usage").await.expect("publish");
+            }
+        });
+        assert_eq!(empty.expect("poll"), Vec::new(), "nothing on the audit topic");
+        // The first read and its own re-reads (every POLL_INTERVAL, for
+        // other processes' writers): about 21 in 400 ms, where one per
+        // usage commit made 100 more.
+        let most = 2 + u64::try_from(wait.as_millis() / POLL_INTERVAL.as_millis()).expect("small");
+        assert!(audit.reads <= most, "{} reads in {wait:?} with {commits} usage commits", audit.reads);
+
+        // Its own topic's records it reads.
+        let entry = meter::admin_change(
+            meter::AuditId::parse("aud_1").expect("id"),
+            &ProjectId::parse("proj_1").expect("id"),
+            meter::AuditAction::RunExport,
+            "exr_1",
+            meter::AuditDetail::WebhookEndpointDisabled { url: "https://example.test".into(), reason: "test".into() },
+            &meter::Principal::new("admin", "test"),
+            chrono::Utc::now(),
+        );
+        let started = Instant::now();
+        let (got, published) = tokio::join!(audit.poll(10, Duration::from_secs(10)), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            log.publish_audit(std::slice::from_ref(&entry)).await
+        });
+        published.expect("publish the audit entry");
+        assert_eq!(got.expect("poll").len(), 1, "the audit entry");
+        assert!(started.elapsed() < Duration::from_secs(5), "read before the poll's end");
         log.appender.pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
