@@ -141,23 +141,34 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes the banner to stdout in one write, and goes on if stdout is
+/// gone: `println!` panics on a closed stdout (`tollgate dev | head -3`
+/// once `head` has exited), and the banner is not worth the server.
 fn print_banner(url: &str, admin: &str, gateway: &str, dir: &Path, demo: Option<&(String, String, String)>) {
-    println!("tollgate dev — gateway, projector and notifier in one process, state in {}", dir.display());
-    println!();
-    println!("  URL            {url}");
-    println!("  console        {url}/console  (sign in with the admin token)");
-    println!("  admin token    {admin}");
-    println!("  gateway token  {gateway}");
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+    let mut b = String::new();
+    // Writing into a String cannot fail.
+    let _ = writeln!(b, "tollgate dev — gateway, projector and notifier in one process, state in {}", dir.display());
+    let _ = writeln!(b);
+    let _ = writeln!(b, "  URL            {url}");
+    let _ = writeln!(b, "  console        {url}/console  (sign in with the admin token)");
+    let _ = writeln!(b, "  admin token    {admin}");
+    let _ = writeln!(b, "  gateway token  {gateway}");
     if let Some((project, key, secret)) = demo {
-        println!("  demo project   {project}");
-        println!("  demo key       {key}  (secret {secret}; quota: 5 calls per minute)");
-        println!();
-        println!("Try:");
-        println!("  curl -s -X POST {url}/v1/check -H 'authorization: Bearer {gateway}' \\");
-        println!("       -H 'content-type: application/json' -d '{{\"api_key\":\"{secret}\"}}'");
-        println!("  curl -s {url}/v1/quotas?project_id={project} -H 'authorization: Bearer {admin}'");
-        println!("  tollgate export --data-dir {} --project {project} --out usage.csv", dir.display());
+        let _ = writeln!(b, "  demo project   {project}");
+        let _ = writeln!(b, "  demo key       {key}  (secret {secret}; quota: 5 calls per minute)");
+        let _ = writeln!(b);
+        let _ = writeln!(b, "Try:");
+        let _ = writeln!(b, "  curl -s -X POST {url}/v1/check -H 'authorization: Bearer {gateway}' \\");
+        let _ = writeln!(b, "       -H 'content-type: application/json' -d '{{\"api_key\":\"{secret}\"}}'");
+        let _ = writeln!(b, "  curl -s {url}/v1/quotas?project_id={project} -H 'authorization: Bearer {admin}'");
+        let _ = writeln!(b, "  tollgate export --data-dir {} --project {project} --out usage.csv", dir.display());
     }
-    println!("  curl -s {url}/openapi.json");
-    println!();
+    let _ = writeln!(b, "  curl -s {url}/openapi.json");
+    let _ = writeln!(b);
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(b.as_bytes()).and_then(|()| out.flush()) {
+        tracing::warn!(error = %e, "could not print the banner; serving anyway");
+    }
 }

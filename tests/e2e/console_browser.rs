@@ -481,10 +481,10 @@ fn dev_banner(child: &mut Child) -> Option<Banner> {
     let out = child.stdout.take().expect("stdout piped");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        // Read to the end, past the banner too: the child's stdout stays
+        // open as it would on a terminal.
         for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
+            let _ = tx.send(line);
         }
     });
     let mut b = Banner::default();

@@ -502,6 +502,54 @@ async fn malformed_message_goes_to_the_dlq_dev() {
     assert!(dead.iter().any(|(p, r)| p == b"not avro at all" && r.starts_with("malformed")), "{dead:?}");
 }
 
+/// `tollgate dev` whose stdout is closed before it prints its banner (as
+/// `tollgate dev | head -3` leaves it once `head` has exited) still serves:
+/// `println!` panicked on the closed pipe and took the server down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_serves_with_its_stdout_closed() {
+    let dir = std::env::temp_dir().join(format!("tg-e2e-dev-stdout-{}", testkit::unique_id()));
+    let http = reqwest::Client::new();
+    for _attempt in 0..3 {
+        let port = free_port();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .arg("dev")
+            .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
+            .env("TOLLGATE_DATA_DIR", &dir)
+            .env("TOLLGATE_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn tollgate dev");
+        drop(child.stdout.take());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if child.try_wait().expect("wait").is_some() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                // Its port taken between free_port and its bind: again.
+                assert!(err.contains("binding"), "tollgate dev exited: {err}");
+                break;
+            }
+            if let Ok(r) = http.get(format!("http://127.0.0.1:{port}/openapi.json")).send().await
+                && r.status().is_success()
+            {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                assert!(child.try_wait().expect("wait").is_none(), "tollgate dev exited after answering");
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = std::fs::remove_dir_all(&dir);
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "tollgate dev did not answer in 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    panic!("tollgate dev could not bind three times (its ports taken?)");
+}
+
 /// `tollgate dev` keeps its state: killed and started again on the same
 /// data directory, the quotas and the counters are still there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
