@@ -37,15 +37,19 @@ use crate::SchemaError;
 ///
 /// Serde maps it to and from Avro values (`apache_avro::to_value` /
 /// `from_value`): field names and enum symbols are the schema's.
+///
+/// Its strings are `S`: owned (`String`, the default) as read off the log,
+/// or borrowed from the fact (`&str`, [`UsageEvent::of`]) when written, so
+/// encoding a fact on a check's path copies none of its ids and names.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UsageEvent {
-    pub id: String,
-    pub project_id: String,
-    pub api_key_id: Option<String>,
-    pub agent_id: Option<String>,
-    pub actor_id: Option<String>,
+pub struct UsageEvent<S = String> {
+    pub id: S,
+    pub project_id: S,
+    pub api_key_id: Option<S>,
+    pub agent_id: Option<S>,
+    pub actor_id: Option<S>,
     #[serde(default)]
-    pub user_id: Option<String>,
+    pub user_id: Option<S>,
     /// Event time in microseconds since the Unix epoch (`timestamp-micros`).
     pub occurred_at: i64,
     pub kind: EventKind,
@@ -53,11 +57,11 @@ pub struct UsageEvent {
     /// 1 for a successful call event, 0 otherwise.
     pub calls: i64,
     pub rows: i64,
-    pub tokens: Option<Vec<TokenUsage>>,
+    pub tokens: Option<Vec<TokenUsage<S>>>,
     pub storage_bytes: Option<i64>,
-    pub meter_type: Option<String>,
-    pub reservation_id: Option<String>,
-    pub gateway: String,
+    pub meter_type: Option<S>,
+    pub reservation_id: Option<S>,
+    pub gateway: S,
     /// When the gateway accepted the event (`timestamp-micros`), since v3.
     #[serde(default)]
     pub received_at: Option<i64>,
@@ -68,9 +72,9 @@ pub struct UsageEvent {
     #[serde(default)]
     pub held: Option<Vec<HeldCounter>>,
     #[serde(default)]
-    pub breaches: Option<Vec<QuotaBreach>>,
+    pub breaches: Option<Vec<QuotaBreach<S>>>,
     #[serde(default)]
-    pub corrects: Option<String>,
+    pub corrects: Option<S>,
     #[serde(default)]
     pub void: bool,
     /// The billable tokens an admitted request's reservation holds on each
@@ -93,9 +97,9 @@ pub struct HeldCounter {
 
 /// A quota a check found over its limit (`tollgate.QuotaBreach`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct QuotaBreach {
-    pub quota_id: String,
-    pub window_key: String,
+pub struct QuotaBreach<S = String> {
+    pub quota_id: S,
+    pub window_key: S,
     pub limit: i64,
     pub observed: i64,
     pub enforce: bool,
@@ -103,9 +107,9 @@ pub struct QuotaBreach {
 
 /// Tokens consumed from one model of one provider (`tollgate.TokenUsage`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TokenUsage {
-    pub provider: String,
-    pub model: String,
+pub struct TokenUsage<S = String> {
+    pub provider: S,
+    pub model: S,
     pub input: i64,
     pub output: i64,
     pub cached: i64,
@@ -113,22 +117,23 @@ pub struct TokenUsage {
     pub embedding: bool,
 }
 
-impl From<&UsageFact> for UsageEvent {
-    /// The wire form of a fact. Sub-microsecond precision is truncated, and
-    /// rows above `i64::MAX` saturate; [`crate::encode_usage`] refuses such
-    /// rows instead of writing a wrong count. Token quantities and estimate
-    /// components above `i64::MAX` saturate instead: the admitted event is
-    /// still written (losing it would lose its reservation on a reseed), and
-    /// `i64::MAX` is as much as any limit a `long` can hold, so the reseeded
-    /// view still holds at least a full limit.
-    fn from(fact: &UsageFact) -> Self {
+impl<'a> UsageEvent<&'a str> {
+    /// The wire form of a fact, its strings borrowed from it. Sub-microsecond
+    /// precision is truncated, and rows above `i64::MAX` saturate;
+    /// [`crate::encode_usage`] refuses such rows instead of writing a wrong
+    /// count. Token quantities and estimate components above `i64::MAX`
+    /// saturate instead: the admitted event is still written (losing it
+    /// would lose its reservation on a reseed), and `i64::MAX` is as much as
+    /// any limit a `long` can hold, so the reseeded view still holds at
+    /// least a full limit.
+    pub fn of(fact: &'a UsageFact) -> Self {
         UsageEvent {
-            id: fact.id.to_string(),
-            project_id: fact.project_id.to_string(),
-            api_key_id: fact.api_key_id.as_ref().map(ToString::to_string),
-            agent_id: fact.agent_id.clone(),
-            actor_id: fact.actor_id.clone(),
-            user_id: fact.user_id.clone(),
+            id: fact.id.as_str(),
+            project_id: fact.project_id.as_str(),
+            api_key_id: fact.api_key_id.as_ref().map(ApiKeyId::as_str),
+            agent_id: fact.agent_id.as_deref(),
+            actor_id: fact.actor_id.as_deref(),
+            user_id: fact.user_id.as_deref(),
             occurred_at: fact.occurred_at.timestamp_micros(),
             kind: fact.kind,
             outcome: fact.outcome,
@@ -138,8 +143,8 @@ impl From<&UsageFact> for UsageEvent {
                 fact.tokens
                     .iter()
                     .map(|t| TokenUsage {
-                        provider: t.provider.clone(),
-                        model: t.model.clone(),
+                        provider: t.provider.as_str(),
+                        model: t.model.as_str(),
                         input: long(t.input),
                         output: long(t.output),
                         cached: long(t.cached),
@@ -149,9 +154,9 @@ impl From<&UsageFact> for UsageEvent {
                     .collect()
             }),
             storage_bytes: fact.storage_bytes,
-            meter_type: fact.meter_type.map(|m| m.as_str().to_owned()),
-            reservation_id: fact.reservation_id.as_ref().map(ToString::to_string),
-            gateway: fact.gateway.clone(),
+            meter_type: fact.meter_type.map(MeterType::as_str),
+            reservation_id: fact.reservation_id.as_ref().map(ReservationId::as_str),
+            gateway: fact.gateway.as_str(),
             received_at: fact.received_at.map(|t| t.timestamp_micros()),
             admitted: fact.admitted,
             lease_until: fact.lease_until.map(|t| t.timestamp_micros()),
@@ -168,19 +173,82 @@ impl From<&UsageFact> for UsageEvent {
                 fact.breaches
                     .iter()
                     .map(|b| QuotaBreach {
-                        quota_id: b.quota_id.to_string(),
-                        window_key: b.window_key.clone(),
+                        quota_id: b.quota_id.as_str(),
+                        window_key: b.window_key.as_str(),
                         limit: long(b.limit),
                         observed: long(b.observed),
                         enforce: b.enforce,
                     })
                     .collect()
             }),
-            corrects: fact.corrects.as_ref().map(ToString::to_string),
+            corrects: fact.corrects.as_ref().map(EventId::as_str),
             void: fact.void,
             estimate_tokens: estimated(fact.estimate.tokens),
             estimate_cost: estimated(fact.estimate.cost),
         }
+    }
+}
+
+impl<S: AsRef<str>> UsageEvent<S> {
+    /// The same event with owned strings.
+    pub fn to_owned_strings(&self) -> UsageEvent {
+        let own = |s: &S| s.as_ref().to_owned();
+        UsageEvent {
+            id: own(&self.id),
+            project_id: own(&self.project_id),
+            api_key_id: self.api_key_id.as_ref().map(own),
+            agent_id: self.agent_id.as_ref().map(own),
+            actor_id: self.actor_id.as_ref().map(own),
+            user_id: self.user_id.as_ref().map(own),
+            occurred_at: self.occurred_at,
+            kind: self.kind,
+            outcome: self.outcome,
+            calls: self.calls,
+            rows: self.rows,
+            tokens: self.tokens.as_ref().map(|list| {
+                list.iter()
+                    .map(|t| TokenUsage {
+                        provider: own(&t.provider),
+                        model: own(&t.model),
+                        input: t.input,
+                        output: t.output,
+                        cached: t.cached,
+                        reasoning: t.reasoning,
+                        embedding: t.embedding,
+                    })
+                    .collect()
+            }),
+            storage_bytes: self.storage_bytes,
+            meter_type: self.meter_type.as_ref().map(own),
+            reservation_id: self.reservation_id.as_ref().map(own),
+            gateway: own(&self.gateway),
+            received_at: self.received_at,
+            admitted: self.admitted,
+            lease_until: self.lease_until,
+            held: self.held.clone(),
+            breaches: self.breaches.as_ref().map(|list| {
+                list.iter()
+                    .map(|b| QuotaBreach {
+                        quota_id: own(&b.quota_id),
+                        window_key: own(&b.window_key),
+                        limit: b.limit,
+                        observed: b.observed,
+                        enforce: b.enforce,
+                    })
+                    .collect()
+            }),
+            corrects: self.corrects.as_ref().map(own),
+            void: self.void,
+            estimate_tokens: self.estimate_tokens,
+            estimate_cost: self.estimate_cost,
+        }
+    }
+}
+
+impl From<&UsageFact> for UsageEvent {
+    /// [`UsageEvent::of`], with owned strings.
+    fn from(fact: &UsageFact) -> Self {
+        UsageEvent::of(fact).to_owned_strings()
     }
 }
 
@@ -190,10 +258,13 @@ fn instant(field: &str, micros: i64) -> Result<DateTime<Utc>, SchemaError> {
     })
 }
 
-impl TryFrom<UsageEvent> for UsageFact {
+/// From owned strings or strings borrowed from the record's bytes
+/// ([`crate::decode_usage`]): ids are parsed from them either way, and only
+/// free text (names, the gateway) is copied.
+impl<S: AsRef<str> + Into<String>> TryFrom<UsageEvent<S>> for UsageFact {
     type Error = SchemaError;
 
-    fn try_from(event: UsageEvent) -> Result<Self, SchemaError> {
+    fn try_from(event: UsageEvent<S>) -> Result<Self, SchemaError> {
         let rows = u64::try_from(event.rows)
             .map_err(|_| SchemaError::invalid("rows", format!("must not be negative, got {}", event.rows)))?;
         let occurred_at = instant("occurred_at", event.occurred_at)?;
@@ -209,17 +280,17 @@ impl TryFrom<UsageEvent> for UsageFact {
                 output: q("output", t.output)?,
                 cached: q("cached", t.cached)?,
                 reasoning: q("reasoning", t.reasoning)?,
-                provider: t.provider,
-                model: t.model,
+                provider: t.provider.into(),
+                model: t.model.into(),
                 embedding: t.embedding,
             });
         }
         let meter_type = match event.meter_type {
             None => None,
-            Some(m) => Some(m.parse::<MeterType>().map_err(|_| {
+            Some(m) => Some(m.as_ref().parse::<MeterType>().map_err(|_| {
                 SchemaError::invalid(
                     "meter_type",
-                    format!("{m:?} is not one of llm_tokens, compute_execution, api_request, storage"),
+                    format!("{:?} is not one of llm_tokens, compute_execution, api_request, storage", m.as_ref()),
                 )
             })?),
         };
@@ -227,9 +298,9 @@ impl TryFrom<UsageEvent> for UsageFact {
             id: parse_id("id", event.id, EventId::parse)?,
             project_id: parse_id("project_id", event.project_id, ProjectId::parse)?,
             api_key_id: event.api_key_id.map(|s| parse_id("api_key_id", s, ApiKeyId::parse)).transpose()?,
-            agent_id: event.agent_id,
-            actor_id: event.actor_id,
-            user_id: event.user_id,
+            agent_id: event.agent_id.map(Into::into),
+            actor_id: event.actor_id.map(Into::into),
+            user_id: event.user_id.map(Into::into),
             occurred_at,
             kind: event.kind,
             outcome: event.outcome,
@@ -241,7 +312,7 @@ impl TryFrom<UsageEvent> for UsageFact {
                 .reservation_id
                 .map(|s| parse_id("reservation_id", s, ReservationId::parse))
                 .transpose()?,
-            gateway: event.gateway,
+            gateway: event.gateway.into(),
             received_at: event.received_at.map(|t| instant("received_at", t)).transpose()?,
             admitted: event.admitted,
             lease_until: event.lease_until.map(|t| instant("lease_until", t)).transpose()?,
@@ -285,7 +356,7 @@ fn held(list: Vec<HeldCounter>) -> Result<Vec<Counter>, SchemaError> {
         .collect()
 }
 
-fn breaches(list: Vec<QuotaBreach>) -> Result<Vec<LoggedBreach>, SchemaError> {
+fn breaches<S: AsRef<str> + Into<String>>(list: Vec<QuotaBreach<S>>) -> Result<Vec<LoggedBreach>, SchemaError> {
     list.into_iter()
         .enumerate()
         .map(|(i, b)| {
@@ -296,7 +367,7 @@ fn breaches(list: Vec<QuotaBreach>) -> Result<Vec<LoggedBreach>, SchemaError> {
             };
             Ok(LoggedBreach {
                 quota_id: parse_id(&format!("breaches[{i}].quota_id"), b.quota_id, QuotaId::parse)?,
-                window_key: b.window_key,
+                window_key: b.window_key.into(),
                 limit: count("limit", b.limit)?,
                 observed: count("observed", b.observed)?,
                 enforce: b.enforce,
@@ -324,7 +395,7 @@ fn estimate(field: &str, v: Option<i64>) -> Result<u64, SchemaError> {
     }
 }
 
-fn parse_id<T>(field: &str, s: String, parse: fn(String) -> Result<T, IdError>) -> Result<T, SchemaError> {
+fn parse_id<T, S>(field: &str, s: S, parse: fn(S) -> Result<T, IdError>) -> Result<T, SchemaError> {
     parse(s).map_err(|e| SchemaError::invalid(field, e.to_string()))
 }
 

@@ -32,8 +32,8 @@ use apache_avro::{
     GenericSingleObjectReader, from_avro_datum, from_value, to_avro_datum, to_value, write_avro_datum_ref,
 };
 use meter::UsageFact;
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use crate::registry::{
     SchemaVersion, audit_schema_versions, find_usage_schema, usage_schema_version, usage_schema_versions,
@@ -58,7 +58,7 @@ pub fn encode_usage(fact: &UsageFact) -> Result<Vec<u8>, SchemaError> {
     if i64::try_from(fact.rows).is_err() {
         return Err(SchemaError::invalid("rows", format!("{} does not fit in an avro long", fact.rows)));
     }
-    encode_event(&UsageEvent::from(fact))
+    encode_event(&UsageEvent::of(fact))
 }
 
 /// Decodes a single-object usage event of any known schema version into a
@@ -71,7 +71,14 @@ pub fn encode_usage(fact: &UsageFact) -> Result<Vec<u8>, SchemaError> {
 /// writer schema this release does not know, [`SchemaError::Invalid`] (with
 /// the field) for a datum that is not a valid usage fact. All permanent.
 pub fn decode_usage(bytes: &[u8]) -> Result<UsageFact, SchemaError> {
-    UsageFact::try_from(decode_event(bytes)?)
+    // A datum of the current version is read with its strings borrowed
+    // from `bytes` (the projector decodes every record: no copy of an id
+    // that is parsed and dropped at once); any other through a value.
+    let what = ("usage schema", "usage event");
+    match read_current::<UsageEvent<&str>>(bytes, find_usage_schema, usage_schema_version(), what)? {
+        Some(event) => UsageFact::try_from(event),
+        None => UsageFact::try_from(decode_event(bytes)?),
+    }
 }
 
 /// As [`decode_event`], through apache-avro's `Value` and schema resolution
@@ -91,7 +98,7 @@ pub fn decode_event_via_value(bytes: &[u8]) -> Result<UsageEvent, SchemaError> {
 /// # Errors
 ///
 /// [`SchemaError::Encode`] if the event does not fit the current schema.
-pub fn encode_event(event: &UsageEvent) -> Result<Vec<u8>, SchemaError> {
+pub fn encode_event<S: Serialize>(event: &UsageEvent<S>) -> Result<Vec<u8>, SchemaError> {
     // Straight from serde through the schema (no `Value` tree, no schema
     // resolution per record): this is on every check's path. A test holds
     // it to what apache-avro writes through a value.
@@ -150,20 +157,34 @@ pub(crate) fn unframe<T: DeserializeOwned>(
     current: &SchemaVersion,
     what: (&str, &str),
 ) -> Result<T, SchemaError> {
-    let (writer, body) = writer_of(bytes, find)?;
-    if writer.fingerprint == current.fingerprint
-        && let Some(schema) = fast_schema(writer)
-    {
-        let mut state = serde_avro_fast::de::DeserializerState::from_slice(body, schema);
-        let value = T::deserialize(state.deserializer())
-            .map_err(|e| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version)))?;
-        let rest = state.into_reader().fill_buf().map_or(0, <[u8]>::len);
-        if rest > 0 {
-            return Err(SchemaError::Malformed(format!("{rest} trailing bytes after the datum")));
-        }
-        return Ok(value);
+    match read_current(bytes, find, current, what)? {
+        Some(value) => Ok(value),
+        None => unframe_via_value(bytes, find, current, what),
     }
-    read_via_value(bytes, body, writer, current, what)
+}
+
+/// [`unframe`]'s direct path: `T` read straight from a datum written with
+/// `current` (its strings may borrow from `bytes`); `None` for a datum of
+/// another version, or a schema the direct reader cannot parse.
+fn read_current<'de, T: Deserialize<'de>>(
+    bytes: &'de [u8],
+    find: fn(u64) -> Option<&'static SchemaVersion>,
+    current: &SchemaVersion,
+    what: (&str, &str),
+) -> Result<Option<T>, SchemaError> {
+    let (writer, body) = writer_of(bytes, find)?;
+    if writer.fingerprint != current.fingerprint {
+        return Ok(None);
+    }
+    let Some(schema) = fast_schema(writer) else { return Ok(None) };
+    let mut state = serde_avro_fast::de::DeserializerState::from_slice(body, schema);
+    let value = T::deserialize(state.deserializer())
+        .map_err(|e| SchemaError::Malformed(format!("as {} v{}: {e}", what.0, writer.version)))?;
+    let rest = state.into_reader().fill_buf().map_or(0, <[u8]>::len);
+    if rest > 0 {
+        return Err(SchemaError::Malformed(format!("{rest} trailing bytes after the datum")));
+    }
+    Ok(Some(value))
 }
 
 /// As [`unframe`], always through an Avro value resolved to `current`: the
