@@ -37,8 +37,9 @@ pub struct DevArgs {
     /// Do not create the demo project, key and quota on the first start.
     #[arg(long, env = "TOLLGATE_NO_DEMO")]
     no_demo: bool,
-    /// How long an admitted call holds its reservation if never settled.
-    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    /// How long an admitted call holds its reservation if never settled
+    /// (more than zero, at most an hour).
+    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = crate::parse_lease)]
     lease: Duration,
     /// How long quota and key configuration is cached.
     #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]

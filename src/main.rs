@@ -239,8 +239,9 @@ struct ServeArgs {
     /// Bearer token of the hot path (check, events).
     #[arg(long, env = "TOLLGATE_GATEWAY_TOKEN", hide_env_values = true)]
     gateway_token: String,
-    /// How long an admitted call holds its reservation if never settled.
-    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    /// How long an admitted call holds its reservation if never settled
+    /// (more than zero, at most an hour).
+    #[arg(long, env = "TOLLGATE_LEASE", default_value = "60s", value_parser = crate::parse_lease)]
     lease: Duration,
     /// How long quota and key configuration is cached per instance.
     #[arg(long, env = "TOLLGATE_CONFIG_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
@@ -352,6 +353,18 @@ struct ProjectArgs {
 
 /// Serves `/metrics` and `/healthz` on `addr` in the background (the
 /// projector has no other HTTP surface).
+/// A reservation's lease: more than zero (a lease that ends at once holds
+/// nothing), and at most the view's [`meter::view::LEASE_GRACE`], which is
+/// how long it remembers a hold released after a flush lost it.
+pub(crate) fn parse_lease(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let max = meter::view::LEASE_GRACE;
+    if d.is_zero() || d > max {
+        return Err(format!("a lease is more than zero and at most {}", humantime::format_duration(max)));
+    }
+    Ok(d)
+}
+
 async fn serve_metrics(addr: &str) -> anyhow::Result<()> {
     if addr == "off" {
         return Ok(());
@@ -573,6 +586,30 @@ async fn main() -> anyhow::Result<()> {
             store.migrate().await.context("migrating")?;
             info!("migrations applied");
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_more_than_zero_and_at_most_the_views_grace() {
+        assert_eq!(parse_lease("60s"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_lease("1h"), Ok(meter::view::LEASE_GRACE));
+        for bad in ["0s", "61m", "2h"] {
+            let e = parse_lease(bad).expect_err(bad);
+            assert!(e.contains("at most 1h"), "{bad}: {e}");
+        }
+        assert!(parse_lease("soon").is_err());
+    }
+
+    #[test]
+    fn serve_and_dev_refuse_a_lease_past_an_hour() {
+        for args in [&["tollgate", "dev", "--lease", "2h"][..], &["tollgate", "serve", "--lease", "2h"]] {
+            let e = Cli::try_parse_from(args).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("--lease") && e.contains("at most 1h"), "{args:?}: {e}");
         }
     }
 }

@@ -789,8 +789,9 @@ impl Drop for ReleaseGuard<'_> {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let view = self.state.view.clone();
         let project = self.project.clone();
+        let at = self.state.clock.now();
         rt.spawn(async move {
-            if let Err(e) = view.release(&project, &reservation).await {
+            if let Err(e) = view.release(&project, &reservation, at).await {
                 warn!(error = %e, %project, "layer: reservation not released; its lease will free it");
             }
         });

@@ -222,8 +222,8 @@ impl View for SeedingView {
         self.inner.unsettle(project, events).await
     }
 
-    async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()> {
-        self.inner.release(project, reservation).await
+    async fn release(&self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) -> PortResult<()> {
+        self.inner.release(project, reservation, at).await
     }
 
     async fn apply_fold(

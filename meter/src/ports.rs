@@ -609,8 +609,10 @@ pub trait View: Send + Sync {
     async fn settle(&self, project: &ProjectId, settlements: &[Settlement], at: DateTime<Utc>) -> PortResult<()>;
     /// Takes back pending deltas of facts that never reached the log.
     async fn unsettle(&self, project: &ProjectId, events: &[EventId]) -> PortResult<()>;
-    /// Releases a reservation without settling it.
-    async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()>;
+    /// Releases a reservation without settling it; `at` is the release's
+    /// time (a hold the view does not have is remembered as released until
+    /// [`LEASE_GRACE`](crate::view::LEASE_GRACE) after it).
+    async fn release(&self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) -> PortResult<()>;
     /// After a durable fold at `at`: raises durable totals, drops the
     /// pending deltas of the folded events and leaves a tombstone per event
     /// (for [`TOMBSTONE_TTL`](crate::view::TOMBSTONE_TTL)) that a late

@@ -496,8 +496,13 @@ impl meter::View for FlakyView {
     async fn unsettle(&self, project: &ProjectId, events: &[EventId]) -> PortResult<()> {
         self.inner.unsettle(project, events).await
     }
-    async fn release(&self, project: &ProjectId, reservation: &meter::ReservationId) -> PortResult<()> {
-        self.inner.release(project, reservation).await
+    async fn release(
+        &self,
+        project: &ProjectId,
+        reservation: &meter::ReservationId,
+        at: DateTime<Utc>,
+    ) -> PortResult<()> {
+        self.inner.release(project, reservation, at).await
     }
     async fn apply_fold(
         &self,

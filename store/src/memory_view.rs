@@ -160,8 +160,8 @@ impl View for MemoryView {
         Ok(())
     }
 
-    async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()> {
-        self.with(project, |m| m.release(project, reservation, m.now()));
+    async fn release(&self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) -> PortResult<()> {
+        self.with(project, |m| m.release(project, reservation, at));
         Ok(())
     }
 

@@ -89,7 +89,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use meter::view::model::{
     CounterRecord, EstimateRecord, EventRecord, HoldRecord, LeaseRecord, Values, event_expiry, hold_expiry,
-    merged_deltas, sum_field, tombstone_expiry, validate_plan,
+    lost_hold_expiry, merged_deltas, sum_field, tombstone_expiry, validate_plan,
 };
 #[cfg(doc)]
 use meter::view::{COUNTER_GRACE, EVENT_INDEX_TTL, LEASE_GRACE, TOMBSTONE_TTL};
@@ -757,7 +757,10 @@ impl View for RedisView {
         }
         let base = self.base(project);
         let mut inv = Call::new(&self.functions.settle);
-        inv.arg(base.as_str()).arg(event_expiry(at).to_string()).arg(settlements.len().to_string());
+        inv.arg(base.as_str())
+            .arg(event_expiry(at).to_string())
+            .arg(lost_hold_expiry(at).to_string())
+            .arg(settlements.len().to_string());
         for s in settlements {
             let deltas = merged_deltas(&s.deltas);
             inv.key(format!("{base}ev:{}", s.event));
@@ -795,11 +798,11 @@ impl View for RedisView {
         Ok(())
     }
 
-    async fn release(&self, project: &ProjectId, reservation: &ReservationId) -> PortResult<()> {
+    async fn release(&self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) -> PortResult<()> {
         let base = self.base(project);
         let mut inv = Call::new(&self.functions.release);
         inv.key(format!("{base}res:{reservation}"));
-        inv.arg(base.as_str()).arg(reservation.as_str());
+        inv.arg(base.as_str()).arg(reservation.as_str()).arg(lost_hold_expiry(at).to_string());
         let _: i64 = self.run("release", project, &inv).await?;
         Ok(())
     }

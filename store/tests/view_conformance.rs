@@ -504,8 +504,8 @@ async fn suite_release_frees_a_slot(view: &dyn View) {
     let first = hold(at + Duration::seconds(30));
     assert!(check(view, &p, &pl, &first, at).await.admitted);
     assert!(!check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted);
-    view.release(&p, &first.reservation).await.expect("release");
-    view.release(&p, &first.reservation).await.expect("release again");
+    view.release(&p, &first.reservation, at).await.expect("release");
+    view.release(&p, &first.reservation, at).await.expect("release again");
     for c in [&wide, &tight] {
         assert_eq!(usage(view, &p, c, at).await.reserved_calls, 0);
     }
@@ -947,6 +947,46 @@ mod redis {
         assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals { requests: 1, ..calls(1, 5) });
         fixture.view.unsettle(&p, &[e]).await.expect("unsettle");
         assert_eq!(usage(&fixture.view, &p, &c, at).await.pending, Totals::default());
+        fixture.cleanup().await;
+    }
+
+    /// Redis lost its keys (flushed) while two calls were admitted. One
+    /// call's settle and the other's release reach the empty view before
+    /// the seed that follows, and that seed's log tail holds both request
+    /// events but neither call event (a settle writes the view before it
+    /// publishes). The seed holds neither reservation again: without the
+    /// tombstones both counted until their leases ended, so the view read
+    /// three calls where one was made and refused the second under a limit
+    /// of two.
+    #[tokio::test]
+    async fn a_hold_released_after_a_flush_is_not_held_again_by_the_seed() {
+        let Some(fixture) = Fresh::new().await else { return };
+        let view = &fixture.view;
+        let at = Utc::now();
+        let c = project_counter(at);
+        let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 2)], at);
+        let p = seeded(view, &[]).await;
+        let (settled, freed) = (hold(at + Duration::seconds(30)), hold(at + Duration::seconds(30)));
+        assert!(check(view, &p, &pl, &settled, at).await.admitted);
+        assert!(check(view, &p, &pl, &freed, at).await.admitted);
+        assert!(view.forget_all().await.expect("flush the view") > 0);
+        let call = Settlement {
+            event: event(),
+            reservation: Some(settled.reservation.clone()),
+            deltas: vec![(c.clone(), calls(1, 0))],
+        };
+        view.settle(&p, &[call], at).await.expect("settle");
+        view.release(&p, &freed.reservation, at).await.expect("release");
+        let tail = |h: &Hold| meter::SeedHold {
+            reservation: h.reservation.clone(),
+            lease_until: h.lease_until,
+            counters: vec![c.clone()],
+            estimate: Default::default(),
+        };
+        view.seed(&p, &Seed { holds: vec![tail(&settled), tail(&freed)], ..Seed::default() }, at).await.expect("seed");
+        let u = usage(view, &p, &c, at).await;
+        assert_eq!((u.pending.calls, u.reserved_calls), (1, 0), "the settled call counts once, the freed one not");
+        assert!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted, "one of two used");
         fixture.cleanup().await;
     }
 

@@ -476,8 +476,8 @@ impl Run<'_> {
                 let Some(rid) = self.hold(i).map(|h| h.reservation.clone()) else { return Ok(()) };
                 let at = self.model.now();
                 self.model.release(&p, &rid, at);
-                let m = self.memory.release(&p, &rid).await;
-                let r = on_redis(redis, |r| r.release(&p, &rid)).await;
+                let m = self.memory.release(&p, &rid, at).await;
+                let r = on_redis(redis, |r| r.release(&p, &rid, at)).await;
                 succeeded(step, op, m, r)?;
             }
             Op::Fold(picks, event_picks) => {

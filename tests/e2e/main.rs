@@ -328,7 +328,11 @@ async fn redis_flush_during_traffic_recovers() {
     // Within seconds the view is right again: the quota reads every settled call.
     env.eventually(10, "the view counts every settled call", || async {
         let (_, q) = env.admin_get(&format!("/v1/quotas/{qid}")).await;
-        q["current_usage"]["count"] == json!(n)
+        let count = &q["current_usage"]["count"];
+        if *count != json!(n) {
+            eprintln!("the view counts {count} of {n} settled calls");
+        }
+        *count == json!(n)
     })
     .await;
     // And checks compare against it exactly: limit − n more are admitted.

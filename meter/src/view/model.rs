@@ -21,7 +21,7 @@
 //! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
 //! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
 //! | [`EstimateRecord`] | `e:<counter>` | reservation id → the estimate it holds there (a value list) | as its lease record |
-//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`] |
+//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`]; a hold released that the view did not have, [`LEASE_GRACE`] after the release |
 //! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending; or, once folded, a tombstone | [`EVENT_INDEX_TTL`] after the `at` of its last write; a tombstone [`TOMBSTONE_TTL`] after its fold |
 //! | `loaded` | `loaded` | the project was seeded (by this server instance, see below) | never |
 //!
@@ -73,7 +73,12 @@
 //!   again. (Without it, a second gateway's first seed, racing the first
 //!   gateway's traffic, left settled reservations held until their leases
 //!   ended: the view counted those calls twice and refused calls under the
-//!   limit.)
+//!   limit.) A release of a hold the view does not have — lost with a
+//!   flush before the call was settled — leaves a tombstone too, for
+//!   [`LEASE_GRACE`] after the release (no lease is longer): the settle
+//!   reaches the view before its call event reaches the log, so the seed
+//!   that follows the flush may read the request event without the call
+//!   and would hold the reservation again until its lease ended.
 //! - **A marker of another server instance is no marker.** Redis's `loaded`
 //!   holds the `run_id` of the server that seeded it; a Redis restarted from
 //!   a snapshot (or a replica promoted) has another `run_id`, so its
@@ -177,6 +182,15 @@ pub fn event_expiry(at: DateTime<Utc>) -> Millis {
 /// When the tombstone of an event folded at `at` may go.
 pub fn tombstone_expiry(at: DateTime<Utc>) -> Millis {
     millis(at).saturating_add(duration_millis(TOMBSTONE_TTL))
+}
+
+/// When the tombstone of a hold released at `at` that the view did not
+/// have may go (a flushed Redis lost it before the call was settled):
+/// [`LEASE_GRACE`] after the release. A gateway's lease is at most
+/// [`LEASE_GRACE`], so the reservation's lease has ended by then and no
+/// seed holds it again.
+pub fn lost_hold_expiry(at: DateTime<Utc>) -> Millis {
+    millis(at).saturating_add(duration_millis(LEASE_GRACE))
 }
 
 /// When the records of a seeded reservation with this lease may go.
@@ -666,9 +680,20 @@ impl ProjectState {
     }
 
     /// Frees a reservation on every counter it holds (`release`) and leaves
-    /// its hold as a tombstone, with the hold's expiry.
-    fn release(&mut self, rid: &ReservationId, now: Millis) {
-        let Some(hold) = live(&mut self.holds, rid, now) else { return };
+    /// its hold as a tombstone, with the hold's expiry; a hold the view does
+    /// not have (lost with a flush) becomes a tombstone until
+    /// [`lost_hold_expiry`], so a seed that read its request event in the
+    /// log tail before this release's call event reached the log does not
+    /// hold it again.
+    fn release(&mut self, rid: &ReservationId, at: DateTime<Utc>, now: Millis) {
+        let Some(hold) = live(&mut self.holds, rid, now) else {
+            self.holds.insert(
+                rid.clone(),
+                HoldRecord { released: true, expires: Some(lost_hold_expiry(at)), ..HoldRecord::default() },
+            );
+            drop_if_expired(&mut self.holds, rid, now);
+            return;
+        };
         hold.released = true;
         for name in std::mem::take(&mut hold.counters) {
             if let Some(z) = live(&mut self.leases, name.as_str(), now) {
@@ -797,7 +822,7 @@ impl ProjectState {
     fn settle(&mut self, settlements: &[Settlement], at: DateTime<Utc>, now: Millis) {
         for s in settlements {
             if let Some(rid) = &s.reservation {
-                self.release(rid, now);
+                self.release(rid, at, now);
             }
             self.add_pending(s, at, now);
         }
@@ -930,9 +955,7 @@ impl ViewModel {
     /// [`View::release`](crate::View::release).
     pub fn release(&mut self, project: &ProjectId, reservation: &ReservationId, at: DateTime<Utc>) {
         let now = self.advance(at);
-        if let Some(p) = self.projects.get_mut(project) {
-            p.release(reservation, now);
-        }
+        self.projects.entry(project.clone()).or_default().release(reservation, at, now);
     }
 
     /// [`View::apply_fold`](crate::View::apply_fold): raises durable totals,
@@ -1346,6 +1369,35 @@ mod tests {
         let again = crate::view::SeedHold { reservation: h2.reservation.clone(), ..tail_hold };
         v.seed(&p, &Seed { holds: vec![again], ..Seed::default() }, t0());
         assert_eq!(v.usage(&p, &c.key, t0()).expect("seeded").reserved_calls, 1);
+    }
+
+    /// Redis flushed while two calls were admitted. One call's settle, and
+    /// the other's release, reach the empty view before its seed, whose
+    /// log tail holds both request events but neither call event (the
+    /// settle publishes after it writes the view). The seed holds neither
+    /// reservation again: without the tombstones both counted until their
+    /// leases ended.
+    #[test]
+    fn a_hold_released_after_a_flush_is_not_held_again_by_the_seed() {
+        let mut v = ViewModel::new();
+        let p = project();
+        let c = day_counter(t0() + Span::days(1));
+        let (settled, freed) = (hold(1, t0() + Span::seconds(30)), hold(2, t0() + Span::seconds(30)));
+        v.settle(&p, &[call_settlement("call", &c, Some(&settled))], t0());
+        v.release(&p, &freed.reservation, t0());
+        let tail_hold = |h: &Hold| crate::view::SeedHold {
+            reservation: h.reservation.clone(),
+            lease_until: h.lease_until,
+            counters: vec![c.clone()],
+            estimate: Default::default(),
+        };
+        let seed = Seed { holds: vec![tail_hold(&settled), tail_hold(&freed)], ..Seed::default() };
+        v.seed(&p, &seed, t0());
+        let u = v.usage(&p, &c.key, t0()).expect("seeded");
+        assert_eq!((u.pending.calls, u.reserved_calls), (1, 0), "the settled call counts once, the freed one not");
+        let tombstone = HoldRecord { released: true, expires: Some(lost_hold_expiry(t0())), ..HoldRecord::default() };
+        assert_eq!(v.dump(&p).holds.get(&settled.reservation), Some(&tombstone));
+        assert_eq!(lost_hold_expiry(t0()), millis(t0() + Span::hours(1)), "LEASE_GRACE after the release");
     }
 
     /// A settlement naming a counter twice adds the sum there once, and

@@ -163,9 +163,16 @@ end
 -- Frees a reservation on every counter it holds and leaves its index as a
 -- tombstone (the one member '~', keeping the hold's expiry), so a seed that
 -- read the reservation in the log tail before this does not hold it again.
-local function release(base, reskey, rid)
+-- A hold it does not find becomes a tombstone expiring at lost_until (ms).
+local function release(base, reskey, rid, lost_until)
   local names = redis.call('SMEMBERS', reskey)
-  if #names == 0 then return end
+  if #names == 0 then
+    -- Lost with a flush before its call was settled: the seed after the
+    -- flush may have read its request event without the call.
+    redis.call('SADD', reskey, TOMBSTONE)
+    redis.call('PEXPIREAT', reskey, lost_until)
+    return
+  end
   redis.call('SADD', reskey, TOMBSTONE)
   for _, n in ipairs(names) do
     if n ~= TOMBSTONE then

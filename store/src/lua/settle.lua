@@ -8,7 +8,9 @@
 -- ARGV[1]   base "P{p}:" (for the zsets of a reservation, found at run time)
 -- ARGV[2]   when a written event index may expire (ms): the settle's time +
 --           the index's TTL
--- ARGV[3]   S, the number of settlements; then per settlement:
+-- ARGV[3]   when the tombstone of a hold this view does not have (lost with
+--           a flush) may expire (ms): the settle's time + LEASE_GRACE
+-- ARGV[4]   S, the number of settlements; then per settlement:
 --             event id, reservation id ('' = none), D = number of deltas,
 --             then per delta 3 values: counter name, expire-at (ms, '' =
 --             never), the delta as a value list (see common.lua; '' = all
@@ -22,8 +24,9 @@
 
 local base = ARGV[1]
 local ev_expire_at = ARGV[2]
-local s = tonumber(ARGV[3])
-local a, k = 4, 1
+local lost_until = ARGV[3]
+local s = tonumber(ARGV[4])
+local a, k = 5, 1
 local added = 0
 
 for _ = 1, s do
@@ -32,7 +35,7 @@ for _ = 1, s do
   local evkey = KEYS[k]
   k = k + 1
   if rid ~= '' then
-    release(base, KEYS[k], rid)
+    release(base, KEYS[k], rid, lost_until)
     k = k + 1
   end
   local fresh = redis.call('EXISTS', evkey) == 0
