@@ -31,12 +31,15 @@
 //! 5. all of it is written with the marker in one step ([`View::seed`]).
 //!
 //! Whatever happens meanwhile stays exact: a settle that reaches the view
-//! before the seed is indexed, so the seed does not add it again; a fold
-//! that reaches it first leaves tombstones, so the seed does not add what
-//! the fold already counts; a fold after it drops what the seed added.
-//! Seeds of one gateway run one at a time (many checks of a flushed project
-//! wait for one seed); seeds of two gateways may race and write the same
-//! state twice, which is idempotent.
+//! before the seed is indexed, so the seed does not add it again, and the
+//! reservation it releases is left a tombstone even though the loss took
+//! its hold, so the seed does not hold it again (a settle writes the view
+//! before it publishes, so the tail may have the request without the
+//! call); a fold that reaches it first leaves tombstones, so the seed does
+//! not add what the fold already counts; a fold after it drops what the
+//! seed added. Seeds of one gateway run one at a time (many checks of a
+//! flushed project wait for one seed); seeds of two gateways may race and
+//! write the same state twice, which is idempotent.
 //!
 //! What it cannot see: another gateway's publishes still queued in that
 //! process when the view was lost (a log outage at the same time) are not
