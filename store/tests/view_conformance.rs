@@ -987,6 +987,10 @@ mod redis {
         let u = usage(view, &p, &c, at).await;
         assert_eq!((u.pending.calls, u.reserved_calls), (1, 0), "the settled call counts once, the freed one not");
         assert!(check(view, &p, &pl, &hold(at + Duration::seconds(30)), at).await.admitted, "one of two used");
+        // Seeded: the release of a hold it does not have writes nothing.
+        let holds = view.dump(&p).await.expect("dump").holds.len();
+        view.release(&p, &hold(at + Duration::seconds(30)).reservation, at).await.expect("release");
+        assert_eq!(view.dump(&p).await.expect("dump").holds.len(), holds, "no key per unreserved call");
         fixture.cleanup().await;
     }
 

@@ -21,7 +21,7 @@
 //! | [`CounterRecord`] | `c:<counter>` | durable totals (exact `u64` sums, the `i64` footprint), whether a footprint is stored, and pending deltas (`i64`, every [`Field`]) | [`COUNTER_GRACE`] after its window resets, or never |
 //! | [`LeaseRecord`] | `r:<counter>` | reservation id → lease end | at the latest lease + [`LEASE_GRACE`] written to it |
 //! | [`EstimateRecord`] | `e:<counter>` | reservation id → the estimate it holds there (a value list) | as its lease record |
-//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`]; a hold released that the view did not have, [`LEASE_GRACE`] after the release |
+//! | [`HoldRecord`] | `res:<rid>` | the counters a reservation holds; once released, a tombstone (the one member `~`) | at its lease + [`LEASE_GRACE`]; a hold an unseeded project did not have, [`LEASE_GRACE`] after its release |
 //! | [`EventRecord`] | `ev:<event>` | per counter, what the event added to pending; or, once folded, a tombstone | [`EVENT_INDEX_TTL`] after the `at` of its last write; a tombstone [`TOMBSTONE_TTL`] after its fold |
 //! | `loaded` | `loaded` | the project was seeded (by this server instance, see below) | never |
 //!
@@ -73,12 +73,15 @@
 //!   again. (Without it, a second gateway's first seed, racing the first
 //!   gateway's traffic, left settled reservations held until their leases
 //!   ended: the view counted those calls twice and refused calls under the
-//!   limit.) A release of a hold the view does not have — lost with a
-//!   flush before the call was settled — leaves a tombstone too, for
-//!   [`LEASE_GRACE`] after the release (no lease is longer): the settle
-//!   reaches the view before its call event reaches the log, so the seed
-//!   that follows the flush may read the request event without the call
-//!   and would hold the reservation again until its lease ended.
+//!   limit.) On a project not seeded, a release of a hold the view does
+//!   not have — lost with a flush before the call was settled — leaves a
+//!   tombstone too, for [`LEASE_GRACE`] after the release (no lease is
+//!   longer): a settle reaches the view before its call event reaches the
+//!   log, so the seed that follows the flush may read the request event
+//!   without the call, and would hold the reservation again until its
+//!   lease ended. A seeded project writes nothing for a hold it does not
+//!   have (the check reserved nothing, or its lease is long over): a
+//!   tombstone per unreserved call would be a key per call for an hour.
 //! - **A marker of another server instance is no marker.** Redis's `loaded`
 //!   holds the `run_id` of the server that seeded it; a Redis restarted from
 //!   a snapshot (or a replica promoted) has another `run_id`, so its
@@ -680,13 +683,17 @@ impl ProjectState {
     }
 
     /// Frees a reservation on every counter it holds (`release`) and leaves
-    /// its hold as a tombstone, with the hold's expiry; a hold the view does
-    /// not have (lost with a flush) becomes a tombstone until
-    /// [`lost_hold_expiry`], so a seed that read its request event in the
-    /// log tail before this release's call event reached the log does not
-    /// hold it again.
+    /// its hold as a tombstone, with the hold's expiry. A hold an unseeded
+    /// project does not have (lost with a flush) becomes a tombstone until
+    /// [`lost_hold_expiry`], so the seed to come, which may read its request
+    /// event in the log tail without this release's call event, does not
+    /// hold it again; a seeded project has no hold to restore (the check
+    /// reserved nothing, or its lease is long over), so none is written.
     fn release(&mut self, rid: &ReservationId, at: DateTime<Utc>, now: Millis) {
         let Some(hold) = live(&mut self.holds, rid, now) else {
+            if self.loaded {
+                return;
+            }
             self.holds.insert(
                 rid.clone(),
                 HoldRecord { released: true, expires: Some(lost_hold_expiry(at)), ..HoldRecord::default() },
@@ -1398,6 +1405,11 @@ mod tests {
         let tombstone = HoldRecord { released: true, expires: Some(lost_hold_expiry(t0())), ..HoldRecord::default() };
         assert_eq!(v.dump(&p).holds.get(&settled.reservation), Some(&tombstone));
         assert_eq!(lost_hold_expiry(t0()), millis(t0() + Span::hours(1)), "LEASE_GRACE after the release");
+        // Seeded now: a call that reserved nothing leaves no record.
+        let unreserved = hold(3, t0() + Span::seconds(30));
+        v.settle(&p, &[call_settlement("other", &c, Some(&unreserved))], t0());
+        v.release(&p, &hold(4, t0() + Span::seconds(30)).reservation, t0());
+        assert_eq!(v.dump(&p).holds.len(), 2, "the two tombstones of before: {:?}", v.dump(&p).holds);
     }
 
     /// A settlement naming a counter twice adds the sum there once, and

@@ -163,14 +163,17 @@ end
 -- Frees a reservation on every counter it holds and leaves its index as a
 -- tombstone (the one member '~', keeping the hold's expiry), so a seed that
 -- read the reservation in the log tail before this does not hold it again.
--- A hold it does not find becomes a tombstone expiring at lost_until (ms).
+-- A hold it does not find on a project that is not seeded (the view lost
+-- it: the seed to come may read its request event without the call) becomes
+-- a tombstone expiring at lost_until (ms); on a seeded project there is
+-- none to restore (nothing reserved, or its lease long over).
 local function release(base, reskey, rid, lost_until)
   local names = redis.call('SMEMBERS', reskey)
   if #names == 0 then
-    -- Lost with a flush before its call was settled: the seed after the
-    -- flush may have read its request event without the call.
-    redis.call('SADD', reskey, TOMBSTONE)
-    redis.call('PEXPIREAT', reskey, lost_until)
+    if not seeded(base .. 'loaded') then
+      redis.call('SADD', reskey, TOMBSTONE)
+      redis.call('PEXPIREAT', reskey, lost_until)
+    end
     return
   end
   redis.call('SADD', reskey, TOMBSTONE)
