@@ -46,7 +46,13 @@
 //! on the log yet; their usage is missing from the view until they are
 //! published and folded. And a signed-in user's check publishes no request
 //! event, so a role quota's live reservations are not restored (its settled
-//! calls are).
+//! calls are). And one race of two gateways' seeds over-counts: if one
+//! gateway's seed lands first without a reservation (its tail read came
+//! before the request event reached the log), the call is settled on the
+//! now seeded view (which leaves no tombstone for a hold it does not have),
+//! and then the other gateway's seed lands holding the reservation from an
+//! earlier tail read, the call counts twice until its lease ends: the view
+//! refuses early, never admits past the limit.
 
 use std::sync::Arc;
 use std::time::Duration;
