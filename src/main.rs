@@ -351,8 +351,6 @@ struct ProjectArgs {
     export: notify::ExportRunArgs,
 }
 
-/// Serves `/metrics` and `/healthz` on `addr` in the background (the
-/// projector has no other HTTP surface).
 /// A reservation's lease: more than zero (a lease that ends at once holds
 /// nothing), and at most the view's [`meter::view::LEASE_GRACE`], which is
 /// how long it remembers a hold released after a flush lost it.
@@ -365,6 +363,8 @@ pub(crate) fn parse_lease(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// Serves `/metrics` and `/healthz` on `addr` in the background (the
+/// projector has no other HTTP surface).
 async fn serve_metrics(addr: &str) -> anyhow::Result<()> {
     if addr == "off" {
         return Ok(());
