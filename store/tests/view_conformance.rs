@@ -950,6 +950,36 @@ mod redis {
         fixture.cleanup().await;
     }
 
+    /// A reservation's keys expire `LEASE_GRACE` after its lease: its index
+    /// as set when it is first held, the counter's leases after the latest
+    /// lease written to them (moved later, never earlier by a retry).
+    #[tokio::test]
+    async fn reservation_keys_expire_a_grace_after_the_latest_lease() {
+        let Some(fixture) = Fresh::new().await else { return };
+        let at = Utc::now();
+        let c = project_counter(at);
+        let p = seeded(&fixture.view, &[]).await;
+        let pl = plan(std::slice::from_ref(&c), &[(0, Metric::Calls, 10)], at);
+        let (late, early) = (hold(at + Duration::seconds(60)), hold(at + Duration::seconds(30)));
+        for h in [&early, &late, &early] {
+            assert!(check(&fixture.view, &p, &pl, h, at).await.admitted);
+        }
+        let base = format!("{}{{{}}}:", fixture.prefix, p.as_str());
+        let client = ::redis::Client::open(url()).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let grace = Duration::from_std(meter::view::LEASE_GRACE).expect("grace");
+        let until = |h: &Hold| meter::view::model::millis(h.lease_until + grace);
+        for (key, want) in [
+            (format!("{base}res:{}", late.reservation), until(&late)),
+            (format!("{base}res:{}", early.reservation), until(&early)),
+            (format!("{base}r:{}", c.key.encode()), until(&late)),
+        ] {
+            let got: i64 = ::redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut conn).await.expect("pexpiretime");
+            assert_eq!(got, want, "{key}");
+        }
+        fixture.cleanup().await;
+    }
+
     /// Redis lost its keys (flushed) while two calls were admitted. One
     /// call's settle and the other's release reach the empty view before
     /// the seed that follows, and that seed's log tail holds both request

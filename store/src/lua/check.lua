@@ -88,23 +88,26 @@ end
 
 -- Purge expired leases; count the request once per event and counter (and
 -- not at all once the request event is folded: its tombstone).
+-- The ended leases are listed first (usually none, so one command) and
+-- their estimates dropped with them. Whether the event is folded is read
+-- only once a counter counts the request.
 local names, reserves = {}, {}
 local counted = false
-local folded = redis.call('HEXISTS', KEYS[2], TOMBSTONE) == 1
+local folded
 a = 7
 for i = 1, n do
   local ckey, rkey = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
   names[i], reserves[i] = ARGV[a], ARGV[a + 3]
   local exp, counts = ARGV[a + 1], ARGV[a + 2]
   a = a + 4
-  local ekey = prefix .. 'e:' .. names[i]
-  if redis.call('EXISTS', ekey) == 1 then
-    local ended = redis.call('ZRANGEBYSCORE', rkey, '-inf', now)
-    if #ended > 0 then
-      redis.call('HDEL', ekey, unpack(ended))
-    end
+  local ended = redis.call('ZRANGEBYSCORE', rkey, '-inf', now)
+  if #ended > 0 then
+    redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+    hdel_all(prefix .. 'e:' .. names[i], ended)
   end
-  redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+  if counts == '1' and folded == nil then
+    folded = redis.call('HEXISTS', KEYS[2], TOMBSTONE) == 1
+  end
   if counts == '1' and not folded and redis.call('HSETNX', KEYS[2], names[i], '1') == 1 then
     redis.call('HINCRBY', ckey, P_FIELDS[REQ], 1)
     expire_at(ckey, exp)
@@ -205,18 +208,18 @@ if admitted then
     if reserves[i] == '1' then
       local rkey = KEYS[3 + 2 * i]
       redis.call('ZADD', rkey, lease, rid)
-      extend_expiry(rkey, ARGV[4])
+      extend_expiry(rkey, ARGV[4], false)
       if estimate ~= '' then
         local ekey = prefix .. 'e:' .. names[i]
         redis.call('HSET', ekey, rid, estimate)
-        extend_expiry(ekey, ARGV[4])
+        extend_expiry(ekey, ARGV[4], false)
       end
       redis.call('SADD', KEYS[3], names[i])
       held = true
     end
   end
   if held then
-    extend_expiry(KEYS[3], ARGV[4])
+    extend_expiry(KEYS[3], ARGV[4], true)
   end
 else
   out[1] = '0'

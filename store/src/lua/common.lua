@@ -63,13 +63,26 @@ local function split(s)
   return out
 end
 
+-- Deletes the given fields of a hash, if it exists, in slices small
+-- enough for unpack (a lapse of many leases at once can end thousands).
+local function hdel_all(key, fields)
+  if #fields == 0 or redis.call('EXISTS', key) == 0 then return end
+  for i = 1, #fields, 1000 do
+    redis.call('HDEL', key, unpack(fields, i, math.min(i + 999, #fields)))
+  end
+end
+
 -- Sets an absolute expiry (ms) unless `at` is '' (the counter never resets).
 local function expire_at(key, at)
   if at ~= '' then redis.call('PEXPIREAT', key, at) end
 end
 
--- Moves a key's expiry to `at` (ms) unless it already expires later.
-local function extend_expiry(key, at)
+-- Moves a key's expiry to `at` (ms) unless it already expires later. A
+-- key just made (`fresh`: a reservation's index) has none, and one
+-- `PEXPIREAT NX` sets it; any other key's is read first, as most checks
+-- find it already later (many leases end in the same millisecond).
+local function extend_expiry(key, at, fresh)
+  if fresh and redis.call('PEXPIREAT', key, at, 'NX') == 1 then return end
   local cur = redis.call('PEXPIRETIME', key)
   if cur < 0 or cur < tonumber(at) then redis.call('PEXPIREAT', key, at) end
 end

@@ -86,18 +86,18 @@ for _ = 1, h do
     if live then
       local rkey = base .. 'r:' .. name
       redis.call('ZADD', rkey, lease, rid)
-      extend_expiry(rkey, until_)
+      extend_expiry(rkey, until_, false)
       if estimate ~= '' then
         local ekey = base .. 'e:' .. name
         redis.call('HSET', ekey, rid, estimate)
-        extend_expiry(ekey, until_)
+        extend_expiry(ekey, until_, false)
       end
       redis.call('SADD', reskey, name)
       held = true
     end
   end
   if held then
-    extend_expiry(reskey, until_)
+    extend_expiry(reskey, until_, true)
   end
 end
 
