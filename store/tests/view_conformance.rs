@@ -853,6 +853,17 @@ impl Fresh {
     }
 
     async fn cleanup(self) {}
+
+    /// The start of every key of project `p` ("P{p}:"), for reading them raw.
+    fn base(&self, p: &ProjectId) -> String {
+        format!("{}{{{}}}:", self.prefix, p.as_str())
+    }
+
+    /// A connection of its own to the test Redis, beside the view's.
+    async fn raw(&self) -> ::redis::aio::MultiplexedConnection {
+        let client = ::redis::Client::open(url()).expect("redis url");
+        client.get_multiplexed_async_connection().await.expect("redis connection")
+    }
 }
 
 /// Stamps out every generic suite as a test for one backend. `$fixture` is
@@ -921,10 +932,9 @@ mod redis {
         let at = Utc::now();
         let c = project_counter(at);
         let p = seeded(&fixture.view, &[]).await;
-        let base = format!("{}{{{}}}:", fixture.prefix, p.as_str());
+        let base = fixture.base(&p);
         let e = event();
-        let client = ::redis::Client::open(url()).expect("redis url");
-        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let mut conn = fixture.raw().await;
         let ckey = format!("{base}c:{}", c.key.encode());
         let _: () = ::redis::cmd("HSET")
             .arg(&ckey)
@@ -964,9 +974,8 @@ mod redis {
         for h in [&early, &late, &early] {
             assert!(check(&fixture.view, &p, &pl, h, at).await.admitted);
         }
-        let base = format!("{}{{{}}}:", fixture.prefix, p.as_str());
-        let client = ::redis::Client::open(url()).expect("redis url");
-        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        let base = fixture.base(&p);
+        let mut conn = fixture.raw().await;
         let grace = Duration::from_std(meter::view::LEASE_GRACE).expect("grace");
         let until = |h: &Hold| meter::view::model::millis(h.lease_until + grace);
         for (key, want) in [

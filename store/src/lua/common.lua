@@ -63,10 +63,9 @@ local function split(s)
   return out
 end
 
--- Deletes the given fields of a hash, if it exists, in slices small
--- enough for unpack (a lapse of many leases at once can end thousands).
+-- Deletes the given fields of a hash (none if it does not exist) in slices
+-- small enough for unpack (a lapse of many leases at once can end thousands).
 local function hdel_all(key, fields)
-  if #fields == 0 or redis.call('EXISTS', key) == 0 then return end
   for i = 1, #fields, 1000 do
     redis.call('HDEL', key, unpack(fields, i, math.min(i + 999, #fields)))
   end
