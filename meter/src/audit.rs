@@ -10,9 +10,14 @@
 //! `quotas:DeleteQuota`), keys (`keys:CreateApiKey`, `keys:UpdateApiKey`, `keys:DeleteApiKey`),
 //! roles (`roles:CreateRole`), webhook endpoints
 //! (`webhooks:CreateEndpoint`, `webhooks:UpdateEndpoint`,
-//! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`) and the price book
-//! (`prices:PutPrices`) are written in the same transaction as the change,
-//! with who made it; no secret is ever in an entry.
+//! `webhooks:DeleteEndpoint`, `webhooks:RotateSecret`), export schedules
+//! (`exports:CreateSchedule`, `exports:UpdateSchedule`,
+//! `exports:DeleteSchedule`) and the price book (`prices:PutPrices`) are
+//! written in the same transaction as the change, with who made it; no
+//! secret is ever in an entry. A billing export's run
+//! (`exports:RunExport`: its status, rows, watermark and error) is written
+//! with the run's end, by whoever started it: the admin API, the CLI
+//! (`admin`/`cli`) or a schedule (`schedule`/its id).
 //!
 //! ## Projects and the installation
 //!
@@ -52,8 +57,7 @@
 //! Ids the fold makes (corrections, monitor breaches) are derived from the
 //! record they come from ([`crate::correction::audit_id`], and the alert's
 //! dedup key in [`crate::alert`]), so a replay makes the same ones.
-//!
-//! Not audited: billing exports (not built yet).
+
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
