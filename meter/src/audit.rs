@@ -58,7 +58,6 @@
 //! record they come from ([`crate::correction::audit_id`], and the alert's
 //! dedup key in [`crate::alert`]), so a replay makes the same ones.
 
-
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
