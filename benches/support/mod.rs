@@ -94,7 +94,11 @@ pub fn process_cpu_secs() -> Option<f64> {
     Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
 }
 
-/// Runs `op` `n` times in sequence (after `warmup` untimed runs).
+/// Runs `op` `n` times in sequence (after `warmup` untimed runs). With
+/// `TOLLGATE_BENCH_DUMP=<file>` it also writes each timed call's latency
+/// there (µs, one a line, in call order), replacing what the file held: for
+/// a `TOLLGATE_BENCH_PROFILE` run, which measures one variant, to see when
+/// the slow calls came and how they are spread.
 pub async fn sequential<F, Fut>(warmup: usize, n: usize, mut op: F) -> Latency
 where
     F: FnMut() -> Fut,
@@ -111,6 +115,12 @@ where
         us.push(t.elapsed().as_secs_f64() * 1e6);
         if !ok {
             errors += 1;
+        }
+    }
+    if let Ok(path) = std::env::var("TOLLGATE_BENCH_DUMP") {
+        let text: String = us.iter().map(|u| format!("{u:.1}\n")).collect();
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!("TOLLGATE_BENCH_DUMP: cannot write {path}: {e}");
         }
     }
     Latency::of(us, errors)
