@@ -653,12 +653,13 @@ async fn replay_log(
     let before = commits().await?;
     let start = Instant::now();
     p.start().await?;
+    // Until every record is read, or 20 polls in a row (4 s) bring none: a
+    // poll that comes back empty while the consumer fetches the next batch
+    // from the broker is no sign of the end.
     let (mut read, mut folded, mut idle) = (0u64, 0u64, 0);
     while read < total && idle < 20 {
         let r = p.step().await?;
-        if r.read == 0 {
-            idle += 1;
-        }
+        idle = if r.read == 0 { idle + 1 } else { 0 };
         read += r.read as u64;
         folded += r.folded as u64;
     }

@@ -113,12 +113,12 @@ async fn run() -> AnyResult<()> {
     );
     projector.start().await?;
     let mut folded = 0u64;
+    // Until it has read them all, or 50 polls in a row bring none (an empty
+    // poll while the consumer fetches is no sign of the end).
     let mut idle = 0;
     while folded < REPLAY_N as u64 && idle < 50 {
         let r = projector.step().await?;
-        if r.read == 0 {
-            idle += 1;
-        }
+        idle = if r.read == 0 { idle + 1 } else { 0 };
         folded += r.read as u64;
     }
     let live = Rate { records: folded, secs: live_started.elapsed().as_secs_f64() };
